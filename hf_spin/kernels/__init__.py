@@ -1,0 +1,1 @@
+"""Triton kernels for ragged verification (each beside a pure-PyTorch reference)."""
