@@ -1,1 +1,29 @@
-"""hf_spin: lossless speculative decoding with a pool of heterogeneous assistants for `transformers`."""
+"""hf_spin: lossless speculative decoding with a pool of heterogeneous assistants for `transformers`.
+
+    pool = hf_spin.AssistantPool([draft_model, "prompt_lookup"], policy="fixed")
+    out = model.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, max_new_tokens=64)
+    hf_spin.enable()  # from here on: model.generate(**batch, assistant_pool=pool, ...)
+"""
+
+from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TranslatingDrafter
+from .generation import SpinGenerateOutput, disable, enable, generate
+from .policies import FixedPolicy, Plan, Policy, RoundRobinPolicy
+from .pool import AssistantPool
+from .stats import GenerationStats
+
+__all__ = [
+    "AssistantPool",
+    "Drafter",
+    "FixedPolicy",
+    "GenerationStats",
+    "ModelDrafter",
+    "Plan",
+    "Policy",
+    "PromptLookupDrafter",
+    "RoundRobinPolicy",
+    "SpinGenerateOutput",
+    "TranslatingDrafter",
+    "disable",
+    "enable",
+    "generate",
+]

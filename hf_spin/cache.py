@@ -1,0 +1,142 @@
+"""Ragged rows on a rectangular KV cache.
+
+`transformers`' `DynamicCache` holds `[B, H, S, D]` tensors and `crop` cuts every row alike. After a
+verification step each row keeps its own number of tokens, so `RaggedCache` keeps a slot mask beside
+the tensors: a slot is *valid* (attended to) or a *hole* (attention mask 0). Rejected draft slots
+become holes; explicit per-row `position_ids` keep the positions of valid tokens contiguous, so a
+row with holes computes exactly what it would without them. Holes are trimmed when they form a
+common tail and compacted away when they pile up.
+
+Worked example, B = 2, after a step that fed 3 slots per row and kept 3 for row 0, 1 for row 1:
+
+    slot_mask  [[1 1 1 | 1 1 1],      lengths [5, 3]
+                [0 1 1 | 1 0 0]]      (row 1 was left-padded by one)
+
+`forward_ragged` runs a model on per-row chunks of new tokens of different lengths (right-padded
+with holes) and returns the logits of every chunk slot.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+# Compact when holes make up more than this fraction of the slots: a gather of the whole cache
+# costs about as much as attending over that many extra slots for a few steps.
+COMPACT_HOLE_FRACTION = 0.5
+# Token fed into hole slots of a right-padded chunk; masked, so any valid id works.
+FILLER_TOKEN = 0
+
+
+class RaggedCache(DynamicCache):
+    """A `DynamicCache` whose rows hold different numbers of valid tokens.
+
+    slot_mask: `[B, S]` bool, True where the slot holds a token the row attends to.
+    Every layer is a plain full-attention `DynamicLayer` (no config is passed), so no layer drops
+    slots on its own; sliding-window models are masked by the model's own mask functions.
+    """
+
+    def __init__(self, slot_mask: torch.Tensor):
+        super().__init__()
+        self.slot_mask = slot_mask.bool()  # [B, S]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """`[B]` number of valid tokens per row."""
+        return self.slot_mask.sum(dim=1)
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_mask.shape[1]
+
+    def hole_fraction(self) -> float:
+        return 1.0 - self.slot_mask.float().mean().item() if self.slot_mask.numel() else 0.0
+
+    def add_slots(self, chunk_lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reserve `width` slots per row, the first `chunk_lengths[b]` of them valid.
+
+        Returns the 2D attention mask over old + new slots `[B, S + width]` and the `position_ids`
+        of the new slots `[B, width]` (hole slots repeat a valid position; they are masked).
+        """
+        start = self.lengths  # [B]
+        offsets = torch.arange(width, device=start.device)  # [T]
+        new_valid = offsets[None, :] < chunk_lengths[:, None]  # [B, T]
+        self.slot_mask = torch.cat([self.slot_mask, new_valid], dim=1)
+        position_ids = start[:, None] + offsets[None, :]  # [B, T]
+        return self.slot_mask.long(), position_ids
+
+    def rollback(self, keep: torch.Tensor) -> None:
+        """Keep only the first `keep[b]` valid slots of row b; later valid slots become holes."""
+        rank = self.slot_mask.long().cumsum(dim=1)  # [B, S] 1-based rank of each valid slot
+        self.slot_mask &= rank <= keep[:, None]
+        self._trim_tail()
+        if self.hole_fraction() > COMPACT_HOLE_FRACTION:
+            self.compact()
+
+    def _trim_tail(self) -> None:
+        """Drop trailing slots that are holes in every row (at batch 1: every rejected slot)."""
+        valid_cols = self.slot_mask.any(dim=0).nonzero()
+        new_len = int(valid_cols[-1]) + 1 if len(valid_cols) else 0
+        if new_len < self.num_slots:
+            self.crop(new_len - self.num_slots)  # negative: number of slots to drop
+            self.slot_mask = self.slot_mask[:, :new_len]
+
+    def compact(self) -> None:
+        """Move each row's valid slots to the right end of a cache of width max(lengths)."""
+        lengths = self.lengths  # [B]
+        width = int(lengths.max()) if lengths.numel() else 0
+        # Source index of every valid slot, in order; rows are right-aligned (left holes like left padding).
+        order = torch.argsort((~self.slot_mask).long() * self.num_slots + _col_index(self.slot_mask), dim=1)
+        dest = torch.arange(width, device=lengths.device)[None, :]  # [1, W]
+        first = width - lengths[:, None]  # [B, 1] first valid column after compaction
+        new_mask = dest >= first  # [B, W]
+        src = torch.where(new_mask, order.gather(1, (dest - first).clamp(min=0)), 0)  # [B, W]
+        for layer in self.layers:
+            if layer.is_initialized and layer.keys.numel():
+                idx = src[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+                layer.keys = layer.keys.gather(2, idx)
+                idx = src[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
+                layer.values = layer.values.gather(2, idx)
+        self.slot_mask = new_mask
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (retire the others)."""
+        self.batch_select_indices(rows)
+        self.slot_mask = self.slot_mask[rows]
+        self._trim_tail()
+
+
+def _col_index(mask: torch.Tensor) -> torch.Tensor:
+    return torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+
+
+def forward_ragged(model, cache: RaggedCache, chunks: list[list[int]], all_logits: bool = True) -> torch.Tensor:
+    """Run `model` on one chunk of new tokens per row, appending them to `cache`.
+
+    chunks: B lists of token ids, any lengths (an empty chunk adds only holes).
+    Returns logits `[B, T, V]` for every slot of the right-padded chunk (T = longest chunk), or
+    `[B, 1, V]` at each row's last chunk token when `all_logits` is False.
+    """
+    device = model.device
+    width = max(len(c) for c in chunks)
+    lengths = torch.tensor([len(c) for c in chunks], device=device)  # [B]
+    input_ids = torch.full((len(chunks), width), FILLER_TOKEN, dtype=torch.long, device=device)  # [B, T]
+    for b, chunk in enumerate(chunks):
+        input_ids[b, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+    attention_mask, position_ids = cache.add_slots(lengths, width)
+    past = cache.get_seq_length()
+    cache_position = torch.arange(past, past + width, device=device)  # [T]
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache_position=cache_position,
+        past_key_values=cache,
+        use_cache=True,
+        return_dict=True,
+    )
+    logits = out.logits  # [B, T, V]
+    if all_logits:
+        return logits
+    last = (lengths - 1).clamp(min=0)  # [B]
+    return logits[torch.arange(len(chunks), device=device), last][:, None]  # [B, 1, V]

@@ -1,0 +1,117 @@
+"""A causal LM drafting k tokens per row, batched over the rows it serves.
+
+Per row the drafter remembers which token ids its KV cache holds (`cached`). Each request compares
+them with the row's committed sequence (in the drafter's vocabulary): the longest common prefix
+stays, the rest is rolled back (rejected drafts), and the new tail is fed in one ragged forward
+(catch-up: the bonus token, or every token since this drafter last served the row). Then k - 1
+single-token forwards. The same code serves a drafter with another tokenizer (translation.py),
+which only changes how sequences and drafts cross between the two vocabularies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import RaggedCache, forward_ragged
+from .base import Draft, Drafter, DraftRequest
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class ModelDrafter(Drafter):
+    """A draft model that shares the target's tokenizer (token ids mean the same thing)."""
+
+    shares_vocab = True  # the target's logits processors and q apply to this drafter's ids
+
+    def __init__(self, model, name: str | None = None):
+        self.model = model
+        self.name = name or getattr(model.config, "name_or_path", "") or model.config.model_type
+        self.cache: RaggedCache | None = None
+        self.cached: list[list[int]] = []  # per row: the draft-space ids whose KV the cache holds
+        self.target_vocab_size = model.config.get_text_config().vocab_size
+
+    # Vocabulary crossing: identity for a shared tokenizer (overridden for token translation).
+    def to_draft_space(self, sequence: list[int]) -> list[int]:
+        return sequence
+
+    def to_target_space(self, prefix: list[int], new_ids: list[int], k: int) -> list[int]:
+        return new_ids[:k]
+
+    def start(self, target, sequences: list[list[int]]) -> None:
+        self.target_vocab_size = target.config.get_text_config().vocab_size
+        device = self.model.device
+        self.cache = RaggedCache(torch.zeros(len(sequences), 0, dtype=torch.bool, device=device))
+        self.cached = [[] for _ in sequences]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.cache.select_rows(rows.to(self.model.device))
+        self.cached = [self.cached[i] for i in rows.tolist()]
+
+    def finish(self) -> None:
+        self.cache, self.cached = None, []
+
+    def _scores(self, logits: torch.Tensor, row: int, prefix: list[int], request: DraftRequest) -> torch.Tensor:
+        """Draft logits [V_draft] -> scores over the target vocabulary [V_target], processed like the target's."""
+        V = self.target_vocab_size
+        logits = logits.float()
+        if logits.shape[-1] >= V:
+            logits = logits[:V]
+        else:  # a drafter with a smaller (unpadded) vocabulary never proposes the missing ids
+            logits = torch.cat([logits, logits.new_full((V - logits.shape[-1],), float("-inf"))])
+        if request.score is None:
+            return logits
+        return request.score(row, prefix, logits)
+
+    @torch.no_grad()
+    def draft(self, request: DraftRequest) -> Draft:
+        B = len(self.cached)
+        kmax = max(request.k, default=0)
+        if kmax == 0:
+            return Draft(tokens=[[] for _ in request.rows], q=[None] * len(request.rows))
+        # 1. Roll back what the committed sequences no longer contain; collect the catch-up chunks.
+        keep = [len(c) for c in self.cached]
+        chunks: list[list[int]] = [[] for _ in range(B)]
+        draft_seqs = {}
+        for row in request.rows:
+            seq = self.to_draft_space(request.sequences[row])
+            draft_seqs[row] = seq
+            # at least one token is fed, so the forward yields the next-token logits
+            keep[row] = min(common_prefix_length(self.cached[row], seq), len(seq) - 1)
+            chunks[row] = seq[keep[row]:]
+            self.cached[row] = list(seq)
+        self.cache.rollback(torch.tensor(keep, device=self.cache.slot_mask.device))
+        # 2. Catch up and draft kmax tokens, one forward per token after the first.
+        logits = forward_ragged(self.model, self.cache, chunks, all_logits=False)  # [B, 1, V_draft]
+        new_ids = {row: [] for row in request.rows}
+        q_rows = {row: [] for row in request.rows}
+        for step in range(kmax):
+            next_chunks: list[list[int]] = [[] for _ in range(B)]
+            for row in request.rows:
+                if self.shares_vocab:
+                    scores = self._scores(logits[row, -1], row, request.sequences[row] + new_ids[row], request)
+                else:  # another vocabulary: the target's processors do not apply; greedy proposal
+                    scores = logits[row, -1].float()
+                if request.do_sample and self.shares_vocab:
+                    q = torch.softmax(scores, dim=-1)  # [V]
+                    token = int(torch.multinomial(q, 1))
+                    q_rows[row].append(q)
+                else:
+                    token = int(scores.argmax())
+                new_ids[row].append(token)
+                next_chunks[row] = [token]
+            if step + 1 < kmax:
+                logits = forward_ragged(self.model, self.cache, next_chunks, all_logits=False)
+                for row in request.rows:
+                    self.cached[row].append(new_ids[row][-1])
+        # 3. Hand back the drafts in the target vocabulary.
+        tokens, qs = [], []
+        for row, k in zip(request.rows, request.k):
+            tokens.append(self.to_target_space(draft_seqs[row], new_ids[row], k))
+            qs.append(torch.stack(q_rows[row][:k]) if q_rows[row] and k > 0 else None)
+        return Draft(tokens=tokens, q=qs)

@@ -1,0 +1,112 @@
+"""`AssistantPool`: the drafters a `generate` call may use, the policy that picks among them, and
+what they did.
+
+Entries: a causal LM that shares the target's tokenizer; `(model, tokenizer)` for a drafter with
+another tokenizer (token translation; a shared tokenizer is detected and translation skipped);
+`"prompt_lookup"`; or any `Drafter` object (e.g. `ModelDrafter(model)` to skip the vocabulary check).
+"""
+
+from __future__ import annotations
+
+from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TranslatingDrafter
+from .policies import DEFAULT_DRAFT_LENGTH, Policy, make_policy
+from .stats import DrafterStats, GenerationStats
+
+NAMED_DRAFTERS = {"prompt_lookup": PromptLookupDrafter}
+
+
+def _is_model(obj) -> bool:
+    return hasattr(obj, "config") and callable(obj)
+
+
+def _same_vocab(tok_a, tok_b) -> bool:
+    return tok_a is tok_b or tok_a.get_vocab() == tok_b.get_vocab()
+
+
+def _check_model(model, role: str) -> None:
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{role} {config.model_type!r} is an encoder-decoder model; hf_spin supports decoder-only causal LMs")
+    if getattr(model, "_is_stateful", False):
+        raise ValueError(
+            f"{role} {config.model_type!r} is stateful (recurrent state that cannot be rolled back per row); "
+            "speculative decoding needs an attention KV cache. Use it without assistant_pool."
+        )
+
+
+class AssistantPool:
+    """Drafters plus a policy.
+
+    drafters: list of models, `(model, tokenizer)` pairs, `"prompt_lookup"` or `Drafter` objects.
+    policy: `"fixed"` (first drafter), `"round_robin"`, or a `Policy` object.
+    draft_length: tokens drafted per step (k) for the built-in policies.
+    tokenizer: the target's tokenizer; needed by drafters with another tokenizer (it may also come
+        from `generate(tokenizer=...)`).
+    """
+
+    def __init__(self, drafters: list, policy: str | Policy = "fixed", draft_length: int = DEFAULT_DRAFT_LENGTH, tokenizer=None):
+        if not isinstance(drafters, (list, tuple)) or not drafters:
+            raise ValueError(f"AssistantPool needs a non-empty list of drafters, got {drafters!r}")
+        if not isinstance(draft_length, int) or draft_length < 1:
+            raise ValueError(f"draft_length must be a positive int, got {draft_length!r}")
+        self.entries = list(drafters)
+        self.drafters: list[Drafter] = [self._make(e) for e in self.entries]
+        self.policy = make_policy(policy, draft_length)
+        self.tokenizer = tokenizer
+        self.last_stats: GenerationStats | None = None  # statistics of the latest generate call
+        self.totals: dict[str, DrafterStats] = {}  # per drafter, summed over all calls
+
+    @staticmethod
+    def _make(entry) -> Drafter:
+        if isinstance(entry, Drafter):
+            return entry
+        if isinstance(entry, str):
+            if entry not in NAMED_DRAFTERS:
+                raise ValueError(f"unknown drafter name {entry!r}; supported names: {sorted(NAMED_DRAFTERS)}")
+            return NAMED_DRAFTERS[entry]()
+        if isinstance(entry, tuple) and len(entry) == 2 and _is_model(entry[0]):
+            _check_model(entry[0], "drafter")
+            return TranslatingDrafter(entry[0], entry[1])
+        if _is_model(entry):
+            _check_model(entry, "drafter")
+            return ModelDrafter(entry)
+        raise TypeError(
+            f"cannot use {type(entry).__name__} as a drafter; give a causal LM, a (model, tokenizer) pair, "
+            f"one of {sorted(NAMED_DRAFTERS)}, or a hf_spin.drafters.Drafter"
+        )
+
+    @property
+    def names(self) -> list[str]:
+        return [d.name for d in self.drafters]
+
+    def bind(self, target, tokenizer=None) -> list[Drafter]:
+        """Check every drafter against the target; returns the drafters to use for this call."""
+        _check_model(target, "target model")
+        tokenizer = tokenizer or self.tokenizer
+        target_vocab = target.config.get_text_config().vocab_size
+        for i, drafter in enumerate(self.drafters):
+            if isinstance(drafter, TranslatingDrafter):
+                if tokenizer is None and drafter.target_tokenizer is None:
+                    raise ValueError(
+                        f"drafter {drafter.name!r} has its own tokenizer, so it needs the target's tokenizer to "
+                        "translate tokens: pass tokenizer= to AssistantPool or to generate"
+                    )
+                drafter.target_tokenizer = drafter.target_tokenizer or tokenizer
+                if _same_vocab(drafter.tokenizer, drafter.target_tokenizer):
+                    self.drafters[i] = drafter = ModelDrafter(drafter.model, name=drafter.name)
+            elif type(drafter) is ModelDrafter and self.entries[i] is drafter.model:
+                draft_vocab = drafter.model.config.get_text_config().vocab_size
+                if draft_vocab != target_vocab:
+                    raise ValueError(
+                        f"drafter {drafter.name!r} has vocab_size {draft_vocab} but the target has {target_vocab}. "
+                        "If it uses another tokenizer, pass (model, tokenizer) so the pool translates tokens; if it "
+                        "shares the target's tokenizer with a padded vocabulary, pass hf_spin.ModelDrafter(model)."
+                    )
+        return self.drafters
+
+    def record(self, stats: GenerationStats) -> None:
+        self.last_stats = stats
+        for name, d in stats.drafters.items():
+            total = self.totals.setdefault(name, DrafterStats())
+            for field in ("drafted", "accepted", "target_forwards", "new_tokens", "draft_seconds", "failures"):
+                setattr(total, field, getattr(total, field) + getattr(d, field))

@@ -1,0 +1,98 @@
+"""Verification: which draft tokens the target accepts, and the one token it adds.
+
+Notation (DESIGN.md glossary): p = target distribution, q = draft distribution, k = draft length.
+Row b brings `k[b]` draft tokens x_1..x_k; the target scored k + 1 positions (after the last
+accepted token and after each draft). Each row gets `accepted[b]` in 0..k[b] and one `next_token`:
+the *recovered* token after a rejection, or the *bonus* token when every draft was accepted.
+
+Greedy: x_j is accepted while x_j == argmax p_j; the next token is argmax p_a.
+
+Sampling (Leviathan et al. 2023, Chen et al. 2023): accept x_j with probability min(1, p_j(x_j) / q_j(x_j)),
+stop at the first rejection and draw the recovered token from norm(max(0, p_j - q_j)); with all
+accepted draw the bonus token from p_k. The output then has exactly distribution p whatever q is.
+A drafter that gives no q (prompt lookup, token translation) made a deterministic proposal given
+the prefix: q_j is one-hot at x_j, so the test reads "accept with probability p_j(x_j)" and the
+recovered token comes from p_j with x_j removed. Summing over x shows the result is still p:
+P(y) = q(y) p(y) + sum_{x != y} q(x) (1 - p(x)) p(y) / (1 - p(x)) = p(y) for any proposal q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Verdict:
+    accepted: torch.Tensor  # [B] long, number of draft tokens accepted per row
+    next_token: torch.Tensor  # [B] long, recovered or bonus token per row
+
+
+def _draft_mask(draft_lengths: torch.Tensor, K: int) -> torch.Tensor:
+    """[B, K] True where slot j < k[b] holds a real draft token."""
+    return torch.arange(K, device=draft_lengths.device)[None, :] < draft_lengths[:, None]
+
+
+def _first_rejection(ok: torch.Tensor) -> torch.Tensor:
+    """[B, K] bool "draft j accepted" -> [B] length of the all-True prefix."""
+    return ok.long().cumprod(dim=1).sum(dim=1)
+
+
+def verify_greedy(target_scores: torch.Tensor, drafts: torch.Tensor, draft_lengths: torch.Tensor) -> Verdict:
+    """Greedy verification.
+
+    target_scores: [B, K + 1, V] processed target scores at each position.
+    drafts: [B, K] draft tokens (slots past `draft_lengths[b]` are ignored).
+    draft_lengths: [B] number of real drafts per row.
+
+    Example: target argmax [[5, 7, 9]] and drafts [[5, 8]] -> accepted [1], next_token [7].
+    """
+    K = drafts.shape[1]
+    target_tokens = target_scores.argmax(dim=-1)  # [B, K + 1]
+    ok = (drafts == target_tokens[:, :K]) & _draft_mask(draft_lengths, K)  # [B, K]
+    accepted = _first_rejection(ok)  # [B]
+    next_token = target_tokens.gather(1, accepted[:, None]).squeeze(1)  # [B]
+    return Verdict(accepted, next_token)
+
+
+def verify_sampling(
+    p: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_lengths: torch.Tensor,
+    q: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """Rejection sampling that keeps the target distribution exactly.
+
+    p: [B, K + 1, V] target probabilities (after logits processors and softmax).
+    drafts: [B, K] draft tokens; draft_lengths: [B].
+    q: [B, K, V] draft probabilities, or None for deterministic proposals (one-hot at the draft);
+       rows of q that are all zero are read as one-hot too (a batch mixing both kinds).
+    """
+    B, K = drafts.shape
+    valid = _draft_mask(draft_lengths, K)  # [B, K]
+    p_draft = p[:, :K].gather(2, drafts[:, :, None]).squeeze(2)  # [B, K] p_j(x_j)
+    one_hot = torch.zeros_like(p[:, :K]).scatter_(2, drafts[:, :, None], 1.0)  # [B, K, V]
+    if q is None:
+        q = one_hot
+    else:
+        deterministic = q.sum(dim=-1, keepdim=True) == 0  # [B, K, 1]
+        q = torch.where(deterministic, one_hot, q)
+    q_draft = q.gather(2, drafts[:, :, None]).squeeze(2)  # [B, K] q_j(x_j)
+    r = torch.rand(B, K, device=p.device, generator=generator)  # [B, K] uniform draws
+    # r < p/q written without division; q_draft > 0 for any token q proposed.
+    ok = (r * q_draft < p_draft) & valid  # [B, K]
+    accepted = _first_rejection(ok)  # [B]
+
+    rows = torch.arange(B, device=p.device)
+    p_next = p[rows, accepted]  # [B, V] target distribution at the first unaccepted position
+    rejected = accepted < draft_lengths  # [B] False where every draft was accepted (bonus token)
+    q_next = q[rows, accepted.clamp(max=K - 1)] if K > 0 else torch.zeros_like(p_next)  # [B, V]
+    residual = (p_next - q_next).clamp(min=0)  # [B, V]
+    # A residual that is all zero happens only when p == q at that position, where rejection has
+    # probability zero; guard against rounding by falling back to p.
+    residual_ok = residual.sum(dim=-1, keepdim=True) > 0
+    dist = torch.where(rejected[:, None] & residual_ok, residual, p_next)  # [B, V]
+    next_token = torch.multinomial(dist, 1, generator=generator).squeeze(1)  # [B]
+    return Verdict(accepted, next_token)
