@@ -14,6 +14,7 @@ the target cache holds every committed token but the last, which is fed with the
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from dataclasses import dataclass
@@ -57,12 +58,34 @@ class SpinGenerateOutput(GenerateDecoderOnlyOutput):
     stats: GenerationStats | None = None
 
 
-def _validate(model, input_ids, config, pool, model_kwargs) -> None:
+def _row_processors(processors, request: int):
+    """The processors as they apply to one original row, called on a [1, L] view of it.
+
+    `RepetitionPenaltyLogitsProcessor` holds one padding length per row of the batch (`transformers`
+    >= 5 ignores left padding that way); the row's own copy holds that row's length as an int.
+    """
+    out = []
+    for proc in processors:
+        ignore = getattr(proc, "prompt_ignore_length", None)
+        if isinstance(proc, lp.RepetitionPenaltyLogitsProcessor) and isinstance(ignore, torch.Tensor):
+            proc = copy.copy(proc)
+            proc.prompt_ignore_length = int(ignore[request])
+        out.append(proc)
+    return lp.LogitsProcessorList(out)
+
+
+def _validate(model, input_ids, config, pool, model_kwargs, processors) -> None:
+    for proc in processors:
+        if isinstance(proc, (lp.PrefixConstrainedLogitsProcessor, lp.ClassifierFreeGuidanceLogitsProcessor)):
+            raise ValueError(
+                f"{type(proc).__name__} is not supported with assistant_pool (it indexes rows of the whole batch); "
+                "drop prefix_allowed_tokens_fn / guidance_scale or generate without a pool"
+            )
     if not isinstance(pool, AssistantPool):
         raise TypeError(f"assistant_pool must be an hf_spin.AssistantPool, got {type(pool).__name__}")
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-    if config.num_beams != 1:
+    if (config.num_beams or 1) != 1:
         raise ValueError(f"num_beams={config.num_beams} is not supported with assistant_pool; use num_beams=1")
     for name in UNSUPPORTED_OUTPUTS:
         if getattr(config, name, False) and config.return_dict_in_generate:
@@ -120,10 +143,10 @@ def generate(
         raise ValueError("hf_spin.generate needs assistant_pool=hf_spin.AssistantPool([...])")
     config = generation_config or model.generation_config
     model_kwargs.pop("synced_gpus", None)
-    _validate(model, input_ids, config, assistant_pool, model_kwargs)
+    logits_processor = logits_processor or lp.LogitsProcessorList()
+    _validate(model, input_ids, config, assistant_pool, model_kwargs, logits_processor)
     drafters = assistant_pool.bind(model, spin_tokenizer)
     policy = assistant_pool.policy
-    logits_processor = logits_processor or []
     stopping_criteria = stopping_criteria or StoppingCriteriaList()
     do_sample = bool(config.do_sample)
     pad_id = int(config._pad_token_tensor) if getattr(config, "_pad_token_tensor", None) is not None else 0
@@ -138,17 +161,20 @@ def generate(
         attention_mask = torch.ones_like(input_ids)
     rows = _Rows(input_ids.cpu(), attention_mask.cpu())
     row_stats = [RowStats() for _ in range(B)]
-    drafter_stats = {d.name: DrafterStats() for d in drafters}
+    names = assistant_pool.names  # unique per drafter
+    drafter_stats = {name: DrafterStats() for name in names}
     stats = GenerationStats(rows=row_stats, drafters=drafter_stats)
     generated: list[list[int]] = [[] for _ in range(B)]  # per request, tokens produced
     usable = [True] * len(drafters)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
+    per_row = [_row_processors(logits_processor, i) for i in range(B)]  # indexed by request
+
     def score(b: int, prefix: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Target logits processors on one row: prefix = committed + candidate ids, logits [V]."""
         ids = torch.tensor([rows.padding[b] + prefix], device=logits.device)  # [1, L]
-        return logits_processor(ids, logits[None])[0]
+        return per_row[rows.ids[b]](ids, logits[None])[0]
 
     score_fn = score if len(logits_processor) else None
     ids_free = len(logits_processor) > 0 and all(isinstance(p, IDS_FREE_PROCESSORS) for p in logits_processor)
@@ -217,11 +243,11 @@ def generate(
             except Exception as err:  # noqa: BLE001 - any drafter fault must leave decoding lossless
                 warnings.warn(f"drafter {drafter.name!r} raised {err!r}; dropped for the rest of this call", stacklevel=2)
                 usable[d_idx] = False
-                drafter_stats[drafter.name].failures += 1
+                drafter_stats[names[d_idx]].failures += 1
                 drafter.finish()
                 continue
             draft_seconds[d_idx] = perf_counter() - t
-            drafter_stats[drafter.name].draft_seconds += draft_seconds[d_idx]
+            drafter_stats[names[d_idx]].draft_seconds += draft_seconds[d_idx]
             for b, tokens, q in zip(served, out.tokens, out.q):
                 drafts[b], qs[b] = list(tokens), q
 
@@ -260,7 +286,7 @@ def generate(
             rs = row_stats[rows.ids[b]]
             rs.add(len(drafts[b]), accepted[b], len(new))
             if plan.drafter[b] is not None and ks[b] > 0 and usable[plan.drafter[b]]:
-                name = drafters[plan.drafter[b]].name
+                name = names[plan.drafter[b]]
                 rs.drafters[name] += 1
                 drafter_stats[name].add(len(drafts[b]), accepted[b], len(new))
             if streamer is not None:

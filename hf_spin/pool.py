@@ -77,7 +77,12 @@ class AssistantPool:
 
     @property
     def names(self) -> list[str]:
-        return [d.name for d in self.drafters]
+        """One unique name per drafter (a repeated name gets "#2", "#3"...): the keys of the statistics."""
+        names: list[str] = []
+        for d in self.drafters:
+            n = sum(1 for other in names if other.split("#")[0] == d.name)
+            names.append(f"{d.name}#{n + 1}" if n else d.name)
+        return names
 
     def bind(self, target, tokenizer=None) -> list[Drafter]:
         """Check every drafter against the target; returns the drafters to use for this call."""
