@@ -126,6 +126,12 @@ def forward_ragged(model, cache: RaggedCache, chunks: list[list[int]], all_logit
     attention_mask, position_ids = cache.add_slots(lengths, width)
     past = cache.get_seq_length()
     cache_position = torch.arange(past, past + width, device=device)  # [T]
+    last = (lengths - 1).clamp(min=0)  # [B] each row's last chunk slot (an empty row reads a hole)
+    extra = {}
+    if not all_logits and model._supports_logits_to_keep():
+        # Only the slots some row ends on: a prefill of L tokens computes U <= B rows of logits, not L.
+        keep, last = torch.unique(last, return_inverse=True)  # [U], [B] index into keep
+        extra["logits_to_keep"] = keep
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -134,9 +140,9 @@ def forward_ragged(model, cache: RaggedCache, chunks: list[list[int]], all_logit
         past_key_values=cache,
         use_cache=True,
         return_dict=True,
+        **extra,
     )
-    logits = out.logits  # [B, T, V]
+    logits = out.logits  # [B, T, V], or [B, U, V] with logits_to_keep
     if all_logits:
         return logits
-    last = (lengths - 1).clamp(min=0)  # [B]
     return logits[torch.arange(len(chunks), device=device), last][:, None]  # [B, 1, V]
