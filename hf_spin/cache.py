@@ -26,19 +26,43 @@ from transformers import DynamicCache
 COMPACT_HOLE_FRACTION = 0.5
 # Token fed into hole slots of a right-padded chunk; masked, so any valid id works.
 FILLER_TOKEN = 0
+# Models whose attention bias is computed from cache slot indices rather than positions or the mask.
+SLOT_BIAS_MODELS = {"mpt"}  # ALiBi over slot indices
+WINDOWED_LAYER_TYPES = {"sliding_attention", "chunked_attention"}
+
+
+def needs_contiguous_slots(config) -> bool:
+    """True when a hole inside a row would change what the model computes.
+
+    Sliding-window and chunked attention count cache slots (key slot > query slot - window), so a
+    hole inside the window pushes a real token out of it; so does a slot-indexed ALiBi bias. Such
+    caches are compacted after every step that leaves a hole inside a row.
+    """
+    c = config.get_text_config()
+    windowed = getattr(c, "sliding_window", None) is not None and getattr(c, "use_sliding_window", True) is not False
+    layer_types = set(getattr(c, "layer_types", None) or [])
+    return (
+        c.model_type in SLOT_BIAS_MODELS
+        or windowed
+        or bool(layer_types & WINDOWED_LAYER_TYPES)
+        or getattr(c, "attention_chunk_size", None) is not None
+    )
 
 
 class RaggedCache(DynamicCache):
     """A `DynamicCache` whose rows hold different numbers of valid tokens.
 
     slot_mask: `[B, S]` bool, True where the slot holds a token the row attends to.
+    contiguous: compact whenever a row has a hole after its first valid slot (see
+        `needs_contiguous_slots`); otherwise only when holes exceed COMPACT_HOLE_FRACTION.
     Every layer is a plain full-attention `DynamicLayer` (no config is passed), so no layer drops
-    slots on its own; sliding-window models are masked by the model's own mask functions.
+    slots on its own; windows are applied by the model's own mask functions, over slots.
     """
 
-    def __init__(self, slot_mask: torch.Tensor):
+    def __init__(self, slot_mask: torch.Tensor, contiguous: bool = False):
         super().__init__()
         self.slot_mask = slot_mask.bool()  # [B, S]
+        self.contiguous = contiguous
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -70,8 +94,13 @@ class RaggedCache(DynamicCache):
         rank = self.slot_mask.long().cumsum(dim=1)  # [B, S] 1-based rank of each valid slot
         self.slot_mask &= rank <= keep[:, None]
         self._trim_tail()
-        if self.hole_fraction() > COMPACT_HOLE_FRACTION:
+        if self.hole_fraction() > COMPACT_HOLE_FRACTION or (self.contiguous and self._has_inner_holes()):
             self.compact()
+
+    def _has_inner_holes(self) -> bool:
+        """Any row with a hole after its first valid slot (left padding alone is fine)."""
+        seen = self.slot_mask.long().cummax(dim=1).values.bool()  # [B, S] True from the first valid slot on
+        return bool((seen & ~self.slot_mask).any())
 
     def _trim_tail(self) -> None:
         """Drop trailing slots that are holes in every row (at batch 1: every rejected slot)."""

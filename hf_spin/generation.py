@@ -26,7 +26,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import RaggedCache, forward_ragged
+from .cache import RaggedCache, forward_ragged, needs_contiguous_slots
 from .drafters import Draft, DraftRequest
 from .policies import BatchView, Plan, StepFeedback
 from .pool import AssistantPool
@@ -190,7 +190,7 @@ def generate(
         return False
 
     # 1. Prefill the target exactly as `generate` would, and pick the first token.
-    cache = RaggedCache(attention_mask.bool())
+    cache = RaggedCache(attention_mask.bool(), contiguous=needs_contiguous_slots(model.config))
     model_kwargs["past_key_values"] = cache
     inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
     logits = model(**inputs, return_dict=True).logits[:, -1].to(dtype=torch.float32)  # [B, V]

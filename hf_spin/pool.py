@@ -13,6 +13,8 @@ from .policies import DEFAULT_DRAFT_LENGTH, Policy, make_policy
 from .stats import DrafterStats, GenerationStats
 
 NAMED_DRAFTERS = {"prompt_lookup": PromptLookupDrafter}
+# Layer kinds whose state is a KV cache that can be rolled back per row (others: conv, recurrent, ...).
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 
 
 def _is_model(obj) -> bool:
@@ -27,7 +29,8 @@ def _check_model(model, role: str) -> None:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{role} {config.model_type!r} is an encoder-decoder model; hf_spin supports decoder-only causal LMs")
-    if getattr(model, "_is_stateful", False):
+    layer_types = set(getattr(config.get_text_config(), "layer_types", None) or [])
+    if getattr(model, "_is_stateful", False) or not layer_types <= ATTENTION_LAYER_TYPES:
         raise ValueError(
             f"{role} {config.model_type!r} is stateful (recurrent state that cannot be rolled back per row); "
             "speculative decoding needs an attention KV cache. Use it without assistant_pool."

@@ -18,6 +18,21 @@ COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id
 _LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 _HEAD8 = dict(_LLAMA_LIKE, head_dim=8)  # configs whose default head_dim (128/256) ignores hidden_size
 _GPT2_LIKE = dict(n_embd=32, n_layer=2, n_head=4, n_positions=128)
+# Multi-head latent attention (DeepSeek-style): compressed KV, separate rope / no-rope query parts.
+_MLA = dict(_LLAMA_LIKE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+
+# Sliding-window / chunked-attention architectures keep windows longer than any test sequence (prompt
+# 14 + 24 new tokens): with a window shorter than the sequence, hf_spin is NOT lossless at batch > 1,
+# because the model's window counts cache slots and the ragged cache leaves holes (rejected drafts)
+# inside rows; batch 1 has no holes and is exact. See the equivalence report.
+#
+# Left out on purpose:
+#   mpt          ALiBi bias over cache slot indices (not position_ids / the mask): holes shift the bias,
+#                outputs differ at batch > 1 (same cause as short sliding windows).
+#   openai-gpt   no KV cache at all (ignores past_key_values): the engine crashes inside attention.
+#   lfm2 (with conv layers), mamba, rwkv, recurrent_gemma, jamba, zamba, falcon_h1, bamba, qwen3_next, ...
+#                recurrent / convolutional state that cannot be rolled back per row; the engine
+#                refuses models marked `_is_stateful` (lfm2 is not marked, and crashes instead).
 
 # model_type -> config fields giving a ~2-layer, 32-64 wide model.
 ARCHS: dict[str, dict] = {
@@ -56,7 +71,7 @@ ARCHS: dict[str, dict] = {
     "cohere2": dict(_HEAD8),
     "exaone4": dict(_LLAMA_LIKE),
     "arcee": dict(_HEAD8),
-    "ministral": dict(_LLAMA_LIKE),
+    "ministral": dict(_HEAD8),
     "internlm3": dict(_HEAD8),
     "persimmon": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
     "nemotron": dict(_HEAD8),
@@ -69,6 +84,20 @@ ARCHS: dict[str, dict] = {
     "phimoe": dict(_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2),
     "olmo3": dict(_LLAMA_LIKE),
     "vaultgemma": dict(_HEAD8, query_pre_attn_scalar=8),
+    "deepseek_v3": dict(_MLA, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "minicpm3": dict(_MLA, dim_model_base=32),
+    "gpt_oss": dict(_HEAD8, num_local_experts=4, num_experts_per_tok=2, sliding_window=128),  # attention sinks
+    "llama4_text": dict(_HEAD8, intermediate_size_mlp=64, num_local_experts=2, num_experts_per_tok=1),  # chunked attention, no-rope layers
+    "gemma3n_text": dict(  # AltUp, LAuReL, per-layer inputs; layer 2 reuses layer 0's KV (KV sharing)
+        _HEAD8, num_hidden_layers=3, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, laurel_rank=4,
+        altup_num_inputs=2, num_kv_shared_layers=1, intermediate_size=[64, 64, 64], activation_sparsity_pattern=[0.0, 0.0, 0.0],
+        layer_types=["full_attention", "sliding_attention", "full_attention"], sliding_window=512,
+    ),
+    "ctrl": dict(n_embd=32, n_layer=2, n_head=4, dff=64, n_positions=128),  # sinusoidal absolute positions
+    "nanochat": dict(_LLAMA_LIKE),
+    "jetmoe": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, kv_channels=8, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+    "doge": dict(_LLAMA_LIKE),  # dynamic mask attention
+    "gpt_neox_japanese": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_multiple_size=2),
 }
 
 

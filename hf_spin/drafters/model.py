@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import RaggedCache, forward_ragged
+from ..cache import RaggedCache, forward_ragged, needs_contiguous_slots
 from .base import Draft, Drafter, DraftRequest
 
 
@@ -46,7 +46,8 @@ class ModelDrafter(Drafter):
     def start(self, target, sequences: list[list[int]]) -> None:
         self.target_vocab_size = target.config.get_text_config().vocab_size
         device = self.model.device
-        self.cache = RaggedCache(torch.zeros(len(sequences), 0, dtype=torch.bool, device=device))
+        empty = torch.zeros(len(sequences), 0, dtype=torch.bool, device=device)
+        self.cache = RaggedCache(empty, contiguous=needs_contiguous_slots(self.model.config))
         self.cached = [[] for _ in sequences]
 
     def select_rows(self, rows: torch.Tensor) -> None:

@@ -1,0 +1,60 @@
+"""Ragged cache: holes must never change what a model computes.
+
+Regression tests for models whose attention counts cache slots (short sliding windows, slot-indexed
+ALiBi): a hole left inside a row by a rejected draft would push a real token out of the window.
+"""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf_spin
+from hf_spin.cache import RaggedCache, needs_contiguous_slots
+
+from .archs import COMMON, ragged_batch, tiny_model
+
+
+def mpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("mpt", d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=128, **COMMON)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: tiny_model("mistral", sliding_window=6), lambda: tiny_model("gemma2", sliding_window=6), mpt],
+    ids=["mistral_window6", "gemma2_window6", "mpt_alibi"],
+)
+def test_slot_counting_models_stay_exact_at_batch_4(make):
+    model = make()
+    assert needs_contiguous_slots(model.config)
+    ids, mask = ragged_batch(4, 14, seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    for drafters in (["prompt_lookup"], [model]):
+        out = model.generate(**kwargs, custom_generate=hf_spin.generate, assistant_pool=hf_spin.AssistantPool(drafters))
+        assert torch.equal(out, model.generate(**kwargs))
+
+
+def test_full_attention_qwen2_does_not_force_compaction():
+    assert not needs_contiguous_slots(tiny_model("qwen2").config)  # use_sliding_window=False by default
+
+
+def test_rollback_and_compact_keep_each_rows_valid_slots():
+    # [B=2, S=6] keys hold their own slot index, so a gather is visible in the values.
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 1]], dtype=torch.bool)
+    cache = RaggedCache(mask.clone())
+    keys = torch.arange(6.0).view(1, 1, 6, 1).repeat(2, 1, 1, 1)
+    cache.update(keys, keys.clone(), 0)
+    cache.rollback(torch.tensor([2, 3]))  # row 0 keeps slots 0,1; row 1 keeps 1,2,3
+    assert cache.slot_mask.tolist() == [[1, 1, 0, 0], [0, 1, 1, 1]]  # common tail of holes cropped
+    cache.compact()
+    assert cache.slot_mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+    assert cache.layers[0].keys[0, 0, 1:, 0].tolist() == [0.0, 1.0]
+    assert cache.layers[0].keys[1, 0, :, 0].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_refuses_models_with_non_attention_layers():
+    model = tiny_model("llama")
+    model.config.layer_types = ["conv", "full_attention"]  # what lfm2 declares for its conv layers
+    with pytest.raises(ValueError, match="stateful"):
+        hf_spin.AssistantPool([model])
