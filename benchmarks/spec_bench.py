@@ -77,6 +77,13 @@ def new_tokens(sequences: torch.Tensor, prompt_len: int, pad_id: int) -> list[li
     return [[t for t in row[prompt_len:].tolist() if t != pad_id] for row in sequences]
 
 
+def save_partial(args, record: dict) -> None:
+    """Append one finished record to <out>/partial-<rank>.jsonl: a run cut short keeps what it measured."""
+    if getattr(args, "partial", None):
+        with open(args.partial, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
 def run_batch1(target, drafter, tok, questions, args) -> list[dict]:
     """One record per question: speed, identity and acceptance of each method."""
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -109,6 +116,7 @@ def run_batch1(target, drafter, tok, questions, args) -> list[dict]:
                 },
             }
         )
+        save_partial(args, records[-1])
     return records
 
 
@@ -134,6 +142,7 @@ def run_batched(target, drafter, tok, questions, batch_size, args) -> list[dict]
                 "hf_spin": {"acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length},
             }
         )
+        save_partial(args, records[-1])
     return records
 
 
@@ -212,6 +221,8 @@ def main() -> None:
     questions = load_questions(args.questions, args.per_category, args.limit)
     # warm-up: first calls pay one-off allocation costs that would bias whichever method runs first
     run_batch1(target, drafter, tok, questions[:1], argparse.Namespace(**{**vars(args), "max_new_tokens": 4}))
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.partial = args.out / f"partial-{state.process_index}.jsonl"
     with state.split_between_processes(questions) as shard:
         records = run_batch1(target, drafter, tok, shard, args)
         batched = {bs: run_batched(target, drafter, tok, shard, bs, args) for bs in args.batch_sizes}
