@@ -7,13 +7,15 @@
 
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TranslatingDrafter
 from .generation import SpinGenerateOutput, disable, enable, generate
-from .policies import FixedPolicy, Plan, Policy, RoundRobinPolicy
+from .policies import DraftLength, FixedLength, FixedPolicy, Plan, Policy, RoundRobinPolicy
 from .pool import AssistantPool
 from .stats import GenerationStats
 
 __all__ = [
     "AssistantPool",
+    "DraftLength",
     "Drafter",
+    "FixedLength",
     "FixedPolicy",
     "GenerationStats",
     "ModelDrafter",

@@ -28,10 +28,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import RaggedCache, forward_ragged, needs_contiguous_slots
 from .drafters import Draft, DraftRequest
+from .drafters.model import common_prefix_length
 from .policies import BatchView, Plan, StepFeedback
 from .pool import AssistantPool
 from .stats import DrafterStats, GenerationStats, RowStats
 from .verification import verify_greedy, verify_sampling
+from .vote_tree import heaviest_path
 
 # model_kwargs that `generate`'s preparation hands over and this loop understands.
 KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "past_key_values", "logits_to_keep", "cache_position"}
@@ -205,6 +207,31 @@ def generate(
     for d in drafters:
         d.start(model, rows.sequences)
 
+    def view(step: int) -> BatchView:
+        return BatchView(
+            row_ids=list(rows.ids),
+            prompt_lengths=list(rows.prompt_lengths),
+            generated=[len(generated[i]) for i in rows.ids],
+            usable=list(usable),
+            step=step,
+        )
+
+    def guarded(d_idx: int, fn) -> bool:
+        """Run a drafter call; a drafter that raises is dropped for the rest of the call (still lossless)."""
+        t = perf_counter()
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 - any drafter fault must leave decoding lossless
+            warnings.warn(f"drafter {drafters[d_idx].name!r} raised {err!r}; dropped for the rest of this call", stacklevel=3)
+            usable[d_idx] = False
+            drafter_stats[names[d_idx]].failures += 1
+            drafters[d_idx].finish()
+            return False
+        draft_seconds[d_idx] += perf_counter() - t
+        drafter_stats[names[d_idx]].draft_seconds += perf_counter() - t
+        return True
+
+    policy.start_rows(view(0), list(range(B)))
     step = 0
     while True:
         # 2. Retire finished rows (the batch only shrinks here, between steps).
@@ -213,6 +240,8 @@ def generate(
         for b in range(len(rows.ids)):
             if finished[b]:
                 row_stats[rows.ids[b]].wall_seconds = now
+        if len(kept) < len(rows.ids):
+            policy.end_rows([rows.ids[b] for b in range(len(rows.ids)) if finished[b]])
         if not kept:
             break
         if len(kept) < len(rows.ids):
@@ -224,32 +253,35 @@ def generate(
                     d.select_rows(index)
         B = len(rows.ids)
 
-        # 3. Plan: which drafter and how many tokens per row, capped by the room left before max_length.
-        plan = policy.plan(BatchView(row_ids=list(rows.ids), usable=list(usable), step=step))
+        # 3. Plan: which drafters and how many tokens per row, capped by the room left before max_length.
+        plan = policy.plan(view(step))
+        chosen = [tuple(d for d in plan.drafters[b] if usable[d]) for b in range(B)]
         room = [config.max_length - len(rows.padding[b]) - len(rows.sequences[b]) - 1 for b in range(B)]
-        ks = [max(0, min(plan.k[b], room[b])) if plan.drafter[b] is not None else 0 for b in range(B)]
+        ks = [max(0, min(plan.k[b], room[b])) if chosen[b] else 0 for b in range(B)]
 
-        # 4. Draft, one call per drafter over the rows it serves. A drafter that raises is dropped.
-        drafts: list[list[int]] = [[] for _ in range(B)]
-        qs: list[torch.Tensor | None] = [None] * B
+        # 4. Draft, one call per drafter over the rows it serves; rows with several drafters take the
+        #    heaviest path of their vote tree.
+        proposals: list[dict[int, list[int]]] = [{} for _ in range(B)]  # [B] drafter -> its draft
+        q_of: list[dict[int, torch.Tensor | None]] = [{} for _ in range(B)]  # [B] drafter -> q [k_b, V] or None
         draft_seconds = [0.0] * len(drafters)
         for d_idx, drafter in enumerate(drafters):
-            served = [b for b in range(B) if plan.drafter[b] == d_idx and ks[b] > 0]
-            if not served or not usable[d_idx]:
+            served = [b for b in range(B) if d_idx in chosen[b] and ks[b] > 0]
+            if not served:
                 continue
-            t = perf_counter()
-            try:
-                out: Draft = drafter.draft(DraftRequest(served, rows.sequences, [ks[b] for b in served], do_sample, score_fn))
-            except Exception as err:  # noqa: BLE001 - any drafter fault must leave decoding lossless
-                warnings.warn(f"drafter {drafter.name!r} raised {err!r}; dropped for the rest of this call", stacklevel=2)
-                usable[d_idx] = False
-                drafter_stats[names[d_idx]].failures += 1
-                drafter.finish()
-                continue
-            draft_seconds[d_idx] = perf_counter() - t
-            drafter_stats[names[d_idx]].draft_seconds += draft_seconds[d_idx]
-            for b, tokens, q in zip(served, out.tokens, out.q):
-                drafts[b], qs[b] = list(tokens), q
+            request = DraftRequest(served, rows.sequences, [ks[b] for b in served], do_sample, score_fn, plan.min_confidence)
+            out: list[Draft] = []
+            if guarded(d_idx, lambda: out.append(drafter.draft(request))):
+                for b, tokens, q in zip(served, out[0].tokens, out[0].q):
+                    proposals[b][d_idx], q_of[b][d_idx] = list(tokens), q
+        drafts: list[list[int]] = [[] for _ in range(B)]
+        qs: list[torch.Tensor | None] = [None] * B
+        for b in range(B):
+            if len(proposals[b]) == 1:
+                (d_idx, drafts[b]), = proposals[b].items()
+                qs[b] = q_of[b][d_idx]
+            elif proposals[b]:  # vote: a deterministic merge, verified as a one-hot proposal
+                weights = plan.vote_weights or [1.0] * len(drafters)
+                drafts[b] = heaviest_path(proposals[b], weights)[: ks[b]]
 
         # 5. Verify: one target forward over [last committed token] + drafts for every row.
         t = perf_counter()
@@ -280,25 +312,42 @@ def generate(
         accepted = verdict.accepted.tolist()
         next_tokens = verdict.next_token.tolist()
         finished = []
+        matched: list[dict[int, int]] = []  # [B] drafter -> tokens of its proposal that were committed
         for b in range(B):
             new = drafts[b][: accepted[b]] + [next_tokens[b]]
             finished.append(commit(b, new, target_scores[b]))
+            matched.append({d: common_prefix_length(tokens, new) for d, tokens in proposals[b].items()})
             rs = row_stats[rows.ids[b]]
             rs.add(len(drafts[b]), accepted[b], len(new))
-            if plan.drafter[b] is not None and ks[b] > 0 and usable[plan.drafter[b]]:
-                name = names[plan.drafter[b]]
-                rs.drafters[name] += 1
-                drafter_stats[name].add(len(drafts[b]), accepted[b], len(new))
+            for d_idx, tokens in proposals[b].items():  # a voter is credited with what its own draft got right
+                rs.drafters[names[d_idx]] += 1
+                own = accepted[b] if len(proposals[b]) == 1 else min(matched[b][d_idx], len(tokens))
+                drafter_stats[names[d_idx]].add(len(tokens), own, len(new))
             if streamer is not None:
                 streamer.put(torch.tensor(new))
         cache.rollback(torch.tensor([len(s) - 1 for s in rows.sequences], device=cache.slot_mask.device))
+
+        # 7. Fast switching: idle drafters named by the plan catch up on rows they may serve next.
+        for d_idx, prefill_rows in plan.prefill.items():
+            if usable[d_idx] and prefill_rows:
+                guarded(d_idx, lambda: drafters[d_idx].prefill(prefill_rows, rows.sequences))
         stats.steps += 1
+        executed = Plan(list(chosen), ks, plan.min_confidence, plan.vote_weights, plan.prefill)
         policy.update(
-            StepFeedback(list(rows.ids), Plan(plan.drafter, ks), [len(d) for d in drafts], accepted, draft_seconds, verify_seconds)
+            StepFeedback(
+                row_ids=list(rows.ids),
+                plan=executed,
+                drafted=[len(d) for d in drafts],
+                accepted=accepted,
+                proposed=[{d: len(t) for d, t in p.items()} for p in proposals],
+                matched=matched,
+                draft_seconds=draft_seconds,
+                verify_seconds=verify_seconds,
+            )
         )
         step += 1
 
-    # 7. Assemble the output like plain `generate`: prompt as given, then tokens, padded on the right.
+    # 8. Assemble the output like plain `generate`: prompt as given, then tokens, padded on the right.
     for d in drafters:
         d.finish()
     stats.wall_seconds = perf_counter() - start

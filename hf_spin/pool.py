@@ -9,7 +9,7 @@ another tokenizer (token translation; a shared tokenizer is detected and transla
 from __future__ import annotations
 
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TranslatingDrafter
-from .policies import DEFAULT_DRAFT_LENGTH, Policy, make_policy
+from .policies import DEFAULT_DRAFT_LENGTH, DrafterInfo, DraftLength, Policy, make_policy
 from .stats import DrafterStats, GenerationStats
 
 NAMED_DRAFTERS = {"prompt_lookup": PromptLookupDrafter}
@@ -41,20 +41,27 @@ class AssistantPool:
     """Drafters plus a policy.
 
     drafters: list of models, `(model, tokenizer)` pairs, `"prompt_lookup"` or `Drafter` objects.
-    policy: `"fixed"` (first drafter), `"round_robin"`, or a `Policy` object.
-    draft_length: tokens drafted per step (k) for the built-in policies.
+    policy: a name from `hf_spin.policies.POLICIES` (`"fixed"`: the first drafter, `"round_robin"`,
+        ...) or a `Policy` object.
+    draft_length: tokens drafted per step (k) for the built-in policies: an int, a name from
+        `hf_spin.policies.DRAFT_LENGTHS`, or a `DraftLength` object.
     tokenizer: the target's tokenizer; needed by drafters with another tokenizer (it may also come
         from `generate(tokenizer=...)`).
     """
 
-    def __init__(self, drafters: list, policy: str | Policy = "fixed", draft_length: int = DEFAULT_DRAFT_LENGTH, tokenizer=None):
+    def __init__(
+        self,
+        drafters: list,
+        policy: str | Policy = "fixed",
+        draft_length: int | str | DraftLength = DEFAULT_DRAFT_LENGTH,
+        tokenizer=None,
+    ):
         if not isinstance(drafters, (list, tuple)) or not drafters:
             raise ValueError(f"AssistantPool needs a non-empty list of drafters, got {drafters!r}")
-        if not isinstance(draft_length, int) or draft_length < 1:
-            raise ValueError(f"draft_length must be a positive int, got {draft_length!r}")
         self.entries = list(drafters)
         self.drafters: list[Drafter] = [self._make(e) for e in self.entries]
         self.policy = make_policy(policy, draft_length)
+        self.policy.bind(self.infos)
         self.tokenizer = tokenizer
         self.last_stats: GenerationStats | None = None  # statistics of the latest generate call
         self.totals: dict[str, DrafterStats] = {}  # per drafter, summed over all calls
@@ -86,6 +93,11 @@ class AssistantPool:
             n = sum(1 for other in names if other.split("#")[0] == d.name)
             names.append(f"{d.name}#{n + 1}" if n else d.name)
         return names
+
+    @property
+    def infos(self) -> list[DrafterInfo]:
+        """What the policy may know of each drafter."""
+        return [DrafterInfo(n, d.kind, d.num_parameters, d.gives_q) for n, d in zip(self.names, self.drafters)]
 
     def bind(self, target, tokenizer=None) -> list[Drafter]:
         """Check every drafter against the target; returns the drafters to use for this call."""

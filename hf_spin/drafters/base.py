@@ -28,6 +28,8 @@ class DraftRequest:
     k: [b] draft length per served row.
     do_sample: draw from q (and return it) instead of taking its argmax.
     score: the target's logits processors, applied to draft logits too; None when there are none.
+    min_confidence: stop a row's draft after a token whose draft probability is below this (the
+        token itself is kept, as in `transformers`' assistant_confidence_threshold); 0 never stops.
     """
 
     rows: list[int]
@@ -35,6 +37,7 @@ class DraftRequest:
     k: list[int]
     do_sample: bool
     score: ScoreFn | None
+    min_confidence: float = 0.0
 
 
 @dataclass
@@ -49,6 +52,9 @@ class Drafter(ABC):
     """Base class of every drafter kind."""
 
     name: str = "drafter"
+    kind: str = "drafter"  # short kind name shown to policies (DrafterInfo.kind)
+    gives_q: bool = False  # returns draft probabilities when sampling (else a one-hot proposal)
+    num_parameters: int = 0  # size, for policies that order drafters by it
 
     def start(self, target, sequences: list[list[int]]) -> None:
         """Begin a `generate` call over B rows with these prompts (the rows' initial sequences)."""
@@ -56,6 +62,9 @@ class Drafter(ABC):
     @abstractmethod
     def draft(self, request: DraftRequest) -> Draft:
         """Propose tokens for `request.rows`."""
+
+    def prefill(self, rows: list[int], sequences: list[list[int]]) -> None:
+        """Bring per-row state up to date for `rows` without drafting (fast switching); no-op by default."""
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these rows (others finished); indices into the current batch."""

@@ -28,6 +28,8 @@ class ModelDrafter(Drafter):
     """A draft model that shares the target's tokenizer (token ids mean the same thing)."""
 
     shares_vocab = True  # the target's logits processors and q apply to this drafter's ids
+    kind = "model"
+    gives_q = True
 
     def __init__(self, model, name: str | None = None):
         self.model = model
@@ -35,6 +37,7 @@ class ModelDrafter(Drafter):
         self.cache: RaggedCache | None = None
         self.cached: list[list[int]] = []  # per row: the draft-space ids whose KV the cache holds
         self.target_vocab_size = model.config.get_text_config().vocab_size
+        self.num_parameters = model.num_parameters()
 
     # Vocabulary crossing: identity for a shared tokenizer (overridden for token translation).
     def to_draft_space(self, sequence: list[int]) -> list[int]:
@@ -69,50 +72,70 @@ class ModelDrafter(Drafter):
             return logits
         return request.score(row, prefix, logits)
 
-    @torch.no_grad()
-    def draft(self, request: DraftRequest) -> Draft:
-        B = len(self.cached)
-        kmax = max(request.k, default=0)
-        if kmax == 0:
-            return Draft(tokens=[[] for _ in request.rows], q=[None] * len(request.rows))
-        # 1. Roll back what the committed sequences no longer contain; collect the catch-up chunks.
+    def _catch_up(self, rows: list[int], sequences: list[list[int]]) -> tuple[torch.Tensor, dict[int, list[int]]]:
+        """Roll back what the committed sequences no longer contain and feed the rest, for `rows`.
+
+        Returns the logits after each row's last token [B, 1, V_draft] (rows not in `rows` read a
+        hole) and each served row's sequence in the drafter's vocabulary.
+        """
         keep = [len(c) for c in self.cached]
-        chunks: list[list[int]] = [[] for _ in range(B)]
+        chunks: list[list[int]] = [[] for _ in self.cached]
         draft_seqs = {}
-        for row in request.rows:
-            seq = self.to_draft_space(request.sequences[row])
+        for row in rows:
+            seq = self.to_draft_space(sequences[row])
             draft_seqs[row] = seq
             # at least one token is fed, so the forward yields the next-token logits
             keep[row] = min(common_prefix_length(self.cached[row], seq), len(seq) - 1)
             chunks[row] = seq[keep[row]:]
             self.cached[row] = list(seq)
         self.cache.rollback(torch.tensor(keep, device=self.cache.slot_mask.device))
-        # 2. Catch up and draft kmax tokens, one forward per token after the first.
-        logits = forward_ragged(self.model, self.cache, chunks, all_logits=False)  # [B, 1, V_draft]
+        return forward_ragged(self.model, self.cache, chunks, all_logits=False), draft_seqs
+
+    @torch.no_grad()
+    def prefill(self, rows: list[int], sequences: list[list[int]]) -> None:
+        if rows:
+            self._catch_up(rows, sequences)
+
+    @torch.no_grad()
+    def draft(self, request: DraftRequest) -> Draft:
+        B = len(self.cached)
+        kmax = max(request.k, default=0)
+        if kmax == 0:
+            return Draft(tokens=[[] for _ in request.rows], q=[None] * len(request.rows))
+        # 1. Catch up (roll back rejected drafts, feed the bonus token or any tokens since this drafter last served the row).
+        logits, draft_seqs = self._catch_up(request.rows, request.sequences)  # [B, 1, V_draft]
+        # 2. Draft up to kmax tokens, one forward per token after the first; a row stops at its k or
+        #    after a token less likely than min_confidence.
         new_ids = {row: [] for row in request.rows}
         q_rows = {row: [] for row in request.rows}
-        for step in range(kmax):
+        limit = dict(zip(request.rows, request.k))
+        active = [row for row in request.rows if limit[row] > 0]
+        while active:
             next_chunks: list[list[int]] = [[] for _ in range(B)]
-            for row in request.rows:
+            still = []
+            for row in active:
                 if self.shares_vocab:
                     scores = self._scores(logits[row, -1], row, request.sequences[row] + new_ids[row], request)
                 else:  # another vocabulary: the target's processors do not apply; greedy proposal
                     scores = logits[row, -1].float()
+                q = torch.softmax(scores, dim=-1)  # [V]
                 if request.do_sample and self.shares_vocab:
-                    q = torch.softmax(scores, dim=-1)  # [V]
                     token = int(torch.multinomial(q, 1))
                     q_rows[row].append(q)
                 else:
                     token = int(scores.argmax())
                 new_ids[row].append(token)
-                next_chunks[row] = [token]
-            if step + 1 < kmax:
+                if len(new_ids[row]) < limit[row] and float(q[token]) >= request.min_confidence:
+                    next_chunks[row] = [token]
+                    still.append(row)
+            active = still
+            if active:
                 logits = forward_ragged(self.model, self.cache, next_chunks, all_logits=False)
-                for row in request.rows:
+                for row in active:
                     self.cached[row].append(new_ids[row][-1])
         # 3. Hand back the drafts in the target vocabulary.
         tokens, qs = [], []
         for row, k in zip(request.rows, request.k):
             tokens.append(self.to_target_space(draft_seqs[row], new_ids[row], k))
-            qs.append(torch.stack(q_rows[row][:k]) if q_rows[row] and k > 0 else None)
+            qs.append(torch.stack(q_rows[row][: len(tokens[-1])]) if q_rows[row] and tokens[-1] else None)
         return Draft(tokens=tokens, q=qs)

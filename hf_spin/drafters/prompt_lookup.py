@@ -13,6 +13,7 @@ from .base import Draft, Drafter, DraftRequest
 
 class PromptLookupDrafter(Drafter):
     name = "prompt_lookup"
+    kind = "prompt_lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:

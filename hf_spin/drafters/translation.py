@@ -18,6 +18,9 @@ DECODE_CONTEXT = 4
 
 class TranslatingDrafter(ModelDrafter):
     shares_vocab = False
+    kind = "translation"
+    gives_q = False
+
     def __init__(self, model, tokenizer, target_tokenizer=None, name: str | None = None):
         super().__init__(model, name=name)
         self.tokenizer = tokenizer

@@ -1,0 +1,155 @@
+"""The policy interface: a policy decides, the engine acts.
+
+Every step the engine shows the policy a `BatchView` and gets back a `Plan`: per row, which
+drafters draft (none: plain decoding; one; several: their drafts are merged by vote), how many
+tokens (k), and a few knobs of the mechanism (confidence stop, vote weights, which idle drafter
+caches to pre-fill). After the step the policy is told what happened (`StepFeedback`). A policy
+never touches a model or a cache, so policies are tested on simulated drafters (tests/sim.py).
+
+A policy is two decisions composed: *selection* (`Policy.select`: who drafts for which row) and
+*draft length* (a `DraftLength` rule: how many tokens that drafter proposes).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+# Draft length when none is given: on the packaged models verifying 5-8 tokens costs about as much
+# as verifying one (MODELS.md), and acceptance of 5 consecutive drafts is already rare on hard text.
+DEFAULT_DRAFT_LENGTH = 5
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    """What a policy may know about a drafter without touching it."""
+
+    name: str  # unique within the pool (the key of the statistics)
+    kind: str  # "model", "translation", "prompt_lookup", ... (the drafter class's `kind`)
+    num_parameters: int  # 0 for model-free drafters; orders drafters by size
+    gives_q: bool  # True when it returns draft probabilities when sampling (else a one-hot proposal)
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """The active batch as a policy sees it at the start of a step."""
+
+    row_ids: list[int]  # [B] request ids of the active rows, in batch order (unique within a call)
+    prompt_lengths: list[int]  # [B] prompt tokens per row (without padding)
+    generated: list[int]  # [B] tokens generated so far per row
+    usable: list[bool]  # [num_drafters] False for a drafter dropped after a failure in this call
+    step: int  # verification steps done so far in this call
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.row_ids)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to do this step.
+
+    Example, B = 3 with drafters [model, prompt_lookup]: drafters [(0,), (), (0, 1)], k [4, 0, 6]
+    means row 0 takes 4 tokens from the model, row 1 decodes plainly, and row 2 verifies the
+    heaviest path of the vote tree built from both drafters' 6-token drafts.
+    """
+
+    drafters: list[tuple[int, ...]]  # [B] drafter indices per row: () plain, (d,) one, several: vote
+    k: list[int]  # [B] draft length per row (an upper bound: a drafter may propose fewer)
+    min_confidence: float = 0.0  # a model drafter stops a row once q(proposed token) < this
+    vote_weights: list[float] | None = None  # [num_drafters] weights of the vote tree, when voting
+    prefill: dict[int, list[int]] = field(default_factory=dict)  # idle drafter -> batch rows to catch up
+
+
+@dataclass(frozen=True)
+class StepFeedback:
+    """What one step did, row by row (batch order as in the plan's view)."""
+
+    row_ids: list[int]  # [B]
+    plan: Plan  # as executed: k capped by the room left before max_length, failed drafters removed
+    drafted: list[int]  # [B] draft tokens verified per row (the vote's path when voting)
+    accepted: list[int]  # [B] draft tokens accepted per row
+    proposed: list[dict[int, int]]  # [B] drafter -> tokens it proposed for the row
+    matched: list[dict[int, int]]  # [B] drafter -> how many of its tokens match the committed tokens
+    draft_seconds: list[float]  # [num_drafters] wall time each drafter spent this step
+    verify_seconds: float  # wall time of the target forward and verification
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.row_ids)
+
+    def row_seconds(self, b: int) -> float:
+        """Row b's share of the step: its drafters' time split over the rows they served, plus 1/B of verification."""
+        share = self.verify_seconds / max(self.batch_size, 1)
+        for d in self.plan.drafters[b]:
+            served = sum(1 for ds in self.plan.drafters if d in ds)
+            share += self.draft_seconds[d] / max(served, 1)
+        return share
+
+
+class DraftLength(ABC):
+    """How many tokens a drafter proposes for a row (and how confident each must be)."""
+
+    min_confidence: float = 0.0  # see Plan.min_confidence
+
+    def bind(self, drafters: list[DrafterInfo]) -> None:
+        """Called once by the pool with its drafters."""
+
+    @abstractmethod
+    def k(self, drafter: int, row: int, view: BatchView) -> int:
+        """Draft length for `drafter` serving batch row `row`."""
+
+    def update(self, feedback: StepFeedback) -> None:
+        """Learn from a step; fixed lengths do not."""
+
+
+class FixedLength(DraftLength):
+    """Always k tokens (the baseline; `draft_length=5`)."""
+
+    def __init__(self, k: int = DEFAULT_DRAFT_LENGTH, min_confidence: float = 0.0):
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"draft_length must be a positive int, got {k!r}")
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence!r}")
+        self.value, self.min_confidence = k, min_confidence
+
+    def k(self, drafter: int, row: int, view: BatchView) -> int:
+        return self.value
+
+
+class Policy(ABC):
+    """Selection (subclasses) plus a `DraftLength` rule; `plan` composes them."""
+
+    def __init__(self, draft_length: DraftLength | None = None):
+        self.draft_length = draft_length or FixedLength()
+        self.drafters: list[DrafterInfo] = []
+
+    def bind(self, drafters: list[DrafterInfo]) -> None:
+        """Called once by the pool with its drafters, before any call."""
+        self.drafters = list(drafters)
+        self.draft_length.bind(self.drafters)
+
+    def start_rows(self, view: BatchView, rows: list[int]) -> None:
+        """Batch rows `rows` of `view` are new requests (the start of a call, or rows joining)."""
+
+    def end_rows(self, row_ids: list[int]) -> None:
+        """These requests left the batch; forget their per-request state."""
+
+    @abstractmethod
+    def select(self, view: BatchView) -> list[tuple[int, ...]]:
+        """[B] drafters per row: () plain decoding, (d,) one drafter, several to vote."""
+
+    def plan(self, view: BatchView) -> Plan:
+        chosen = self.select(view)
+        k = [max((self.draft_length.k(d, b, view) for d in ds), default=0) for b, ds in enumerate(chosen)]
+        return Plan(drafters=chosen, k=k, min_confidence=self.draft_length.min_confidence)
+
+    def update(self, feedback: StepFeedback) -> None:
+        """Learn from a step. Subclasses that learn call super().update(feedback) too."""
+        self.draft_length.update(feedback)
+
+
+def first_usable(usable: list[bool], start: int) -> int | None:
+    """The first usable drafter at or after `start` (cyclically), or None."""
+    n = len(usable)
+    return next(((start + i) % n for i in range(n) if usable[(start + i) % n]), None)
