@@ -13,23 +13,20 @@ checked against plain decoding. Writes JSON and a markdown table to --out.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-import transformers
 from accelerate import PartialState
 from accelerate.utils import gather_object
 from tqdm import tqdm
 
 import hf_spin
 from hf_spin import models
+from hf_spin.policies import FixedLength
 
-DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
+from common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens, save_partial, timed, write_results
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,47 +38,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct", choices=models.NAMES)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--draft-length", type=int, default=hf_spin.policies.DEFAULT_DRAFT_LENGTH)
+    ap.add_argument("--draft-length", type=int, default=hf_spin.policies.DEFAULT_DRAFT_LENGTH, help="hf_spin's k")
+    ap.add_argument("--min-confidence", type=float, default=0.0, help="hf_spin's confidence stop (transformers' assistant default: 0.4 with k <= 20)")
     ap.add_argument("--batch-sizes", type=int, nargs="*", default=[4, 8], help="batched comparisons (besides batch 1)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     return ap.parse_args()
-
-
-def load_questions(path: Path, per_category: int, limit: int | None) -> list[dict]:
-    taken: dict[str, int] = defaultdict(int)
-    questions = []
-    for line in path.read_text().splitlines():
-        q = json.loads(line)
-        if taken[q["category"]] < per_category:
-            taken[q["category"]] += 1
-            questions.append(q)
-    return questions[:limit]
-
-
-def encode(tokenizer, questions: list[dict]) -> dict:
-    texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False, add_generation_prompt=True)
-        for q in questions
-    ]
-    return tokenizer(texts, return_tensors="pt", padding=True)
-
-
-def timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
-def new_tokens(sequences: torch.Tensor, prompt_len: int, pad_id: int) -> list[list[int]]:
-    return [[t for t in row[prompt_len:].tolist() if t != pad_id] for row in sequences]
-
-
-def save_partial(args, record: dict) -> None:
-    """Append one finished record to <out>/partial-<rank>.jsonl: a run cut short keeps what it measured."""
-    if getattr(args, "partial", None):
-        with open(args.partial, "a") as f:
-            f.write(json.dumps(record) + "\n")
 
 
 def run_batch1(target, drafter, tok, questions, args) -> list[dict]:
@@ -93,7 +55,7 @@ def run_batch1(target, drafter, tok, questions, args) -> list[dict]:
         P = batch["input_ids"].shape[1]
         plain, t_plain = timed(lambda: target.generate(**batch, **gen))
         assisted, t_assisted = timed(lambda: target.generate(**batch, assistant_model=drafter, **gen))
-        pool = hf_spin.AssistantPool([drafter], draft_length=args.draft_length)
+        pool = hf_spin.AssistantPool([drafter], draft_length=FixedLength(args.draft_length, args.min_confidence))
         spin, t_spin = timed(lambda: target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **gen))
         ref = new_tokens(plain, P, tok.pad_token_id)[0]
         stats = pool.last_stats
@@ -116,7 +78,7 @@ def run_batch1(target, drafter, tok, questions, args) -> list[dict]:
                 },
             }
         )
-        save_partial(args, records[-1])
+        save_partial(getattr(args, "partial", None), records[-1])
     return records
 
 
@@ -128,7 +90,7 @@ def run_batched(target, drafter, tok, questions, batch_size, args) -> list[dict]
         batch = encode(tok, chunk)
         P = batch["input_ids"].shape[1]
         plain, t_plain = timed(lambda: target.generate(**batch, **gen))
-        pool = hf_spin.AssistantPool([drafter], draft_length=args.draft_length)
+        pool = hf_spin.AssistantPool([drafter], draft_length=FixedLength(args.draft_length, args.min_confidence))
         spin, t_spin = timed(lambda: target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **gen))
         ref = new_tokens(plain, P, tok.pad_token_id)
         stats = pool.last_stats
@@ -142,7 +104,7 @@ def run_batched(target, drafter, tok, questions, batch_size, args) -> list[dict]
                 "hf_spin": {"acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length},
             }
         )
-        save_partial(args, records[-1])
+        save_partial(getattr(args, "partial", None), records[-1])
     return records
 
 
@@ -189,8 +151,8 @@ def summarize(records: list[dict], batched: dict[int, list[dict]]) -> dict:
 def markdown(summary: dict, env: dict) -> str:
     lines = [
         f"Spec-Bench, greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, {env['threads']} threads; "
-        f"target {env['target']}, drafter {env['drafter']}; {env['machine']}; torch {env['torch']}, "
-        f"transformers {env['transformers']}, hf_spin {env['hf_spin']}.",
+        f"target {env['target']}, drafter {env['drafter']} (hf_spin k={env['draft_length']}, min_confidence={env['min_confidence']}); "
+        f"{env['machine']}, {env['processes']} process(es); torch {env['torch']}, transformers {env['transformers']}, hf_spin {env['hf_spin']}.",
         "",
         "| category | n | plain tok/s | assisted x | hf_spin x | hf_spin / assisted | acceptance | mean accepted len | identical (spin / assisted) |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -231,24 +193,18 @@ def main() -> None:
     if not state.is_main_process:
         return
     env = {
-        "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads, {state.num_processes} process(es)".strip(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "hf_spin": "0.1.0",
+        **machine(state.num_processes),
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
-        "threads": args.threads,
         "target": args.target,
         "drafter": args.drafter,
         "draft_length": args.draft_length,
+        "min_confidence": args.min_confidence,
         "questions": len(records),
     }
     summary = summarize(records, batched)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (args.out / f"spec_bench-{stamp}.json").write_text(json.dumps({"env": env, "summary": summary, "records": records, "batched": batched}, indent=1))
     table = markdown(summary, env)
-    (args.out / f"spec_bench-{stamp}.md").write_text(table)
+    write_results(args.out, "spec_bench", {"env": env, "summary": summary, "records": records, "batched": batched}, table)
     print(table)
 
 

@@ -5,11 +5,18 @@
     hf_spin.enable()  # from here on: model.generate(**batch, assistant_pool=pool, ...)
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TranslatingDrafter
 from .generation import SpinGenerateOutput, disable, enable, generate
 from .policies import DraftLength, FixedLength, FixedPolicy, Plan, Policy, RoundRobinPolicy
 from .pool import AssistantPool
 from .stats import GenerationStats
+
+try:
+    __version__ = version("hf-spin")
+except PackageNotFoundError:  # imported from a source tree that was not installed
+    __version__ = "0.0.0+local"
 
 __all__ = [
     "AssistantPool",

@@ -1,0 +1,240 @@
+"""A heterogeneous pool on Spec-Bench: every policy against every single drafter and the oracle, one run.
+
+    python benchmarks/pool_bench.py --per-task 1 --max-new-tokens 32 --batch-sizes 1 4
+    accelerate launch --num_processes 2 benchmarks/pool_bench.py ...   # questions sharded over processes
+
+Target Qwen2.5-Coder-1.5B; pool: Qwen2.5-Coder-0.5B (same tokenizer), SmolLM2-135M and Gemma-3-270M
+(token translation), prompt lookup. For each batch of questions, side by side on the same prompts:
+plain `generate`; at batch 1 `transformers`' assisted generation with each single drafter (its
+defaults; universal assisted generation for the other tokenizers, `prompt_lookup_num_tokens` for
+prompt lookup); hf_spin with each single drafter (policy "fixed"); hf_spin with each policy over the
+whole pool. Reported per Spec-Bench task and overall: speed-up over plain, acceptance, mean accepted
+length, goodput, identical outputs, how often each drafter was chosen, and each method's goodput as
+a fraction of the per-request oracle (the best single drafter, or plain decoding, in hindsight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
+from tqdm import tqdm
+
+import hf_spin
+from hf_spin import models
+from hf_spin.policies import POLICIES, make_draft_length
+
+from common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens, save_partial, timed, write_results
+
+TARGET = "qwen2.5-coder-1.5b-instruct"
+# label -> packaged model name (None: prompt lookup)
+DRAFTERS = {
+    "qwen-0.5b": "qwen2.5-coder-0.5b-instruct",
+    "smollm2-135m": "smollm2-135m-instruct",
+    "gemma3-270m": "gemma-3-270m",
+    "prompt_lookup": None,
+}
+PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
+    ap.add_argument("--per-task", type=int, default=1, help="questions per Spec-Bench task (6 tasks)")
+    ap.add_argument("--limit", type=int, default=None, help="cap on the number of questions")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--policies", nargs="+", default=None, help=f"default: every registered policy but 'fixed' ({sorted(POLICIES)})")
+    ap.add_argument("--draft-length", default="5", help="an int or a DraftLength name, for every hf_spin run")
+    ap.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
+    ap.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation runs")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    return ap.parse_args()
+
+
+class Bench:
+    """The models, the pools (made once, as a user would: learned state carries across requests) and the runs."""
+
+    def __init__(self, args):
+        dtype = getattr(torch, args.dtype)
+        self.args = args
+        self.target, self.tok = models.load(TARGET, dtype=dtype)
+        self.entries = {}  # label -> pool entry
+        self.assist = {}  # label -> kwargs for transformers' assisted generation
+        for label in args.drafters:
+            name = DRAFTERS[label]
+            if name is None:
+                self.entries[label] = "prompt_lookup"
+                self.assist[label] = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
+                continue
+            model, tok = models.load(name, dtype=dtype)
+            same = tok.get_vocab() == self.tok.get_vocab()
+            # named drafter objects: the statistics say "qwen-0.5b", not a cache path
+            self.entries[label] = hf_spin.ModelDrafter(model, name=label) if same else hf_spin.TranslatingDrafter(model, tok, self.tok, name=label)
+            self.assist[label] = {"assistant_model": model} if same else {"assistant_model": model, "tokenizer": self.tok, "assistant_tokenizer": tok}
+        draft_length = int(args.draft_length) if args.draft_length.isdigit() else args.draft_length
+        policies = args.policies or sorted(p for p in POLICIES if p != "fixed")
+        self.pools = {f"spin:{label}": hf_spin.AssistantPool([entry], draft_length=make_draft_length(draft_length), tokenizer=self.tok) for label, entry in self.entries.items()}
+        for policy in policies:
+            self.pools[f"policy:{policy}"] = hf_spin.AssistantPool(
+                list(self.entries.values()), policy=policy, draft_length=make_draft_length(draft_length), tokenizer=self.tok
+            )
+        self.gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=self.tok.pad_token_id)
+
+    def run(self, questions: list[dict]) -> list[dict]:
+        """One record per question of this batch: each method's time, identity, and per-row stats."""
+        batch = encode(self.tok, questions)
+        P = batch["input_ids"].shape[1]
+        pad = self.tok.pad_token_id
+        plain, t_plain = timed(lambda: self.target.generate(**batch, **self.gen))
+        ref = new_tokens(plain, P, pad)
+        records = [
+            {"question_id": q["question_id"], "task": q["group"], "batch_size": len(questions), "new_tokens": len(r), "methods": {"plain": {"seconds": t_plain, "identical": True}}}
+            for q, r in zip(questions, ref)
+        ]
+        if len(questions) == 1 and not self.args.no_assisted:
+            for label, kwargs in self.assist.items():
+                out, t = timed(lambda: self.target.generate(**batch, **kwargs, **self.gen))
+                records[0]["methods"][f"assisted:{label}"] = {"seconds": t, "identical": new_tokens(out, P, pad)[0] == ref[0]}
+        for method, pool in self.pools.items():
+            out, t = timed(lambda: self.target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **self.gen))
+            stats = pool.last_stats
+            for i, (row, got) in enumerate(zip(stats.rows, new_tokens(out, P, pad))):
+                records[i]["methods"][method] = {
+                    "seconds": t,
+                    "row_seconds": row.wall_seconds,
+                    "identical": got == ref[i],
+                    "drafted": row.drafted,
+                    "accepted": row.accepted,
+                    "target_forwards": row.target_forwards,
+                    "chosen": dict(row.drafters),
+                }
+        return records
+
+
+def speed(r: dict, method: str) -> float:
+    """Tokens per second of a request under a method (the whole call's time: rows of a batch share it)."""
+    return r["new_tokens"] / r["methods"][method]["seconds"]
+
+
+def row_goodput(r: dict, method: str) -> float:
+    """Tokens per second until the row's own last token (its goodput within the batch)."""
+    m = r["methods"][method]
+    return r["new_tokens"] / m.get("row_seconds", m["seconds"])
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per batch size, per task and ALL: speed-ups, rates, choices and oracle fractions."""
+    out = {}
+    for bs in sorted({r["batch_size"] for r in records}):
+        rs = [r for r in records if r["batch_size"] == bs]
+        methods = list(rs[0]["methods"])
+        singles = [m for m in methods if m.startswith("spin:")]
+        # oracle: per request, the best of the single drafters and plain decoding, in hindsight
+        for r in rs:
+            best = max(singles + ["plain"], key=lambda m: row_goodput(r, m))
+            r["oracle"] = {"method": best, "goodput": row_goodput(r, best)}
+        tasks = defaultdict(list)
+        for r in rs:
+            tasks[r["task"]].append(r)
+            tasks["ALL"].append(r)
+        table = {}
+        for task, group in tasks.items():
+            plain = statistics.mean(speed(r, "plain") for r in group)
+            oracle = sum(r["oracle"]["goodput"] for r in group)
+            row = {"n": len(group), "plain_tok_s": plain, "oracle_choice": dict(Counter(r["oracle"]["method"] for r in group))}
+            for m in methods:
+                ms = [r["methods"][m] for r in group]
+                drafted = sum(x.get("drafted", 0) for x in ms)
+                forwards = sum(x.get("target_forwards", 0) for x in ms)
+                chosen = Counter()
+                for x in ms:
+                    chosen.update(x.get("chosen", {}))
+                row[m] = {
+                    "speedup": statistics.mean(speed(r, m) for r in group) / plain,
+                    "goodput": statistics.mean(row_goodput(r, m) for r in group),
+                    "oracle_fraction": sum(row_goodput(r, m) for r in group) / oracle,
+                    "acceptance_rate": sum(x.get("accepted", 0) for x in ms) / drafted if drafted else None,
+                    "mean_accepted_length": sum(r["new_tokens"] for r in group) / forwards if forwards else None,
+                    "identical": f"{sum(x['identical'] for x in ms)}/{len(ms)}",
+                    "chosen": {k: v / max(sum(chosen.values()), 1) for k, v in chosen.items()},
+                }
+            table[task] = row
+        out[bs] = table
+    return out
+
+
+def markdown(summary: dict, env: dict) -> str:
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    lines = [
+        f"Spec-Bench pool benchmark: greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, draft_length={env['draft_length']}; "
+        f"target {TARGET}; {env['machine']}, {env['threads']} threads, {env['processes']} process(es); "
+        f"torch {env['torch']}, transformers {env['transformers']}, hf_spin {env['hf_spin']}.",
+    ]
+    for bs, table in summary.items():
+        tasks = sorted((t for t in table if t != "ALL")) + ["ALL"]
+        methods = [m for m in table["ALL"] if isinstance(table["ALL"][m], dict) and "speedup" in table["ALL"][m]]
+        lines += ["", f"### batch {bs}: speed-up over plain `generate` (Spec-Bench: mean speed / mean plain speed)", ""]
+        lines += ["| method | " + " | ".join(tasks) + " | acceptance | mean accepted len | goodput tok/s | oracle fraction | identical |"]
+        lines += ["|---" * (len(tasks) + 6) + "|"]
+        for m in methods:
+            a = table["ALL"][m]
+            lines.append(
+                f"| {m} | " + " | ".join(f"{table[t][m]['speedup']:.2f}" for t in tasks)
+                + f" | {fmt(a['acceptance_rate'], '.1%')} | {fmt(a['mean_accepted_length'], '.2f')} | {a['goodput']:.2f} | {a['oracle_fraction']:.2f} | {a['identical']} |"
+            )
+        lines.append(f"| plain tok/s | " + " | ".join(f"{table[t]['plain_tok_s']:.2f}" for t in tasks) + " | | | | | |")
+        lines += ["", f"### batch {bs}: which drafter each policy chose (share of row-steps), and the oracle's choice", ""]
+        lines += ["| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+        for m in [m for m in methods if m.startswith("policy:")]:
+            cells = []
+            for t in tasks:
+                chosen = table[t][m]["chosen"]
+                cells.append(", ".join(f"{k.split('/')[-1]} {v:.0%}" for k, v in sorted(chosen.items(), key=lambda kv: -kv[1])) or "plain")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("| oracle | " + " | ".join(", ".join(f"{k} x{v}" for k, v in table[t]["oracle_choice"].items()) for t in tasks) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)  # explicit: an oversubscribed CPU collapses ~10x
+    state = PartialState()
+    bench = Bench(args)
+    questions = load_questions(args.questions, args.per_task, args.limit, group_by="task")
+    # warm-up, 4 tokens: one-off allocation costs would bias whichever method runs first
+    bench.gen, full = {**bench.gen, "max_new_tokens": 4}, bench.gen
+    bench.run(questions[:1])
+    bench.gen = full
+    args.out.mkdir(parents=True, exist_ok=True)
+    partial = args.out / f"pool_bench-partial-{state.process_index}.jsonl"
+    records = []
+    with state.split_between_processes(questions) as shard:
+        for bs in args.batch_sizes:
+            chunks = [shard[i : i + bs] for i in range(0, len(shard), bs)]
+            for chunk in tqdm(chunks, desc=f"batch {bs}", disable=not state.is_main_process):
+                for record in bench.run(chunk):
+                    records.append(record)
+                    save_partial(partial, record)
+    records = gather_object(records)
+    if not state.is_main_process:
+        return
+    env = {**machine(state.num_processes), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "draft_length": args.draft_length}
+    summary = summarize(records)
+    table = markdown(summary, env)
+    path = write_results(args.out, "pool_bench", {"env": env, "summary": summary, "records": records}, table)
+    print(table)
+    print(f"written: {path}")
+
+
+if __name__ == "__main__":
+    main()
