@@ -5,6 +5,7 @@
     hf_spin.enable()  # from here on: model.generate(**batch, assistant_pool=pool, ...)
 """
 
+from . import kernels  # registers attn_implementation="hf_spin_varlen" with transformers
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TranslatingDrafter
 from .generation import SpinGenerateOutput, disable, enable, generate
 from .policies import FixedPolicy, Plan, Policy, RoundRobinPolicy

@@ -4,3 +4,6 @@ falls back to the reference where Triton or a GPU is missing."""
 from .varlen_attention import HAS_TRITON, pack_tree_masks, use_triton, varlen_attention, varlen_attention_ref
 
 __all__ = ["HAS_TRITON", "pack_tree_masks", "use_triton", "varlen_attention", "varlen_attention_ref"]
+from .attention import ATTENTION_NAME, VarlenMetadata, register, varlen_attention_forward, varlen_attention_mask  # noqa: E402
+
+__all__ += ["ATTENTION_NAME", "VarlenMetadata", "register", "varlen_attention_forward", "varlen_attention_mask"]
