@@ -7,3 +7,6 @@ __all__ = ["HAS_TRITON", "pack_tree_masks", "use_triton", "varlen_attention", "v
 from .attention import ATTENTION_NAME, VarlenMetadata, register, varlen_attention_forward, varlen_attention_mask  # noqa: E402
 
 __all__ += ["ATTENTION_NAME", "VarlenMetadata", "register", "varlen_attention_forward", "varlen_attention_mask"]
+from .decomposition import DecompositionPlan, decomposed_attention, plan_decomposition  # noqa: E402
+
+__all__ += ["DecompositionPlan", "decomposed_attention", "plan_decomposition"]
