@@ -159,3 +159,15 @@ def test_engine_with_the_triton_kernel_under_the_interpreter(monkeypatch):
     reference = target.generate(**inputs)
     pool = hf_spin.AssistantPool([target], ragged_attention=True, draft_length=3)
     assert torch.equal(target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool), reference)
+
+
+def test_sampling_runs_on_the_packed_path(packed_calls):
+    # distribution checks live in test_sampling.py (default path); here: the packed path samples, keeps
+    # the prompts and the target's attention implementation
+    target, other = _models("llama")
+    inputs, _ = _case("llama", 4)
+    torch.manual_seed(0)
+    pool = hf_spin.AssistantPool([other], ragged_attention=True)
+    out = target.generate(**{**inputs, "do_sample": True, "temperature": 0.8}, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out[:, :PROMPT_LENGTH], inputs["input_ids"]) and out.shape[1] <= PROMPT_LENGTH + MAX_NEW_TOKENS
+    assert len(packed_calls) > 0 and pool.last_stats.steps > 0
