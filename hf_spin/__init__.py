@@ -7,6 +7,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import kernels  # registers attn_implementation="hf_spin_varlen" with transformers
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TranslatingDrafter
 from .generation import SpinGenerateOutput, disable, enable, generate
 from .policies import DraftLength, FixedLength, FixedPolicy, Plan, Policy, RoundRobinPolicy

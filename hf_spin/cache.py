@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
 # Compact when holes make up more than this fraction of the slots: a gather of the whole cache
 # costs about as much as attending over that many extra slots for a few steps.
@@ -72,6 +73,10 @@ class RaggedCache(DynamicCache):
     @property
     def num_slots(self) -> int:
         return self.slot_mask.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_mask.device
 
     def hole_fraction(self) -> float:
         return 1.0 - self.slot_mask.float().mean().item() if self.slot_mask.numel() else 0.0
@@ -145,7 +150,10 @@ def forward_ragged(model, cache: RaggedCache, chunks: list[list[int]], all_logit
     chunks: B lists of token ids, any lengths (an empty chunk adds only holes).
     Returns logits `[B, T, V]` for every slot of the right-padded chunk (T = longest chunk), or
     `[B, 1, V]` at each row's last chunk token when `all_logits` is False.
+    A `PackedCache` goes through `forward_packed` (no padding, no holes).
     """
+    if isinstance(cache, PackedCache):
+        return forward_packed(model, cache, chunks, all_logits)
     device = model.device
     width = max(len(c) for c in chunks)
     lengths = torch.tensor([len(c) for c in chunks], device=device)  # [B]
@@ -175,3 +183,266 @@ def forward_ragged(model, cache: RaggedCache, chunks: list[list[int]], all_logit
     if all_logits:
         return logits
     return logits[torch.arange(len(chunks), device=device), last][:, None]  # [B, 1, V]
+
+
+# --- Packed per-row cache: no padding, no holes (the ragged_attention path) ------------------------
+
+# Spare slots a row gets when it outgrows its capacity: at least RESERVE_TOKENS, or GROWTH of its length
+# (geometric growth: a row of length L is re-laid out O(log L) times, each copy amortised over L / 8 tokens).
+RESERVE_TOKENS = 32
+GROWTH = 0.125
+
+
+def grow_capacity(length: int) -> int:
+    """Slots given to a row that needs `length` slots and has too few."""
+    return length + max(RESERVE_TOKENS, int(length * GROWTH))
+
+
+class _PackedLayer:
+    """One layer's keys `[total_slots, H_kv, D]` and values `[total_slots, H_kv, D_v]`, rows back to back."""
+
+    is_sliding = False
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.is_initialized = False
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor, total: int) -> None:
+        """New storage of `total` slots; slot src[i] of the old one goes to slot dst[i]."""
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(total, *old.shape[1:])
+            new[dst] = old[src]
+            setattr(self, name, new)
+
+
+class PackedCache(Cache):
+    """A KV cache that stores each row's tokens back to back, each row with its own length.
+
+    Layout, per layer: keys `[total_slots, H_kv, D]` in flash-attention's varlen layout. Row b owns slots
+    `starts[b] : starts[b] + capacity[b]` and uses the first `lengths[b]`; the rest is spare room for the
+    next drafts (see `grow_capacity`). So
+
+    * append (a forward through `forward_packed`) writes each row's new tokens after its own length;
+    * rollback only lowers `lengths[b]` (rejected drafts are overwritten by the next append);
+    * a row that outgrows its capacity re-lays out every layer (one copy, amortised by the spare room);
+    * `select_rows` retires rows and compacts the rest, giving their memory back.
+
+    Worked example: lengths [3, 1], capacity [4, 33] -> starts [0, 4], 37 slots; `cu_seqlens_k` [0, 4, 37]
+    with `seqused_k` [3, 1] is what the attention kernel reads. No slot is padding for another row, so
+    nothing grows with the longest row: memory is sum_b capacity[b], not B * max_b length[b].
+
+    Only models whose attention goes through `transformers`' AttentionInterface can use it: the attention
+    implementation `hf_spin_varlen` reads the metadata `forward_packed` passes (`spin_varlen=`).
+    """
+
+    def __init__(self, batch_size: int, device: torch.device | str = "cpu"):
+        super().__init__(layers=[])
+        self.lengths: list[int] = [0] * batch_size  # [B] tokens held per row
+        self.capacity: list[int] = [0] * batch_size  # [B] slots owned per row
+        self._device = torch.device(device)
+        self._write: torch.Tensor | None = None  # [total_q] slot of every new token of the running forward
+        self._pending: list[int] | None = None  # lengths after the running forward
+
+    # -- layout ------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def starts(self) -> list[int]:
+        out, s = [], 0
+        for c in self.capacity:
+            out.append(s)
+            s += c
+        return out
+
+    @property
+    def total_slots(self) -> int:
+        return sum(self.capacity)
+
+    def _relayout(self, rows: list[int], capacity: list[int]) -> None:
+        """Keep `rows` (in this order) with these capacities; move every initialised layer."""
+        old_starts = self.starts
+        new_starts = [sum(capacity[:i]) for i in range(len(rows))]
+        src = [old_starts[r] + t for r in rows for t in range(self.lengths[r])]
+        dst = [new_starts[i] + t for i, r in enumerate(rows) for t in range(self.lengths[r])]
+        src_t = torch.tensor(src, dtype=torch.long, device=self._device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self._device)
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.move(src_t, dst_t, sum(capacity))
+        self.lengths = [self.lengths[r] for r in rows]
+        self.capacity = list(capacity)
+
+    def begin(self, q_lens: list[int]):
+        """Plan one forward that appends q_lens[b] tokens to row b. Returns (`VarlenMetadata`,
+        position_ids `[1, total_q]`); `commit` makes the new lengths current once the forward ran."""
+        from .kernels.attention import VarlenMetadata
+
+        if len(q_lens) != len(self.lengths):
+            raise ValueError(f"{len(q_lens)} chunks for a cache of {len(self.lengths)} rows")
+        new = [n + q for n, q in zip(self.lengths, q_lens)]
+        if any(n > c for n, c in zip(new, self.capacity)):
+            grown = [grow_capacity(n) if n > c else c for n, c in zip(new, self.capacity)]
+            self._relayout(list(range(len(new))), grown)
+        starts = self.starts
+        write = [starts[b] + self.lengths[b] + t for b, q in enumerate(q_lens) for t in range(q)]
+        positions = [self.lengths[b] + t for b, q in enumerate(q_lens) for t in range(q)]
+        dev = self._device
+        self._write = torch.tensor(write, dtype=torch.long, device=dev)
+        self._pending = new
+        cu_q = [0]
+        for q in q_lens:
+            cu_q.append(cu_q[-1] + q)
+        meta = VarlenMetadata(
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
+            cu_seqlens_k=torch.tensor(starts + [self.total_slots], dtype=torch.int32, device=dev),
+            max_seqlen_q=max(q_lens, default=0),
+            max_seqlen_k=max(new, default=0),
+            seqused_k=torch.tensor(new, dtype=torch.int32, device=dev),
+        )
+        return meta, torch.tensor(positions, dtype=torch.long, device=dev)[None]
+
+    def commit(self) -> None:
+        self.lengths, self._pending, self._write = self._pending, None, None
+
+    # -- the Cache API the model calls -------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key_states `[1, H_kv, total_q, D]` (the packed new tokens) -> all keys `[1, H_kv, total_slots, D]`
+        (a view of the layer's `[total_slots, H_kv, D]` storage, which the attention function views back)."""
+        if self._write is None:
+            raise RuntimeError("PackedCache.update outside forward_packed: run the model through hf_spin.cache.forward_ragged")
+        while len(self.layers) <= layer_idx:
+            self.layers.append(_PackedLayer())
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            H_kv, D, D_v = key_states.shape[1], key_states.shape[3], value_states.shape[3]
+            layer.keys = key_states.new_zeros(self.total_slots, H_kv, D)
+            layer.values = value_states.new_zeros(self.total_slots, H_kv, D_v)
+            layer.is_initialized = True
+        layer.keys[self._write] = key_states[0].transpose(0, 1)  # [total_q, H_kv, D]
+        layer.values[self._write] = value_states[0].transpose(0, 1)
+        return layer.keys.permute(1, 0, 2).unsqueeze(0), layer.values.permute(1, 0, 2).unsqueeze(0)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths, default=0)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    # -- per-row operations the engine uses ----------------------------------------------------------
+    def rollback(self, keep) -> None:
+        """Keep only the first keep[b] tokens of row b (no copy: the slots are reused by the next append)."""
+        keep = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
+        self.lengths = [min(n, int(k)) for n, k in zip(self.lengths, keep)]
+
+    def select_rows(self, rows) -> None:
+        """Keep only `rows` (retire the others) and compact: retired rows' memory is given back."""
+        rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        self._relayout(rows, [grow_capacity(self.lengths[r]) for r in rows])
+
+    # -- memory accounting -------------------------------------------------------------------------
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes over all layers (keys + values)."""
+        return sum(
+            (layer.keys[0].numel() * layer.keys.element_size() + layer.values[0].numel() * layer.values.element_size())
+            for layer in self.layers
+            if layer.is_initialized
+        )
+
+    def bytes_held(self) -> int:
+        """Bytes this cache holds: every owned slot, spare room included."""
+        return self.total_slots * self.bytes_per_token()
+
+    def bytes_used(self) -> int:
+        """Bytes of the tokens rows hold."""
+        return sum(self.lengths) * self.bytes_per_token()
+
+    def padded_bytes(self) -> int:
+        """Bytes a rectangular cache `[B, H_kv, max_b length, D]` of the same rows would hold (a lower
+        bound for `RaggedCache`, which also keeps holes)."""
+        return len(self.lengths) * max(self.lengths, default=0) * self.bytes_per_token()
+
+
+class _use_attention:
+    """Run the model with `attn_implementation` = name for the duration of one forward."""
+
+    def __init__(self, model, name: str):
+        self.model, self.name = model, name
+
+    def __enter__(self):
+        self.previous = self.model.config._attn_implementation
+        if self.previous != self.name:
+            self.model.config._attn_implementation = self.name
+
+    def __exit__(self, *exc):
+        if self.previous != self.name:
+            self.model.config._attn_implementation = self.previous
+
+
+def check_packed_support(model, role: str = "model") -> None:
+    """Refuse, with the reason, a model the packed path cannot run."""
+    if not model._can_set_attn_implementation() or not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(
+            f"ragged_attention=True needs a model whose attention goes through transformers' AttentionInterface; "
+            f"{role} {model.config.model_type!r} ({type(model).__name__}) has its own attention code. Use ragged_attention=False."
+        )
+
+
+def forward_packed(model, cache: PackedCache, chunks: list[list[int]], all_logits: bool = True) -> torch.Tensor:
+    """`forward_ragged` on a `PackedCache`: one forward over the packed chunks `[1, total_q]`, no padding.
+
+    Attention runs through `hf_spin_varlen` (switched on for this forward only) with the cache's
+    `VarlenMetadata`. Returns logits like `forward_ragged`: `[B, T, V]` right-padded with zeros, or
+    `[B, 1, V]` at each row's last chunk token (zeros for an empty chunk) when `all_logits` is False.
+    """
+    from .kernels.attention import ATTENTION_NAME
+
+    device = model.device
+    q_lens = [len(c) for c in chunks]
+    total = sum(q_lens)
+    if total == 0:
+        raise ValueError("forward_packed needs at least one token in some chunk")
+    meta, position_ids = cache.begin(q_lens)
+    input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)[None]  # [1, total_q]
+    ends = meta.cu_seqlens_q[1:].long() - 1  # [B] packed index of each row's last token
+    fed = torch.tensor(q_lens, device=cache.device) > 0  # [B]
+    extra = {}
+    if not all_logits and model._supports_logits_to_keep():
+        extra["logits_to_keep"] = ends[fed].to(device)  # [U]: one row of logits per non-empty row
+    try:
+        with _use_attention(model, ATTENTION_NAME):
+            out = model(
+                input_ids=input_ids,
+                position_ids=position_ids.to(device),
+                past_key_values=cache,
+                use_cache=True,
+                return_dict=True,
+                spin_varlen=meta,
+                **extra,
+            )
+    except BaseException:
+        cache._write = cache._pending = None  # the lengths stay as they were
+        raise
+    cache.commit()
+    logits = out.logits[0]  # [total_q, V], or [U, V] with logits_to_keep
+    B, V = len(chunks), logits.shape[-1]
+    if all_logits:
+        row = torch.repeat_interleave(torch.arange(B), torch.tensor(q_lens)).to(logits.device)  # [total_q]
+        col = torch.cat([torch.arange(q) for q in q_lens]).to(logits.device)  # [total_q]
+        padded = logits.new_zeros(B, max(q_lens), V)
+        padded[row, col] = logits
+        return padded
+    result = logits.new_zeros(B, 1, V)
+    fed = fed.to(logits.device)
+    result[fed, 0] = logits if "logits_to_keep" in extra else logits[ends[fed].to(logits.device)]
+    return result

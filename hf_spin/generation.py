@@ -26,7 +26,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import RaggedCache, forward_ragged, needs_contiguous_slots
+from .cache import PackedCache, RaggedCache, forward_ragged, needs_contiguous_slots
 from .drafters import Draft, DraftRequest
 from .drafters.model import common_prefix_length
 from .policies import BatchView, Plan, StepFeedback
@@ -192,10 +192,14 @@ def generate(
         return False
 
     # 1. Prefill the target exactly as `generate` would, and pick the first token.
-    cache = RaggedCache(attention_mask.bool(), contiguous=needs_contiguous_slots(model.config))
-    model_kwargs["past_key_values"] = cache
-    inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
-    logits = model(**inputs, return_dict=True).logits[:, -1].to(dtype=torch.float32)  # [B, V]
+    if assistant_pool.ragged_attention:  # packed rows, no padding (hf_spin.cache.PackedCache)
+        cache = PackedCache(B, device=model.device)
+        logits = forward_ragged(model, cache, rows.sequences, all_logits=False)[:, -1].to(dtype=torch.float32)  # [B, V]
+    else:
+        cache = RaggedCache(attention_mask.bool(), contiguous=needs_contiguous_slots(model.config))
+        model_kwargs["past_key_values"] = cache
+        inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
+        logits = model(**inputs, return_dict=True).logits[:, -1].to(dtype=torch.float32)  # [B, V]
     scores = logits_processor(input_ids, logits) if len(logits_processor) else logits
     first = torch.multinomial(torch.softmax(scores, -1), 1)[:, 0] if do_sample else scores.argmax(-1)  # [B]
     stats.prefill_seconds = perf_counter() - start
@@ -247,7 +251,7 @@ def generate(
         if len(kept) < len(rows.ids):
             index = torch.tensor(kept)
             rows.keep(kept)
-            cache.select_rows(index.to(cache.slot_mask.device))
+            cache.select_rows(index.to(cache.device))
             for d, ok in zip(drafters, usable):
                 if ok:
                     d.select_rows(index)
@@ -325,7 +329,7 @@ def generate(
                 drafter_stats[names[d_idx]].add(len(tokens), own, len(new))
             if streamer is not None:
                 streamer.put(torch.tensor(new))
-        cache.rollback(torch.tensor([len(s) - 1 for s in rows.sequences], device=cache.slot_mask.device))
+        cache.rollback(torch.tensor([len(s) - 1 for s in rows.sequences], device=cache.device))
 
         # 7. Fast switching: idle drafters named by the plan catch up on rows they may serve next.
         for d_idx, prefill_rows in plan.prefill.items():

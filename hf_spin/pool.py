@@ -8,6 +8,7 @@ another tokenizer (token translation; a shared tokenizer is detected and transla
 
 from __future__ import annotations
 
+from .cache import check_packed_support
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TranslatingDrafter
 from .policies import DEFAULT_DRAFT_LENGTH, DrafterInfo, DraftLength, Policy, make_policy
 from .stats import DrafterStats, GenerationStats
@@ -47,6 +48,9 @@ class AssistantPool:
         `hf_spin.policies.DRAFT_LENGTHS`, or a `DraftLength` object.
     tokenizer: the target's tokenizer; needed by drafters with another tokenizer (it may also come
         from `generate(tokenizer=...)`).
+    ragged_attention: verify (and draft, for model drafters) on packed rows: a `PackedCache` per model
+        and `attn_implementation="hf_spin_varlen"` for those forwards, so no compute or memory goes to
+        padding or holes. Needs models whose attention goes through transformers' AttentionInterface.
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class AssistantPool:
         policy: str | Policy = "fixed",
         draft_length: int | str | DraftLength = DEFAULT_DRAFT_LENGTH,
         tokenizer=None,
+        ragged_attention: bool = False,
     ):
         if not isinstance(drafters, (list, tuple)) or not drafters:
             raise ValueError(f"AssistantPool needs a non-empty list of drafters, got {drafters!r}")
@@ -63,6 +68,7 @@ class AssistantPool:
         self.policy = make_policy(policy, draft_length)
         self.policy.bind(self.infos)
         self.tokenizer = tokenizer
+        self.ragged_attention = bool(ragged_attention)
         self.last_stats: GenerationStats | None = None  # statistics of the latest generate call
         self.totals: dict[str, DrafterStats] = {}  # per drafter, summed over all calls
 
@@ -102,6 +108,8 @@ class AssistantPool:
     def bind(self, target, tokenizer=None) -> list[Drafter]:
         """Check every drafter against the target; returns the drafters to use for this call."""
         _check_model(target, "target model")
+        if self.ragged_attention:
+            check_packed_support(target, "target model")
         tokenizer = tokenizer or self.tokenizer
         target_vocab = target.config.get_text_config().vocab_size
         for i, drafter in enumerate(self.drafters):
@@ -122,6 +130,11 @@ class AssistantPool:
                         "If it uses another tokenizer, pass (model, tokenizer) so the pool translates tokens; if it "
                         "shares the target's tokenizer with a padded vocabulary, pass hf_spin.ModelDrafter(model)."
                     )
+        for drafter in self.drafters:
+            if isinstance(drafter, ModelDrafter):
+                if self.ragged_attention:
+                    check_packed_support(drafter.model, f"drafter {drafter.name!r}")
+                drafter.ragged_attention = self.ragged_attention
         return self.drafters
 
     def record(self, stats: GenerationStats) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import RaggedCache, forward_ragged, needs_contiguous_slots
+from ..cache import PackedCache, RaggedCache, forward_ragged, needs_contiguous_slots
 from .base import Draft, Drafter, DraftRequest
 
 
@@ -30,11 +30,12 @@ class ModelDrafter(Drafter):
     shares_vocab = True  # the target's logits processors and q apply to this drafter's ids
     kind = "model"
     gives_q = True
+    ragged_attention = False  # set by AssistantPool(ragged_attention=True): a PackedCache and varlen attention
 
     def __init__(self, model, name: str | None = None):
         self.model = model
         self.name = name or getattr(model.config, "name_or_path", "") or model.config.model_type
-        self.cache: RaggedCache | None = None
+        self.cache: RaggedCache | PackedCache | None = None
         self.cached: list[list[int]] = []  # per row: the draft-space ids whose KV the cache holds
         self.target_vocab_size = model.config.get_text_config().vocab_size
         self.num_parameters = model.num_parameters()
@@ -49,8 +50,11 @@ class ModelDrafter(Drafter):
     def start(self, target, sequences: list[list[int]]) -> None:
         self.target_vocab_size = target.config.get_text_config().vocab_size
         device = self.model.device
-        empty = torch.zeros(len(sequences), 0, dtype=torch.bool, device=device)
-        self.cache = RaggedCache(empty, contiguous=needs_contiguous_slots(self.model.config))
+        if self.ragged_attention:
+            self.cache = PackedCache(len(sequences), device=device)
+        else:
+            empty = torch.zeros(len(sequences), 0, dtype=torch.bool, device=device)
+            self.cache = RaggedCache(empty, contiguous=needs_contiguous_slots(self.model.config))
         self.cached = [[] for _ in sequences]
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -88,7 +92,7 @@ class ModelDrafter(Drafter):
             keep[row] = min(common_prefix_length(self.cached[row], seq), len(seq) - 1)
             chunks[row] = seq[keep[row]:]
             self.cached[row] = list(seq)
-        self.cache.rollback(torch.tensor(keep, device=self.cache.slot_mask.device))
+        self.cache.rollback(torch.tensor(keep, device=self.cache.device))
         return forward_ragged(self.model, self.cache, chunks, all_logits=False), draft_seqs
 
     @torch.no_grad()

@@ -1,0 +1,26 @@
+"""Test-session set-up.
+
+Triton reads TRITON_INTERPRET when `@triton.jit` decorates a function, and `triton.language` decorates
+its own helpers (`tl.maximum`, `tl.minimum`, ...) when triton is first imported. For the kernel tests to
+run on a machine without a GPU, triton must therefore be imported with TRITON_INTERPRET=1 before any
+test module imports it. The variable is restored right after, so the rest of the suite keeps the fast
+PyTorch reference path on CPU; tests/test_kernels.py sets it again while its own tests run (the
+dispatcher reads it at call time, and the launcher re-wraps hf_spin's kernels for the interpreter).
+"""
+
+import importlib.util
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules and importlib.util.find_spec("triton") is not None:
+    _previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton  # noqa: F401
+    import triton.language  # noqa: F401
+
+    if _previous is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _previous

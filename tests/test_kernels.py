@@ -1,0 +1,193 @@
+"""Triton varlen attention against its pure-PyTorch reference, on ragged shapes, under the interpreter.
+
+Error rule (flash-attention's): against a float32 reference, the kernel's max error is at most twice
+the max error of a same-dtype PyTorch implementation (`varlen_attention_ref(..., upcast=False)`), plus a
+small per-dtype epsilon (the table below) for cases where that implementation is exact.
+
+Without a GPU the kernel runs under `TRITON_INTERPRET=1` on CPU tensors. Triton reads that variable
+when `@triton.jit` decorates, and it decorates its own `triton.language` helpers at import: conftest.py
+imports triton with the variable set, before any test module. This module sets the variable again only
+while its own tests run (the dispatcher reads it at call time; the launcher re-wraps hf_spin's kernels
+for the interpreter if they were decorated without it), so other modules keep the fast reference path.
+If triton was imported without the variable (not through conftest.py), the tests skip with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the kernel cannot run (the reference is tested elsewhere)")
+
+from hf_spin.kernels import pack_tree_masks, use_triton, varlen_attention, varlen_attention_ref  # noqa: E402
+from hf_spin.kernels.varlen_attention import _varlen_attention_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and type(triton.language.sum).__name__ != "InterpretedFunction":
+    pytest.skip("triton was imported without TRITON_INTERPRET=1 (see tests/conftest.py): its language helpers cannot run on CPU", allow_module_level=True)
+
+# dtype -> epsilon added to the 2x bound (absolute, on outputs of unit-variance values); and the lse tolerance.
+EPSILON = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+LSE_ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+
+
+def _inputs(q_lens, k_lens, H, H_kv, D, dtype, seed=0, D_v=None, spare=None):
+    """Packed q, k, v; `spare[b]` extra key slots after row b's keys filled with huge values (seqused_k)."""
+    g = torch.Generator().manual_seed(seed)
+    slots = [k + (spare[b] if spare else 0) for b, k in enumerate(k_lens)]
+    q = torch.randn(sum(q_lens), H, D, generator=g)
+    k = torch.randn(sum(slots), H_kv, D, generator=g)
+    v = torch.randn(sum(slots), H_kv, D_v or D, generator=g)
+    if spare:
+        start = 0
+        for b, n in enumerate(k_lens):
+            k[start + n : start + slots[b]] = 1e4  # would dominate any softmax they leaked into
+            v[start + n : start + slots[b]] = 1e4
+            start += slots[b]
+    return tuple(x.to(DEVICE, dtype) for x in (q, k, v)) + (_cu(q_lens).to(DEVICE), _cu(slots).to(DEVICE))
+
+
+def _check(q_lens, k_lens, H, H_kv, D, dtype, causal=True, tree=None, num_splits=None, D_v=None, spare=None, seed=0):
+    q, k, v, cu_q, cu_k = _inputs(q_lens, k_lens, H, H_kv, D, dtype, seed, D_v, spare)
+    seqused = torch.tensor(k_lens, dtype=torch.int32, device=DEVICE) if spare else None
+    tree = tree.to(DEVICE) if tree is not None else None
+    args = (cu_q, cu_k, max(q_lens), max(k_lens), causal)
+    kw = dict(tree_mask=tree, seqused_k=seqused)
+    assert use_triton(q.device)
+    out, lse = varlen_attention(q, k, v, *args, num_splits=num_splits, return_lse=True, **kw)
+    ref, ref_lse = varlen_attention_ref(q.float(), k.float(), v.float(), *args, return_lse=True, **kw)
+    torch_same = varlen_attention_ref(q, k, v, *args, upcast=False, **kw)
+    err = (out.float() - ref).abs().max().item() if out.numel() else 0.0
+    err_torch = (torch_same.float() - ref).abs().max().item() if out.numel() else 0.0
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert err <= 2 * err_torch + EPSILON[dtype], f"kernel error {err:.3g} > 2 x torch {dtype} error {err_torch:.3g} + eps"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "rows that see no key must get lse = -inf, and only those"
+    assert torch.allclose(lse[finite], ref_lse[finite], atol=LSE_ATOL[dtype], rtol=0)
+    assert (out[~finite] == 0).all(), "a query that sees no key gets a zero output"
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "q_lens, k_lens, H, H_kv, D",
+    [
+        ([0, 1, 3, 0, 2], [5, 1, 7, 0, 1], 2, 2, 16),  # empty rows, a 1-token row, a row with fewer keys than queries
+        ([4, 2, 5], [9, 2, 33], 6, 2, 40),  # odd head dim 40, GQA 6 -> 2
+        ([1, 5], [70, 5], 4, 1, 72),  # head dim 72, MQA
+    ],
+    ids=["empty_and_length_1_rows", "gqa_6_2_head_dim_40", "mqa_head_dim_72"],
+)
+def test_kernel_matches_reference_on_ragged_rows(q_lens, k_lens, H, H_kv, D, dtype):
+    _check(q_lens, k_lens, H, H_kv, D, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_long_rows_split_into_many_blocks(dtype):
+    # 517 keys in splits of 64: 9 programs per (row, head) whose partials the merge kernel combines.
+    _check([5, 1, 3], [517, 300, 3], H=2, H_kv=1, D=16, dtype=dtype, num_splits=9)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tree_masks(dtype):
+    g = torch.Generator().manual_seed(1)
+    q_lens, k_lens = [4, 1, 6], [20, 3, 70]
+    masks = []
+    for n in q_lens:  # random ancestor trees: node i's parent is a random earlier node
+        parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        m = torch.eye(n, dtype=torch.bool)
+        for i in range(n):
+            j = parent[i]
+            while j >= 0:
+                m[i, j] = True
+                j = parent[j]
+        masks.append(m)
+    _check(q_lens, k_lens, 2, 1, 16, dtype, tree=pack_tree_masks(masks), num_splits=2)
+
+
+def test_causal_tree_mask_equals_causal_and_any_pattern_is_honoured():
+    q_lens, k_lens = [3, 5], [10, 5]
+    causal_tree = pack_tree_masks([torch.ones(n, n, dtype=torch.bool).tril() for n in q_lens])
+    out_tree = _check(q_lens, k_lens, 2, 2, 16, torch.float32, tree=causal_tree)
+    out_causal = _check(q_lens, k_lens, 2, 2, 16, torch.float32)
+    assert torch.allclose(out_tree, out_causal, atol=1e-6)
+    # a pattern that is not lower triangular (a query sees a later new token) is applied as given
+    g = torch.Generator().manual_seed(2)
+    arbitrary = pack_tree_masks([torch.rand(n, n, generator=g) < 0.5 for n in q_lens])
+    _check(q_lens, k_lens, 2, 2, 16, torch.float32, tree=arbitrary)
+
+
+def test_non_causal_and_long_query_blocks():
+    # 40 and 17 queries: the prefill tile (BLOCK_M = 64) rather than the verification tile.
+    _check([40, 17], [40, 100], 2, 1, 32, torch.float16)
+    _check([3, 7], [12, 7], 2, 1, 32, torch.float32, causal=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_seqused_k_ignores_spare_capacity(dtype):
+    # Row b's slots are [cu_seqlens_k[b], cu_seqlens_k[b + 1]); only the first seqused_k[b] hold keys.
+    _check([2, 1, 4], [9, 1, 130], 2, 1, 16, dtype, spare=[3, 0, 7], num_splits=3)
+
+
+def test_random_ragged_batch_with_value_head_dim():
+    # lengths as a random padding mask gives them; v with its own head dim (as MLA models have)
+    g = torch.Generator().manual_seed(3)
+    q_lens = torch.randint(0, 6, (6,), generator=g).tolist()
+    k_lens = [n + int(torch.randint(0, 150, (1,), generator=g)) for n in q_lens]
+    _check(q_lens, k_lens, 4, 2, 24, torch.float16, D_v=8, num_splits=3)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU machine the dispatcher always picks the kernel")
+def test_dispatcher_falls_back_to_reference_without_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    q, k, v, cu_q, cu_k = _inputs([2, 3], [4, 3], 2, 1, 8, torch.float32)
+    assert not use_triton(q.device)
+    out = varlen_attention(q, k, v, cu_q, cu_k, 3, 4)
+    assert torch.equal(out, varlen_attention_ref(q, k, v, cu_q, cu_k, 3, 4))
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        _varlen_attention_triton(q, k, v, cu_q, cu_k, 3, 4, True, 1.0, None, None, None)
+
+
+def test_errors_say_what_was_given():
+    q, k, v, cu_q, cu_k = _inputs([2, 3], [4, 3], 2, 1, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"q must be \[total, heads, head_dim\].*\(1, 5, 2, 8\)"):
+        varlen_attention(q[None], k, v, cu_q, cu_k, 3, 4)
+    with pytest.raises(ValueError, match="int32.*torch.int64"):
+        varlen_attention(q, k, v, cu_q.long(), cu_k, 3, 4)
+    with pytest.raises(TypeError, match="float64"):
+        varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, 3, 4)
+    with pytest.raises(ValueError, match=r"query heads \(2\) must be a multiple of key/value heads \(3\)"):
+        varlen_attention(q, k.repeat(1, 3, 1), v.repeat(1, 3, 1), cu_q, cu_k, 3, 4)
+    with pytest.raises(ValueError, match="contiguous in its head dim"):
+        _varlen_attention_triton(q.transpose(0, 2).contiguous().transpose(0, 2), k, v, cu_q, cu_k, 3, 4, True, 1.0, None, None, None)
+    with pytest.raises(ValueError, match="square"):
+        pack_tree_masks([torch.ones(2, 3, dtype=torch.bool)])
+
+
+def test_merge_formula_eq13_in_torch():
+    # Two halves of a row's keys, each softmaxed on its own, merged with their log-sum-exps, equal
+    # the softmax over all keys: O = sum_s e^{lse_s - lse} O_s, lse = ln sum_s e^{lse_s}.
+    q, k, v, cu_q, cu_k = _inputs([1], [10], 1, 1, 8, torch.float32)
+    full, lse = varlen_attention_ref(q, k, v, cu_q, cu_k, 1, 10, causal=False, return_lse=True)
+    parts = [varlen_attention_ref(q, k[s], v[s], cu_q, _cu([4 if s.start == 0 else 6]), 1, 6, causal=False, return_lse=True) for s in (slice(0, 4), slice(4, 10))]
+    lse_all = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
+    merged = sum(torch.exp(p[1] - lse_all)[..., None] * p[0] for p in parts)
+    assert torch.allclose(lse_all, lse, atol=1e-6) and torch.allclose(merged, full, atol=1e-6)
+

@@ -1,0 +1,173 @@
+"""The packed per-row cache and the ragged_attention engine path.
+
+Greedy output with `AssistantPool(..., ragged_attention=True)` must equal plain `generate` (float32,
+ragged left-padded batches of 4 and 8) on llama, qwen2, mistral and gpt2 with drafts mostly rejected
+(another seed: rollback), all accepted (the target itself), prompt lookup, and a round robin of a model
+drafter and prompt lookup (catch-up forwards). Plus hand-built cache cases and memory accounting.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_spin
+import hf_spin.kernels.attention as varlen_attention_module
+from hf_spin.cache import PackedCache, forward_ragged, grow_capacity
+
+from .archs import ragged_batch, tiny_model
+
+ARCHS_CHECKED = ("llama", "qwen2", "mistral", "gpt2")
+PROMPT_LENGTH, MAX_NEW_TOKENS = 14, 24
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=None)
+def _models(arch):
+    return tiny_model(arch, seed=0), tiny_model(arch, seed=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _case(arch, batch):
+    """Inputs on which the longest row runs to max_new_tokens, and plain generate's output."""
+    target = _models(arch)[0]
+    for seed in range(16):
+        ids, mask = ragged_batch(batch, PROMPT_LENGTH, seed=seed)
+        inputs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        with torch.no_grad():
+            reference = target.generate(**inputs)
+        if reference.shape[1] == PROMPT_LENGTH + MAX_NEW_TOKENS:
+            return inputs, reference
+    raise AssertionError(f"{arch}: every prompt seed stops early")
+
+
+@pytest.fixture
+def packed_calls(monkeypatch):
+    """Counts attention calls that took the packed (spin_varlen) path."""
+    calls = []
+    original = varlen_attention_module._packed
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(varlen_attention_module, "_packed", counting)
+    return calls
+
+
+@pytest.mark.parametrize("batch", [4, 8])
+@pytest.mark.parametrize("arch", ARCHS_CHECKED)
+@pytest.mark.parametrize("drafter", ["other", "self", "prompt_lookup", "round_robin"])
+def test_greedy_output_equals_plain_generate(arch, batch, drafter, packed_calls):
+    target, other = _models(arch)
+    inputs, reference = _case(arch, batch)
+    drafters = {"other": [other], "self": [target], "prompt_lookup": ["prompt_lookup"], "round_robin": [other, "prompt_lookup"]}[drafter]
+    pool = hf_spin.AssistantPool(drafters, policy="round_robin" if drafter == "round_robin" else "fixed", ragged_attention=True)
+    implementation = target.config._attn_implementation
+    out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, reference)
+    assert target.config._attn_implementation == implementation  # switched for our forwards only
+    assert len(packed_calls) > 0 and all(shape[0] == 1 for shape in packed_calls)  # packed [1, H, total_q, D]
+    assert pool.last_stats.steps > 0
+
+
+def test_refuses_models_without_attention_interface():
+    model = tiny_model("falcon")
+    with pytest.raises(ValueError, match="AttentionInterface.*falcon"):
+        model.generate(
+            input_ids=torch.tensor([[3, 4, 5]]),
+            max_new_tokens=2,
+            custom_generate=hf_spin.generate,
+            assistant_pool=hf_spin.AssistantPool(["prompt_lookup"], ragged_attention=True),
+        )
+
+
+def _fill(cache: PackedCache, chunks: list[list[float]]) -> None:
+    """Append tokens whose key and value are their own id (1 layer, 1 head, head dim 1)."""
+    cache.begin([len(c) for c in chunks])
+    states = torch.tensor([t for c in chunks for t in c], dtype=torch.float32).view(1, 1, -1, 1)
+    cache.update(states, states.clone(), 0)
+    cache.commit()
+
+
+def _rows(cache: PackedCache) -> list[list[float]]:
+    keys = cache.layers[0].keys[:, 0, 0].tolist()
+    return [keys[s : s + n] for s, n in zip(cache.starts, cache.lengths)]
+
+
+def test_append_rollback_and_retire_rows_by_hand():
+    cache = PackedCache(3)
+    _fill(cache, [[1, 2, 3], [10], []])
+    assert cache.lengths == [3, 1, 0] and _rows(cache) == [[1, 2, 3], [10], []]
+    assert cache.capacity == [grow_capacity(3), grow_capacity(1), 0]
+    _fill(cache, [[4, 5], [], [20, 21]])  # row 2 outgrows its 0 slots: every row is moved, in order
+    assert _rows(cache) == [[1, 2, 3, 4, 5], [10], [20, 21]]
+    cache.rollback(torch.tensor([4, 1, 1]))  # reject 5 and 21: no copy, the slots are reused
+    assert _rows(cache) == [[1, 2, 3, 4], [10], [20]]
+    _fill(cache, [[6], [11, 12], [22]])
+    assert _rows(cache) == [[1, 2, 3, 4, 6], [10, 11, 12], [20, 22]]
+    cache.select_rows(torch.tensor([2, 0]))  # retire row 1, reorder
+    assert _rows(cache) == [[20, 22], [1, 2, 3, 4, 6]]
+    assert cache.total_slots == grow_capacity(2) + grow_capacity(5)
+
+
+def test_memory_accounting_against_a_padded_cache():
+    cache = PackedCache(4)
+    _fill(cache, [[1] * 200, [1] * 3, [1] * 3, [1] * 3])
+    per_token = 2 * 4  # key + value, float32, 1 head of dim 1
+    assert cache.bytes_per_token() == per_token
+    assert cache.bytes_used() == 209 * per_token
+    assert cache.padded_bytes() == 4 * 200 * per_token
+    assert cache.bytes_held() == (grow_capacity(200) + 3 * grow_capacity(3)) * per_token
+    assert cache.bytes_held() < cache.padded_bytes() / 2
+
+
+@torch.no_grad()
+def test_forward_packed_matches_a_dynamic_cache_row_by_row():
+    model = _models("llama")[0]
+    prompts, steps = [[5, 6, 7, 8], [9], [10, 11, 12]], [[13, 14], [15, 16, 17], [18]]
+    cache = PackedCache(3)
+    forward_ragged(model, cache, prompts, all_logits=False)
+    packed = forward_ragged(model, cache, steps)  # [B, T, V] right-padded with zeros
+    for b in range(3):
+        alone = model(input_ids=torch.tensor([prompts[b] + steps[b]]), past_key_values=DynamicCache()).logits[0]
+        assert torch.allclose(packed[b, : len(steps[b])], alone[len(prompts[b]) :], atol=1e-5)
+        assert (packed[b, len(steps[b]) :] == 0).all()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_engine_with_the_triton_kernel_under_the_interpreter(monkeypatch):
+    import triton.language
+
+    if not torch.cuda.is_available() and type(triton.language.sum).__name__ != "InterpretedFunction":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 (see tests/conftest.py)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    target, other = _models("qwen2")
+    ids, mask = ragged_batch(3, 8, seed=5)
+    inputs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    reference = target.generate(**inputs)
+    pool = hf_spin.AssistantPool([target], ragged_attention=True, draft_length=3)
+    assert torch.equal(target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool), reference)
+
+
+def test_sampling_runs_on_the_packed_path(packed_calls):
+    # distribution checks live in test_sampling.py (default path); here: the packed path samples, keeps
+    # the prompts and the target's attention implementation
+    target, other = _models("llama")
+    inputs, _ = _case("llama", 4)
+    torch.manual_seed(0)
+    pool = hf_spin.AssistantPool([other], ragged_attention=True)
+    out = target.generate(**{**inputs, "do_sample": True, "temperature": 0.8}, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out[:, :PROMPT_LENGTH], inputs["input_ids"]) and out.shape[1] <= PROMPT_LENGTH + MAX_NEW_TOKENS
+    assert len(packed_calls) > 0 and pool.last_stats.steps > 0
