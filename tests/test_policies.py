@@ -118,6 +118,15 @@ def test_lbss_converges_to_the_best_drafter_per_row_type():
         assert_converged(rr, exploit_steps(policy, 3, 300))
 
 
+def test_lbss_converges_when_switching_is_expensive():
+    """1000-token prompts: the first step of each exploration chunk pays a long catch-up. Rewards
+    leave it out (it says nothing about the drafter on this request), so estimates stay right."""
+    s = sim(seed=1, prompt_lengths=[1000] * 6)
+    policy = s.start(lbss(seed=1))
+    s.run(policy, 300)
+    assert_converged(s, exploit_steps(policy, first_epoch=4, steps=300))
+
+
 def regret_per_step(simulator: Simulator) -> list[float]:
     """Expected goodput lost per step against each row's best choice (tokens/s summed over rows)."""
     out = []
@@ -389,6 +398,33 @@ def test_heuristic_follows_plus_two_minus_one():
     # row 0: 5 -(all)-> 7 -(all)-> 9 -(all, capped)-> 9 -(3 of 9)-> 8 -> 7 ... ; row 1: 5 -> 4 -> 3 -> ... -> 1 (floor)
     assert [k for k, _ in seen] == [5, 7, 9, 9, 8, 7, 6, 5, 4, 3]
     assert [k for _, k in seen] == [5, 4, 3, 2, 1, 1, 1, 1, 1, 1]
+
+
+def test_cost_fits():
+    from hf_spin.policies.estimates import VERIFY_ELASTICITY_PRIOR, CostModel, DecayedLeastSquares, VerifyFit, bucket
+
+    fit = VerifyFit()
+    for n in [10, 20, 30, 40] * 10:
+        fit.add(n, 0.02 + 1e-4 * n)
+    assert fit.coefficients() == pytest.approx((0.02, 1e-4), rel=0.01)  # the prior pulls a little
+    flat = VerifyFit()  # N never varies: the slope is the prior elasticity
+    for _ in range(20):
+        flat.add(30, 0.023)
+    assert flat.coefficients()[1] == pytest.approx(VERIFY_ELASTICITY_PRIOR * 0.023 / 30)
+    assert flat.predict(30) == pytest.approx(0.023)
+    draft = DecayedLeastSquares(3)
+    for f, t, c in [(4, 8, 0), (4, 24, 0), (2, 12, 300), (0, 0, 50), (3, 3, 10)] * 5:
+        draft.add([f, t, c], 1e-3 * f + 2e-4 * t + 5e-6 * c)
+    assert draft.coefficients() == pytest.approx([1e-3, 2e-4, 5e-6], rel=0.01)
+    assert [bucket(b) for b in (1, 2, 3, 4, 7, 8, 64)] == [0, 1, 1, 2, 2, 3, 6]
+    model = CostModel(1)
+    assert model.plain_goodput(4) is None and model.catch_up_seconds(0) == 0.0
+
+
+def test_draft_length_min_confidence_reaches_the_plan():
+    policy = FixedPolicy(GoodputLength(GoodputLengthConfig(min_confidence=0.3)))
+    policy.bind([DrafterInfo("d", "model", 1, True)])
+    assert policy.plan(BatchView([0], [5], [0], [True], 0)).min_confidence == 0.3
 
 
 # --- baselines ---------------------------------------------------------------------------------
