@@ -243,6 +243,19 @@ def test_lbss_switching_cost_keeps_a_row_on_its_drafter():
     assert matched_drafter(switch_cost=0.0) == (1,)  # free switching: the better drafter
 
 
+@pytest.mark.parametrize("make", [lambda: lbss(seed=6), lambda: EpsilonGreedyPolicy(FixedLength(K)), lambda: VotePolicy(FixedLength(K))])
+def test_a_dropped_drafter_is_never_planned_again(make):
+    s = sim(seed=6)
+    policy = s.start(make())
+    s.run(policy, 40)
+    s.usable[2] = False  # as the engine does after the drafter raised
+    s.run(policy, 60)
+    late = s.trace.plans[40:]
+    assert not any(2 in ds for plan in late for ds in plan.drafters)
+    assert not any(2 in plan.prefill for plan in late)
+    assert sum(bool(ds) for plan in late for ds in plan.drafters) > 0.5 * 60 * 6  # the others keep drafting
+
+
 def test_lbss_is_deterministic_when_seeded():
     def plans(seed):
         s = sim(seed=7)

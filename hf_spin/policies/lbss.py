@@ -233,7 +233,7 @@ class LBSSPolicy(Policy):
     # --- selection -----------------------------------------------------------------------------
 
     def select(self, view: BatchView) -> list[tuple[int, ...]]:
-        c, B = self.config, view.batch_size
+        B = view.batch_size
         rows = [self._row(view, b) for b in range(B)]
         stages = [self.stage(r.age) for r in rows]
         cap = [self.capacity(d, B) if view.usable[d] else 0 for d in range(len(self.drafters))]

@@ -269,8 +269,8 @@ class GoodputLength(DraftLength):
         self.failures: list[float] = []  # [num_drafters] decayed rejections
         self.draft_cost: dict[tuple[int, int], DecayedMean] = {}  # (drafter, bucket) -> seconds per row-token
         self.draft_cost_all: list[DecayedMean] = []  # [num_drafters] the same over all buckets
-        self._cache: dict[tuple[int, int], int] = {}  # (drafter, batch size) -> k* of the current step
-        self._cache_step = -1
+        self._cache: dict[tuple[int, int], int] = {}  # (drafter, batch size) -> k* for the view below
+        self._cache_view: BatchView | None = None  # the step's view: k() is asked once per row and drafter
 
     def bind(self, drafters: list[DrafterInfo]) -> None:
         n = len(drafters)
@@ -298,8 +298,8 @@ class GoodputLength(DraftLength):
 
     def k(self, drafter: int, row: int, view: BatchView) -> int:
         c = self.config
-        if view.step != self._cache_step:
-            self._cache, self._cache_step = {}, view.step
+        if view is not self._cache_view:
+            self._cache, self._cache_view = {}, view
         key = (drafter, view.batch_size)
         if key not in self._cache:
             best = self.best_k(drafter, view.batch_size)
