@@ -1,0 +1,183 @@
+"""Online estimates the learning policies share: running means, decayed least-squares fits, and
+the step-cost model (verify cost vs tokens verified, draft cost per drafter, catch-up cost).
+
+Nothing here decides anything; policies read these numbers and decide.
+
+Notation: B = rows in the step, N = tokens verified in the step (B + drafted), k = draft length,
+alpha = per-token acceptance (a draft token is accepted with probability alpha given that the
+ones before it were), E(k) = (1 - alpha^(k+1)) / (1 - alpha) = expected tokens per step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import StepFeedback
+
+# Forgetting factor of the decayed fits, per observation: costs drift (other work on the device,
+# cache growth) and an effective memory of ~1 / (1 - 0.98) = 50 observations follows that drift
+# while still averaging out timing noise.
+COST_DECAY = 0.98
+# Prior elasticity of verify time in tokens verified (d log t / d log N), used while N has barely
+# varied and the slope cannot be measured. GPUs verify a few tokens per row at nearly the cost of
+# one (memory-bound, elasticity ~0.1 on the packaged models), CPUs closer to proportionally (~0.8);
+# 0.2 leans to the GPU, and errs toward *under*-estimating plain decoding's speed on a CPU, so the
+# never-slower guard then keeps drafting rather than dropping a drafter that pays.
+VERIFY_ELASTICITY_PRIOR = 0.2
+# Weight of that prior, in squared units of the mean N (scale-free): a few steps at other N
+# (rows finishing, rows decoding plainly, adaptive k) override it.
+VERIFY_PRIOR_WEIGHT = 0.02
+
+
+def bucket(batch_size: int) -> int:
+    """Batch-size bucket: 1 -> 0, 2-3 -> 1, 4-7 -> 2, 8-15 -> 3, ... (costs change slowly with B)."""
+    return max(int(batch_size), 1).bit_length() - 1
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[accepted + 1] for k drafts with per-token acceptance alpha (truncated geometric)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class RunningMean:
+    """Plain running mean (every observation weighs the same)."""
+
+    def __init__(self):
+        self.n, self.mean = 0, 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.mean += (x - self.mean) / self.n
+
+
+class DecayedMean:
+    """Exponentially forgetting mean; `weight` is the effective number of observations."""
+
+    def __init__(self, decay: float = COST_DECAY):
+        self.decay, self.weight, self.total = decay, 0.0, 0.0
+
+    def add(self, x: float, w: float = 1.0) -> None:
+        self.weight = self.weight * self.decay + w
+        self.total = self.total * self.decay + w * x
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.weight if self.weight > 0 else None
+
+
+class VerifyFit:
+    """t(N) = a + b N, fitted by decayed least squares on (N, seconds).
+
+    While N has barely varied the slope is not identified, so it is shrunk toward a prior
+    elasticity: b0 = e0 * mean(t) / mean(N). The slope is clamped to [0, mean(t) / mean(N)], so
+    t(N) lies between flat (memory-bound) and proportional to N (compute-bound) and a >= 0.
+    """
+
+    def __init__(self, decay: float = COST_DECAY):
+        self.decay = decay
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, n_tokens: float, seconds: float) -> None:
+        d = self.decay
+        self.w, self.sx, self.sy = self.w * d + 1, self.sx * d + n_tokens, self.sy * d + seconds
+        self.sxx, self.sxy = self.sxx * d + n_tokens * n_tokens, self.sxy * d + n_tokens * seconds
+
+    @property
+    def count(self) -> float:
+        return self.w
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b) or None before any observation."""
+        if self.w <= 0:
+            return None
+        mx, my = self.sx / self.w, self.sy / self.w
+        cxx = self.sxx - self.sx * mx  # centred sums
+        cxy = self.sxy - self.sx * my
+        lam = VERIFY_PRIOR_WEIGHT * mx * mx
+        b0 = VERIFY_ELASTICITY_PRIOR * my / mx if mx > 0 else 0.0
+        b = (cxy + lam * b0) / (cxx + lam) if cxx + lam > 0 else b0
+        b = min(max(b, 0.0), my / mx if mx > 0 else 0.0)
+        return my - b * mx, b
+
+    def predict(self, n_tokens: float) -> float | None:
+        ab = self.coefficients()
+        return None if ab is None else ab[0] + ab[1] * n_tokens
+
+
+class DecayedLeastSquares:
+    """y = x . theta without intercept, decayed. A ridge proportional to each feature's own scale
+    (scale-free) keeps collinear features apart and features never seen at 0."""
+
+    def __init__(self, n_features: int, decay: float = COST_DECAY, ridge: float = 1e-3):
+        self.xtx = np.zeros((n_features, n_features))
+        self.xty = np.zeros(n_features)
+        self.decay, self.ridge, self.count = decay, ridge, 0.0
+
+    def add(self, x: list[float], y: float) -> None:
+        x = np.asarray(x, dtype=float)
+        self.xtx = self.xtx * self.decay + np.outer(x, x)
+        self.xty = self.xty * self.decay + x * y
+        self.count = self.count * self.decay + 1
+
+    def coefficients(self) -> np.ndarray:
+        """theta clamped at >= 0 (costs are never negative)."""
+        ridge = np.diag(self.ridge * np.diag(self.xtx) + 1e-12)
+        theta = np.linalg.solve(self.xtx + ridge, self.xty)
+        return np.clip(theta, 0.0, None)
+
+
+@dataclass
+class DraftObservation:
+    """What one drafter did in one step, as the cost fit sees it."""
+
+    forwards: int  # sequential forwards: the largest k among its rows (0: it only pre-filled)
+    row_tokens: int  # sum of k over the rows it served
+    switch_tokens: float  # tokens it had to catch up beyond the usual one per row (switches, pre-fill)
+
+
+class CostModel:
+    """Step costs learned from `StepFeedback`.
+
+    verify: per batch-size bucket and overall, t_verify(N) (see `VerifyFit`).
+    draft: per drafter, seconds = f * forwards + t * row_tokens + c * switch_tokens (decayed least
+    squares, clamped >= 0); c is the per-token catch-up cost that a drafter switch pays.
+    """
+
+    def __init__(self, num_drafters: int):
+        self.verify_by_bucket: dict[int, VerifyFit] = defaultdict(VerifyFit)
+        self.verify_all = VerifyFit()
+        self.draft = [DecayedLeastSquares(3) for _ in range(num_drafters)]
+
+    def update(self, feedback: StepFeedback, switch_tokens: list[float] | None = None) -> None:
+        B = feedback.batch_size
+        n_tokens = B + sum(feedback.drafted)
+        self.verify_by_bucket[bucket(B)].add(n_tokens, feedback.verify_seconds)
+        self.verify_all.add(n_tokens, feedback.verify_seconds)
+        for d, seconds in enumerate(feedback.draft_seconds[: len(self.draft)]):
+            ks = [k for ds, k in zip(feedback.plan.drafters, feedback.plan.k) if d in ds and k > 0]
+            extra = switch_tokens[d] if switch_tokens else 0.0
+            if ks or extra > 0:
+                self.draft[d].add([max(ks, default=0), sum(ks), extra], seconds)
+
+    def verify_seconds(self, batch_size: int, n_tokens: float) -> float | None:
+        """Predicted verify time of a step with `batch_size` rows and `n_tokens` tokens verified."""
+        fit = self.verify_by_bucket.get(bucket(batch_size))
+        if fit is None or fit.count < 1:
+            fit = self.verify_all
+        return fit.predict(n_tokens)
+
+    def plain_goodput(self, batch_size: int) -> float | None:
+        """Tokens per second of one row under plain decoding: 1 / (t_verify(N = B) / B)."""
+        t = self.verify_seconds(batch_size, batch_size)
+        return batch_size / t if t and t > 0 else None
+
+    def catch_up_seconds(self, drafter: int) -> float:
+        """Seconds per token that `drafter` spends catching up a row it did not serve."""
+        if self.draft[drafter].count <= 0:
+            return 0.0
+        return float(self.draft[drafter].coefficients()[2])

@@ -1,0 +1,383 @@
+"""Spin's learning-based drafter selection (LBSS): an online bandit that learns, per request, which
+drafter gives the most goodput, under per-drafter batch capacities.
+
+Reward of a row served by drafter d in one step (its goodput):
+
+    r = (accepted + 1) / t_row,   t_row = row_seconds(b) - (catch-up seconds of d) / (rows d served)
+
+The catch-up a switch causes is taken out of the reward (it is not a property of the drafter on that
+request) and charged once, in the matching, as a switching cost (below).
+
+Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it has been in the batch:
+
+    epoch e = [ exploration: alpha steps, in chunks of beta ] [ exploitation: 2^e steps ]
+
+- Exploration: at the start of each chunk the row gets a drafter at random, least-tried first, so
+  every row tries every drafter (alpha = beta x drafters by default). It keeps it for the chunk:
+  the first step of a chunk pays the catch-up, the others measure steady goodput. The draw is one
+  random maximum-weight matching of rows to drafter slots (drafter j repeated B_j times), so no
+  drafter serves more than B_j rows.
+- Exploitation: each step, a maximum-weight matching (`scipy.optimize.linear_sum_assignment`) of the
+  rows to the free drafter slots, and to plain decoding (unlimited slots), on
+
+      W[row, d]     = g(row, d) - g(row, d) s / (s + T tau)     s = c_d x lag(row, d)
+      W[row, plain] = g_plain = B / t_verify(N = B)              (never-slower; see below)
+
+  g(row, d): the row's mean reward with d, shrunk toward d's mean over all rows (prior_weight
+  pseudo-observations); c_d: seconds per token of catch-up (learned from feedback: draft seconds
+  = f x forwards + t x row tokens + c x catch-up tokens, or `switch_cost`); lag: tokens d's cache
+  is behind on the row; T: steps left in the stage; tau: the row's step time with d. The penalty is
+  exactly the goodput lost by paying s seconds once over T steps: g - T g tau / (T tau + s).
+  Exploitation stages grow as 2^e, so exploration costs O(alpha log T) steps: regret is sublinear.
+- Never slower: while exploiting, a row is matched to plain decoding when no drafter's estimate
+  beats g_plain, the estimated goodput of a plain step (the verify-cost fit at zero drafts). It is
+  probed again in the next exploration stage, which comes after an exploitation stage twice as
+  long as the last: when drafting never pays, the row decodes plainly in all but O(alpha log T)
+  of T steps. Exploration is never skipped, so one unlucky early estimate cannot lock a row out
+  of a drafter (each epoch re-measures every drafter on every row).
+- Fast switching: `Plan.prefill` names, for each idle model drafter, the rows it is likely to serve
+  next (the next exploration chunk, drawn a step ahead; an exploiting row's runner-up within
+  `prefill_margin`), when it lags by at least `prefill_min_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+import numpy as np
+
+from .base import BatchView, DrafterInfo, DraftLength, Plan, Policy, StepFeedback
+from .checks import check_float, check_int, check_per_drafter
+from .estimates import CostModel, RunningMean
+
+PLAIN = -1  # a row's choice: plain decoding
+NO_PLAIN = -1e18  # weight of a plain slot when plain decoding is not an option (taken only if no drafter slot is left)
+PREFILL_KINDS = frozenset({"model", "translation"})  # drafters that keep a per-row cache to pre-fill
+
+
+def linear_sum_assignment(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Maximum-weight matching of rows to columns (scipy), with a clear error when scipy is missing."""
+    try:
+        from scipy.optimize import linear_sum_assignment as lsa
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("policy='lbss' needs scipy for its matching: pip install scipy") from err
+    return lsa(weights, maximize=True)
+
+
+@dataclass
+class LBSSConfig:
+    alpha: int | None = None  # exploration steps per epoch; None: beta x drafters, so each row tries each drafter once per epoch
+    beta: int = 2  # steps a row keeps a drafter while exploring: the first pays the catch-up, the rest measure steady goodput
+    capacities: tuple[int | None, ...] | None = None  # B_j: most rows drafter j serves in one step (memory, latency); None: unlimited
+    switch_cost: float | tuple[float, ...] | None = None  # seconds per token a drafter spends catching up a row; None: learned
+    never_slower: bool = True  # exploiting, decode a row plainly when no drafter's estimated goodput beats plain decoding's
+    prefill_margin: float = 0.1  # pre-fill an exploiting row's runner-up drafter when within this fraction of the best
+    prefill_min_tokens: int = 8  # ...and only when it lags this many tokens: a forward for 1-2 tokens costs more than it saves
+    prior_weight: float = 1.0  # pseudo-observations of a drafter's mean over all rows behind each per-row estimate
+    seed: int = 0  # exploration draws; the same seed gives the same plans on the same feedback
+
+    def __post_init__(self):
+        owner = "LBSSConfig"
+        check_int(owner, "beta", self.beta, 1)
+        if self.alpha is not None:
+            check_int(owner, "alpha", self.alpha, self.beta)
+        if self.capacities is not None:
+            if not isinstance(self.capacities, (tuple, list)) or not all(
+                c is None or (isinstance(c, int) and not isinstance(c, bool) and c >= 1) for c in self.capacities
+            ):
+                raise ValueError(f"{owner}.capacities must be a tuple of positive ints (None: unlimited), one per drafter, got {self.capacities!r}")
+            self.capacities = tuple(self.capacities)
+        if isinstance(self.switch_cost, list):
+            self.switch_cost = tuple(self.switch_cost)
+        costs = self.switch_cost if isinstance(self.switch_cost, tuple) else () if self.switch_cost is None else (self.switch_cost,)
+        for c in costs:
+            check_float(owner, "switch_cost", c, 0.0, float("inf"), open_high=True)
+        if not isinstance(self.never_slower, bool):
+            raise ValueError(f"{owner}.never_slower must be True or False, got {self.never_slower!r}")
+        check_float(owner, "prefill_margin", self.prefill_margin, 0.0, 1.0, open_high=True)
+        check_int(owner, "prefill_min_tokens", self.prefill_min_tokens, 1)
+        check_float(owner, "prior_weight", self.prior_weight, 0.0, 1e9)
+        check_int(owner, "seed", self.seed)
+
+
+class Stage(NamedTuple):
+    explore: bool
+    chunk_start: bool  # exploring: this step starts a chunk
+    end: int  # age at which the chunk (exploring) or the exploitation stage ends
+
+
+@dataclass
+class Arm:
+    """What one row has seen of one drafter."""
+
+    reward: RunningMean = field(default_factory=RunningMean)  # goodput, tokens/s
+    seconds: RunningMean = field(default_factory=RunningMean)  # the row's step time with it
+    tries: int = 0  # exploration chunks drawn
+    synced: int = 0  # committed tokens whose KV the drafter holds for the row (0: none yet)
+
+
+@dataclass
+class RowState:
+    """Per-request state, keyed by row id."""
+
+    length: int  # committed tokens (prompt + generated) at the latest plan
+    arms: list[Arm]  # [num_drafters]
+    age: int = 0  # steps planned for this row
+    chunk_drafter: int | None = None  # drafter of the exploration chunk in progress
+    chunk_end: int = 0  # age at which that chunk ends
+    pending: int | None = None  # drafter drawn for the next exploration chunk (pre-filled meanwhile)
+    runner_up: int | None = None  # exploiting: a drafter within prefill_margin of the chosen one
+
+
+class LBSSPolicy(Policy):
+    """Learning-based drafter selection (Spin); see the module docstring."""
+
+    def __init__(self, draft_length: DraftLength | None = None, config: LBSSConfig | None = None):
+        super().__init__(draft_length)
+        self.config = config or LBSSConfig()
+        self.rng = np.random.default_rng(self.config.seed)
+        self.rows: dict[int, RowState] = {}
+        self.pooled: list[Arm] = []  # [num_drafters] rewards over all rows: the prior of a row's estimate
+        self.costs = CostModel(0)
+        self.alpha = self.config.alpha or self.config.beta
+        self._prefill: dict[int, list[int]] = {}
+
+    # --- set-up --------------------------------------------------------------------------------
+
+    def bind(self, drafters: list[DrafterInfo]) -> None:
+        super().bind(drafters)
+        n = len(drafters)
+        check_per_drafter("LBSSConfig", "capacities", self.config.capacities, n)
+        check_per_drafter("LBSSConfig", "switch_cost", self.config.switch_cost, n)
+        self.pooled = [Arm() for _ in range(n)]
+        self.costs = CostModel(n)
+        self.alpha = self.config.alpha or self.config.beta * n
+
+    def capacity(self, drafter: int, batch_size: int) -> int:
+        caps = self.config.capacities
+        cap = caps[drafter] if caps is not None else None
+        return batch_size if cap is None else min(cap, batch_size)
+
+    def start_rows(self, view: BatchView, rows: list[int]) -> None:
+        B = view.batch_size
+        total = sum(self.capacity(d, B) for d in range(len(self.drafters)) if view.usable[d])
+        if total < B:
+            raise ValueError(
+                f"LBSSConfig.capacities={self.config.capacities} let the drafters serve at most {total} rows in one step, "
+                f"but the batch has {B} rows; raise the capacities (None: unlimited) or pass at most {total} rows"
+            )
+        for b in rows:
+            self.rows[view.row_ids[b]] = self._new_row(view, b)
+
+    def end_rows(self, row_ids: list[int]) -> None:
+        for rid in row_ids:
+            self.rows.pop(rid, None)
+
+    def _new_row(self, view: BatchView, b: int) -> RowState:
+        return RowState(length=view.prompt_lengths[b] + view.generated[b], arms=[Arm() for _ in self.drafters])
+
+    def _row(self, view: BatchView, b: int) -> RowState:
+        rid = view.row_ids[b]
+        if rid not in self.rows:  # a row nobody announced: start it now
+            self.rows[rid] = self._new_row(view, b)
+        row = self.rows[rid]
+        row.length = view.prompt_lengths[b] + view.generated[b]
+        return row
+
+    # --- schedule and estimates ----------------------------------------------------------------
+
+    def stage(self, age: int) -> Stage:
+        """Where a row of this age is in its epochs."""
+        start, epoch = 0, 1
+        while age >= start + self.alpha + 2**epoch:
+            start += self.alpha + 2**epoch
+            epoch += 1
+        offset = age - start
+        if offset < self.alpha:
+            end = start + min((offset // self.config.beta + 1) * self.config.beta, self.alpha)
+            return Stage(True, offset % self.config.beta == 0, end)
+        return Stage(False, False, start + self.alpha + 2**epoch)
+
+    def estimate(self, row: RowState, drafter: int) -> float:
+        """g(row, d): the row's mean goodput with d, shrunk toward d's mean over all rows."""
+        arm, pooled = row.arms[drafter], self.pooled[drafter].reward
+        if pooled.n:
+            prior = pooled.mean
+        else:  # never measured: as good as the best measured drafter, so it gets tried
+            prior = max((p.reward.mean for p in self.pooled if p.reward.n), default=0.0)
+        w = self.config.prior_weight
+        if arm.reward.n + w == 0:
+            return prior
+        return (arm.reward.n * arm.reward.mean + w * prior) / (arm.reward.n + w)
+
+    def catch_up_seconds(self, drafter: int) -> float:
+        """Seconds per token of catch-up for `drafter` (configured, or learned from feedback)."""
+        cost = self.config.switch_cost
+        if cost is None:
+            return self.costs.catch_up_seconds(drafter)
+        return cost[drafter] if isinstance(cost, tuple) else cost
+
+    def lag(self, row: RowState, drafter: int) -> int:
+        """Tokens `drafter` must catch up before it can draft for `row` (beyond the usual one)."""
+        return max(0, row.length - row.arms[drafter].synced - 1)
+
+    def switch_penalty(self, row: RowState, drafter: int, goodput: float, horizon: int) -> float:
+        s = self.catch_up_seconds(drafter) * self.lag(row, drafter)
+        if s <= 0 or goodput <= 0:
+            return 0.0
+        arm, pooled = row.arms[drafter], self.pooled[drafter]
+        tau = arm.seconds.mean if arm.seconds.n else pooled.seconds.mean if pooled.seconds.n else 1.0 / goodput
+        return goodput * s / (s + max(horizon, 1) * tau)
+
+    # --- selection -----------------------------------------------------------------------------
+
+    def select(self, view: BatchView) -> list[tuple[int, ...]]:
+        B = view.batch_size
+        rows = [self._row(view, b) for b in range(B)]
+        stages = [self.stage(r.age) for r in rows]
+        cap = [self.capacity(d, B) if view.usable[d] else 0 for d in range(len(self.drafters))]
+        choice: list[int | None] = [None] * B
+        for r in rows:
+            r.runner_up = None  # set again if the row is matched this step
+
+        def take(b: int, d: int) -> None:
+            choice[b] = d
+            cap[d] -= 1
+
+        # 1. Exploration chunks in progress keep their drafter.
+        for b, r in enumerate(rows):
+            d = r.chunk_drafter
+            if stages[b].explore and d is not None and r.age < r.chunk_end and cap[d] > 0:
+                take(b, d)
+            else:
+                r.chunk_drafter = None
+        # 2. New exploration chunks: the drafter drawn a step ahead, else a fresh random draw.
+        exploring = [b for b in range(B) if choice[b] is None and stages[b].explore]
+        to_draw = []
+        for b in exploring:
+            p = rows[b].pending
+            if p is not None and cap[p] > 0:
+                take(b, p)
+            else:
+                to_draw.append(b)
+        for b, d in zip(to_draw, self._draw([rows[b] for b in to_draw], cap)):
+            if d is None:
+                choice[b] = PLAIN  # no drafter slot left this step
+            else:
+                take(b, d)
+        for b in exploring:
+            r = rows[b]
+            if choice[b] != PLAIN:
+                r.arms[choice[b]].tries += 1
+                r.chunk_drafter, r.chunk_end = choice[b], stages[b].end
+            r.pending = None
+        # 3. Exploitation: maximum-weight matching, plain decoding included.
+        matching = [b for b in range(B) if choice[b] is None]
+        for b, d in zip(matching, self._match(view, [rows[b] for b in matching], [stages[b] for b in matching], cap)):
+            choice[b] = d
+        # 4. Draw the next exploration chunks a step ahead (their drafters are pre-filled meanwhile).
+        self._draw_ahead(view, rows, choice)
+        self._prefill = self._prefill_plan(view, rows, choice)
+        for r in rows:
+            r.age += 1
+        return [() if d == PLAIN else (d,) for d in choice]
+
+    def _draw(self, rows: list[RowState], cap: list[int]) -> list[int | None]:
+        """Random assignment of rows to free drafter slots, least-tried drafter first (ties at random)."""
+        slots = [d for d in range(len(cap)) for _ in range(min(max(cap[d], 0), len(rows)))]
+        out: list[int | None] = [None] * len(rows)
+        if not rows or not slots:
+            return out
+        weights = np.array([[-r.arms[d].tries for d in slots] for r in rows], dtype=float)  # [R, S]
+        weights += self.rng.random(weights.shape)  # < 1: breaks ties only
+        for i, j in zip(*linear_sum_assignment(weights)):
+            out[i] = slots[j]
+        return out
+
+    def _match(self, view: BatchView, rows: list[RowState], stages: list[Stage], cap: list[int]) -> list[int]:
+        """Exploitation: rows -> drafter slots or plain, maximising estimated goodput net of switching."""
+        c, R = self.config, len(rows)
+        if not R:
+            return []
+        slots = [d for d in range(len(cap)) for _ in range(min(max(cap[d], 0), R))] + [PLAIN] * R
+        g_plain = self.costs.plain_goodput(view.batch_size) if c.never_slower else None
+        weights = np.full((R, len(slots)), NO_PLAIN if g_plain is None else g_plain)  # [R, S]
+        goodputs = np.zeros((R, len(cap)))  # [R, num_drafters]
+        for i, (r, st) in enumerate(zip(rows, stages)):
+            horizon = st.end - r.age
+            for d in range(len(cap)):
+                goodputs[i, d] = self.estimate(r, d)
+            for j, d in enumerate(slots):
+                if d != PLAIN:
+                    weights[i, j] = goodputs[i, d] - self.switch_penalty(r, d, goodputs[i, d], horizon)
+        out = [PLAIN] * R
+        for i, j in zip(*linear_sum_assignment(weights)):
+            r, d = rows[i], slots[j]
+            out[i] = d
+            if d != PLAIN:
+                others = [e for e in range(len(cap)) if e != d and goodputs[i, e] >= (1 - c.prefill_margin) * goodputs[i, d]]
+                r.runner_up = max(others, key=lambda e: goodputs[i, e], default=None)
+        return out
+
+    def _draw_ahead(self, view: BatchView, rows: list[RowState], choice: list[int]) -> None:
+        """Rows whose next step starts an exploration chunk get that chunk's drafter now."""
+        B = view.batch_size
+        nxt = [r for r in rows if self.stage(r.age + 1).chunk_start]
+        cap = [self.capacity(d, B) if view.usable[d] else 0 for d in range(len(self.drafters))]
+        for r, d in zip(rows, choice):  # rows still inside a chunk next step keep their slot
+            if d != PLAIN and r.chunk_drafter == d and r.chunk_end > r.age + 1:
+                cap[d] -= 1
+        for r, d in zip(nxt, self._draw(nxt, cap)):
+            r.pending = d
+
+    def _prefill_plan(self, view: BatchView, rows: list[RowState], choice: list[int]) -> dict[int, list[int]]:
+        """Idle model drafters -> batch rows they will likely serve next and lag on."""
+        busy = set(choice)
+        idle = {d for d, info in enumerate(self.drafters) if view.usable[d] and d not in busy and info.kind in PREFILL_KINDS}
+        plan: dict[int, list[int]] = {}
+        for b, r in enumerate(rows):
+            for d in {r.pending, r.runner_up}:
+                if d in idle and self.lag(r, d) >= self.config.prefill_min_tokens:
+                    plan.setdefault(d, []).append(b)
+        return plan
+
+    def plan(self, view: BatchView) -> Plan:
+        plan = super().plan(view)
+        return replace(plan, prefill=self._prefill)
+
+    # --- learning ------------------------------------------------------------------------------
+
+    def update(self, feedback: StepFeedback) -> None:
+        super().update(feedback)
+        plan, n = feedback.plan, len(self.drafters)
+        rows = [self.rows.get(rid) for rid in feedback.row_ids]
+        new_length = [r.length + a + 1 if r else 0 for r, a in zip(rows, feedback.accepted)]
+        # 1. Catch-up tokens per drafter (a switch or a pre-fill), and what each drafter now holds.
+        switch = [0.0] * n
+        for b, r in enumerate(rows):
+            if r is not None and plan.k[b] > 0:
+                for d in plan.drafters[b]:
+                    switch[d] += self.lag(r, d)
+                    r.arms[d].synced = new_length[b] - 1
+        for d, batch_rows in plan.prefill.items():
+            for b in batch_rows:
+                r = rows[b]
+                if r is not None and d < n:
+                    switch[d] += max(0, new_length[b] - 1 - r.arms[d].synced)
+                    r.arms[d].synced = new_length[b] - 1
+        self.costs.update(feedback, switch)
+        # 2. Rewards: goodput of each single-drafter row, its catch-up share taken out.
+        served = [sum(1 for ds in plan.drafters if d in ds) for d in range(n)]
+        for b, r in enumerate(rows):
+            if r is None or len(plan.drafters[b]) != 1 or plan.k[b] == 0:
+                continue
+            d = plan.drafters[b][0]
+            t = feedback.row_seconds(b) - self.catch_up_seconds(d) * switch[d] / max(served[d], 1)
+            t = max(t, feedback.verify_seconds / max(feedback.batch_size, 1))
+            if t <= 0:
+                continue
+            reward = (feedback.accepted[b] + 1) / t
+            for arm in (r.arms[d], self.pooled[d]):
+                arm.reward.add(reward)
+                arm.seconds.add(t)

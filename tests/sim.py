@@ -1,0 +1,215 @@
+"""A simulated engine for policy tests: drafters with known acceptance and costs, no models.
+
+It runs generation.py's steps 3-7 on made-up numbers: plan -> drafts -> verify -> commit ->
+pre-fill -> `StepFeedback` (built as the engine builds it, so `row_seconds` is the engine's).
+
+- Tokens: the target's next token at sequence position j is `truth(j) = 1000 + j`. A drafter with
+  per-token acceptance alpha on a row's type proposes truth with probability alpha at each position,
+  else a wrong token drawn from 1..9 (so wrong drafters sometimes agree, as real ones do). Alone, a
+  drafter's accepted count is therefore truncated geometric: P(accepted >= i) = alpha^i, i <= k.
+  Several drafters: the engine's vote (`heaviest_path`) picks the path.
+- Time: draft seconds of drafter d = forward_seconds x (largest k it serves) + token_seconds x
+  (sum of k over its rows) + catch_up_seconds x (tokens fed to its cache: the new tail of each row
+  it serves, or everything since it last served the row); verify seconds = base + per_token x
+  (tokens verified). Every time is multiplied by a seeded log-normal noise.
+- Caches: per (row, drafter) the number of committed tokens the drafter holds, rolled back to the
+  accepted prefix after each draft, as `ModelDrafter._catch_up` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hf_spin.policies import BatchView, DrafterInfo, Plan, Policy, StepFeedback
+from hf_spin.policies.estimates import expected_tokens
+from hf_spin.vote_tree import heaviest_path
+
+TRUTH_OFFSET = 1000  # truth(j) = 1000 + j; wrong tokens are 1..9
+
+
+@dataclass(frozen=True)
+class SimDrafter:
+    name: str
+    alpha: dict[str, float]  # row type -> per-token acceptance
+    token_seconds: float = 0.0  # per draft token per row served
+    forward_seconds: float = 0.0  # per sequential forward (paid once for all rows it serves)
+    catch_up_seconds: float = 0.0  # per token fed into its cache
+    kind: str = "model"
+    num_parameters: int = 1
+
+    def info(self) -> DrafterInfo:
+        return DrafterInfo(self.name, self.kind, self.num_parameters, gives_q=self.kind == "model")
+
+
+@dataclass(frozen=True)
+class SimVerify:
+    base: float  # seconds of a verify forward with no tokens
+    per_token: float  # seconds per token verified
+
+    def seconds(self, n_tokens: float) -> float:
+        return self.base + self.per_token * n_tokens
+
+
+@dataclass
+class Trace:
+    """What a run planned and saw, step by step."""
+
+    plans: list[Plan] = field(default_factory=list)
+    feedback: list[StepFeedback] = field(default_factory=list)
+    types: list[list[str]] = field(default_factory=list)  # [steps][B] row types of each step's batch
+
+
+class Simulator:
+    def __init__(
+        self,
+        drafters: list[SimDrafter],
+        row_types: list[str],
+        verify: SimVerify,
+        prompt_lengths: list[int] | None = None,
+        noise: float = 0.05,
+        seed: int = 0,
+        max_new_tokens: int | list[int] | None = None,
+    ):
+        self.drafters, self.verify, self.noise = drafters, verify, noise
+        self.rng = np.random.default_rng(seed)
+        B = len(row_types)
+        self.row_ids = list(range(B))
+        self.types = list(row_types)
+        self.prompt_lengths = list(prompt_lengths or [32] * B)
+        self.lengths = list(self.prompt_lengths)  # committed tokens per row
+        self.generated = [0] * B
+        limit = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * B
+        self.limits = list(limit)
+        self.covered = [[0] * len(drafters) for _ in range(B)]  # [B][num_drafters] tokens each cache holds
+        self.usable = [True] * len(drafters)
+        self.step_index = 0
+        self.trace = Trace()
+
+    @property
+    def infos(self) -> list[DrafterInfo]:
+        return [d.info() for d in self.drafters]
+
+    def view(self) -> BatchView:
+        return BatchView(list(self.row_ids), list(self.prompt_lengths), list(self.generated), list(self.usable), self.step_index)
+
+    def start(self, policy: Policy) -> Policy:
+        policy.bind(self.infos)
+        policy.start_rows(self.view(), list(range(len(self.row_ids))))
+        return policy
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def _noisy(self, seconds: float) -> float:
+        return seconds * float(np.exp(self.noise * self.rng.standard_normal())) if self.noise else seconds
+
+    def _propose(self, b: int, d: int, k: int) -> list[int]:
+        alpha = self.drafters[d].alpha[self.types[b]]
+        start = self.lengths[b]
+        return [TRUTH_OFFSET + start + i if self.rng.random() < alpha else int(self.rng.integers(1, 10)) for i in range(k)]
+
+    def step(self, policy: Policy) -> StepFeedback:
+        B, n = len(self.row_ids), len(self.drafters)
+        # 3. Plan, capped like the engine: unusable drafters removed, k = 0 for plain rows.
+        plan = policy.plan(self.view())
+        chosen = [tuple(d for d in plan.drafters[b] if self.usable[d]) for b in range(B)]
+        ks = [max(0, plan.k[b]) if chosen[b] else 0 for b in range(B)]
+        # 4. Draft: each drafter catches up its rows, then proposes; several drafters per row vote.
+        proposals: list[dict[int, list[int]]] = [{} for _ in range(B)]
+        draft_seconds = [0.0] * n
+        for d, sd in enumerate(self.drafters):
+            served = [b for b in range(B) if d in chosen[b] and ks[b] > 0]
+            if not served:
+                continue
+            fed = sum(max(1, self.lengths[b] - self.covered[b][d]) for b in served)
+            kmax = max(ks[b] for b in served)
+            t = sd.forward_seconds * kmax + sd.token_seconds * sum(ks[b] for b in served) + sd.catch_up_seconds * fed
+            draft_seconds[d] = self._noisy(t)
+            for b in served:
+                proposals[b][d] = self._propose(b, d, ks[b])
+        drafts = []
+        for b in range(B):
+            if len(proposals[b]) == 1:
+                drafts.append(next(iter(proposals[b].values())))
+            elif proposals[b]:
+                drafts.append(heaviest_path(proposals[b], plan.vote_weights or [1.0] * n)[: ks[b]])
+            else:
+                drafts.append([])
+        # 5. Verify against the truth.
+        accepted, new_tokens = [], []
+        for b in range(B):
+            truth = [TRUTH_OFFSET + self.lengths[b] + i for i in range(len(drafts[b]) + 1)]
+            a = next((i for i, (x, y) in enumerate(zip(drafts[b], truth)) if x != y), len(drafts[b]))
+            accepted.append(a)
+            new_tokens.append(drafts[b][:a] + [truth[a]])
+        verify_seconds = self._noisy(self.verify.seconds(B + sum(len(x) for x in drafts)))
+        # 6. Commit; each serving drafter's cache keeps the prefix its draft shares with the new tokens.
+        matched = [{d: _common_prefix(p, new_tokens[b]) for d, p in proposals[b].items()} for b in range(B)]
+        for b in range(B):
+            old = self.lengths[b]
+            self.lengths[b] += len(new_tokens[b])
+            self.generated[b] += len(new_tokens[b])
+            for d, p in proposals[b].items():
+                self.covered[b][d] = old + min(matched[b][d], max(len(p) - 1, 0))
+        # 7. Pre-fill idle drafters named by the plan.
+        for d, rows in plan.prefill.items():
+            if self.usable[d] and rows:
+                fed = sum(max(0, self.lengths[b] - self.covered[b][d]) for b in rows)
+                draft_seconds[d] += self._noisy(self.drafters[d].catch_up_seconds * fed)
+                for b in rows:
+                    self.covered[b][d] = self.lengths[b]
+        executed = Plan(list(chosen), ks, plan.min_confidence, plan.vote_weights, plan.prefill)
+        feedback = StepFeedback(
+            row_ids=list(self.row_ids),
+            plan=executed,
+            drafted=[len(x) for x in drafts],
+            accepted=accepted,
+            proposed=[{d: len(t) for d, t in p.items()} for p in proposals],
+            matched=matched,
+            draft_seconds=draft_seconds,
+            verify_seconds=verify_seconds,
+        )
+        self.trace.plans.append(plan)
+        self.trace.feedback.append(feedback)
+        self.trace.types.append(list(self.types))
+        policy.update(feedback)
+        self.step_index += 1
+        self._retire(policy)
+        return feedback
+
+    def _retire(self, policy: Policy) -> None:
+        """Rows that reached their max_new_tokens leave the batch."""
+        done = [b for b in range(len(self.row_ids)) if self.limits[b] is not None and self.generated[b] >= self.limits[b]]
+        if not done:
+            return
+        policy.end_rows([self.row_ids[b] for b in done])
+        keep = [b for b in range(len(self.row_ids)) if b not in done]
+        for name in ("row_ids", "types", "prompt_lengths", "lengths", "generated", "limits", "covered"):
+            setattr(self, name, [getattr(self, name)[b] for b in keep])
+
+    def run(self, policy: Policy, steps: int) -> Trace:
+        for _ in range(steps):
+            if not self.row_ids:
+                break
+            self.step(policy)
+        return self.trace
+
+    # --- ground truth ------------------------------------------------------------------------
+
+    def row_goodput(self, row_type: str, drafter: int | None, k: int, batch_size: int) -> float:
+        """Expected goodput of one row (tokens/s) when every row of the batch drafts k tokens with a
+        drafter whose cost is per row (token_seconds only); drafter None: every row plain."""
+        if drafter is None:
+            return batch_size / self.verify.seconds(batch_size)
+        sd = self.drafters[drafter]
+        per_row = self.verify.seconds(batch_size * (k + 1)) / batch_size + sd.token_seconds * k
+        return expected_tokens(sd.alpha[row_type], k) / per_row
+
+    def best_drafter(self, row_type: str, k: int, batch_size: int) -> int:
+        return max(range(len(self.drafters)), key=lambda d: self.row_goodput(row_type, d, k, batch_size))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)

@@ -1,0 +1,570 @@
+"""Policies on simulated drafters (tests/sim.py): no models, a few seconds in all.
+
+Each learning test has a negative control: a deliberately wrong policy or rule must fail the same
+assertion, so the assertion can fail.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+import hf_spin
+from hf_spin.policies import (
+    DRAFT_LENGTHS,
+    POLICIES,
+    BatchView,
+    ByPromptLengthPolicy,
+    DrafterInfo,
+    EpsilonGreedyConfig,
+    EpsilonGreedyPolicy,
+    FixedLength,
+    FixedPolicy,
+    GoodputLength,
+    GoodputLengthConfig,
+    HeuristicLength,
+    HeuristicLengthConfig,
+    LBSSConfig,
+    LBSSPolicy,
+    MinionsLength,
+    MinionsLengthConfig,
+    Plan,
+    Policy,
+    RoundRobinPolicy,
+    StepFeedback,
+    VoteConfig,
+    VotePolicy,
+    best_in_hindsight,
+    make_draft_length,
+    make_policy,
+)
+from hf_spin.policies.estimates import expected_tokens
+from hf_spin.vote_tree import heaviest_path
+
+from .sim import SimDrafter, Simulator, SimVerify
+
+K = 4  # draft length of the selection tests
+TYPES = ["A", "B", "C"] * 2  # six rows, two of each type
+
+
+def three_drafters(token_scale: float = 1.0) -> list[SimDrafter]:
+    """Each row type has its own best drafter: A -> small, B -> medium, C -> large (gaps >= 35%)."""
+    return [
+        SimDrafter("small", {"A": 0.85, "B": 0.35, "C": 0.30}, token_seconds=0.5e-3 * token_scale, catch_up_seconds=2e-5, num_parameters=100),
+        SimDrafter("medium", {"A": 0.50, "B": 0.85, "C": 0.45}, token_seconds=1.0e-3 * token_scale, catch_up_seconds=4e-5, num_parameters=300),
+        SimDrafter("large", {"A": 0.50, "B": 0.60, "C": 0.92}, token_seconds=2.0e-3 * token_scale, catch_up_seconds=8e-5, num_parameters=1000),
+    ]
+
+
+def sim(seed: int = 0, token_scale: float = 1.0, **kwargs) -> Simulator:
+    return Simulator(three_drafters(token_scale), TYPES, SimVerify(0.02, 0.1e-3), seed=seed, **kwargs)
+
+
+def lbss(seed: int = 0, **config) -> LBSSPolicy:
+    return LBSSPolicy(FixedLength(K), LBSSConfig(seed=seed, **config))
+
+
+class WorstPolicy(Policy):
+    """Negative control: knows the row types and always picks the worst drafter."""
+
+    def __init__(self, simulator: Simulator):
+        super().__init__(FixedLength(K))
+        self.sim = simulator
+
+    def select(self, view: BatchView) -> list[tuple[int, ...]]:
+        B = view.batch_size
+        return [(min(range(3), key=lambda d: self.sim.row_goodput(t, d, K, B)),) for t in self.sim.types]
+
+
+def exploit_steps(policy: LBSSPolicy, first_epoch: int, steps: int) -> list[int]:
+    """Steps (= row ages, all rows start together) in exploitation stages from epoch `first_epoch` on."""
+    start = sum(policy.alpha + 2**e for e in range(1, first_epoch))
+    return [s for s in range(start, steps) if not policy.stage(s).explore]
+
+
+def best_fraction(simulator: Simulator, steps: list[int]) -> dict[str, float]:
+    """Per row type, the fraction of (row, step) pairs of `steps` served by that type's best drafter."""
+    hits, total = collections.Counter(), collections.Counter()
+    for s in steps:
+        plan, types = simulator.trace.plans[s], simulator.trace.types[s]
+        for b, t in enumerate(types):
+            total[t] += 1
+            hits[t] += plan.drafters[b] == (simulator.best_drafter(t, K, len(types)),)
+    return {t: hits[t] / total[t] for t in total}
+
+
+def assert_converged(simulator: Simulator, steps: list[int], threshold: float = 0.9) -> None:
+    fractions = best_fraction(simulator, steps)
+    assert all(f >= threshold for f in fractions.values()), fractions
+
+
+# --- LBSS --------------------------------------------------------------------------------------
+
+
+def test_lbss_converges_to_the_best_drafter_per_row_type():
+    s = sim(seed=1)
+    policy = s.start(lbss(seed=1))
+    s.run(policy, 300)
+    assert_converged(s, exploit_steps(policy, first_epoch=3, steps=300))
+    # negative controls: the same assertion fails for the worst drafter and for round robin
+    worst = sim(seed=1)
+    worst.run(worst.start(WorstPolicy(worst)), 300)
+    with pytest.raises(AssertionError):
+        assert_converged(worst, exploit_steps(policy, 3, 300))
+    rr = sim(seed=1)
+    rr.run(rr.start(RoundRobinPolicy(FixedLength(K))), 300)
+    with pytest.raises(AssertionError):
+        assert_converged(rr, exploit_steps(policy, 3, 300))
+
+
+def test_lbss_converges_when_switching_is_expensive():
+    """1000-token prompts: the first step of each exploration chunk pays a long catch-up. Rewards
+    leave it out (it says nothing about the drafter on this request), so estimates stay right."""
+    s = sim(seed=1, prompt_lengths=[1000] * 6)
+    policy = s.start(lbss(seed=1))
+    s.run(policy, 300)
+    assert_converged(s, exploit_steps(policy, first_epoch=4, steps=300))
+
+
+def regret_per_step(simulator: Simulator) -> list[float]:
+    """Expected goodput lost per step against each row's best choice (tokens/s summed over rows)."""
+    out = []
+    for plan, types in zip(simulator.trace.plans, simulator.trace.types):
+        B = len(types)
+        lost = 0.0
+        for b, t in enumerate(types):
+            best = max(simulator.row_goodput(t, d, K, B) for d in [None, 0, 1, 2])
+            got = simulator.row_goodput(t, plan.drafters[b][0] if plan.drafters[b] else None, K, B)
+            lost += best - got
+        out.append(lost)
+    return out
+
+
+def test_lbss_regret_grows_sublinearly():
+    s = sim(seed=2)
+    policy = s.start(lbss(seed=2))
+    epochs = [policy.alpha + 2**e for e in range(1, 8)]  # 7 epochs: 8, 10, 14, 22, 38, 70, 134 steps
+    steps = sum(epochs)
+    s.run(policy, steps)
+    regret = regret_per_step(s)
+    first_rate = sum(regret[: epochs[0]]) / epochs[0]
+    last_rate = sum(regret[-epochs[-1] :]) / epochs[-1]
+    assert first_rate > 0
+    assert last_rate < 0.25 * first_rate, (first_rate, last_rate)
+    assert sum(regret) < 0.4 * first_rate * steps  # well under the linear extrapolation of epoch 1
+    # negative control: the worst drafter's regret is linear (its late rate is not lower)
+    w = sim(seed=2)
+    w.run(w.start(WorstPolicy(w)), steps)
+    worst = regret_per_step(w)
+    assert sum(worst[-epochs[-1] :]) / epochs[-1] > 0.8 * sum(worst[: epochs[0]]) / epochs[0]
+
+
+@pytest.mark.parametrize("capacities", [(2, 2, 2), (1, 2, 3), (4, None, 1)])
+def test_lbss_respects_capacities(capacities):
+    s = sim(seed=3)
+    policy = s.start(lbss(seed=3, capacities=capacities))
+    s.run(policy, 200)
+    for plan in s.trace.plans:
+        served = collections.Counter(d for ds in plan.drafters for d in ds)
+        for d, cap in enumerate(capacities):
+            assert cap is None or served[d] <= cap, (plan.drafters, capacities)
+    if capacities == (2, 2, 2):  # the best assignment is feasible (two rows per type): it is found
+        assert_converged(s, exploit_steps(policy, 3, 200))
+
+
+def test_lbss_never_slower_goes_plain_and_keeps_probing():
+    s = sim(seed=4, token_scale=30.0)  # drafting so slow that plain decoding beats every drafter
+    assert all(s.row_goodput(t, None, K, 6) > max(s.row_goodput(t, d, K, 6) for d in range(3)) for t in "ABC")
+    policy = s.start(lbss(seed=4))
+    steps = 400
+    s.run(policy, steps)
+    plain = [[ds == () for ds in plan.drafters] for plan in s.trace.plans]
+    assert sum(map(sum, plain)) / (steps * 6) > 0.85
+    # every exploitation step after the first epoch is plain, for every row
+    assert all(all(plain[step]) for step in exploit_steps(policy, 2, steps))
+    # probes (exploration stages) go on, ever more rarely: the plain stretches between them grow
+    drafting = [step for step in range(steps) if not plain[step][0]]
+    assert [step for step in drafting if step >= 200], "no probe after step 200"
+    starts = [step for step in drafting if step - 1 not in drafting]  # first step of each probe
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(gaps) >= 4 and gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], gaps
+    # negative control: with the option off the same policy never decodes plainly
+    off = sim(seed=4, token_scale=30.0)
+    off.run(off.start(lbss(seed=4, never_slower=False)), 100)
+    assert not any(ds == () for plan in off.trace.plans for ds in plan.drafters)
+
+
+def test_lbss_learns_the_catch_up_cost_and_prefills_idle_model_drafters():
+    """Two row types with their own best drafter; a third model drafter and prompt lookup sit idle
+    while exploiting, and are drawn for exploration chunks: those get pre-filled a step ahead."""
+    drafters = [
+        SimDrafter("small", {"A": 0.85, "C": 0.30}, token_seconds=0.5e-3, catch_up_seconds=2e-5),
+        SimDrafter("medium", {"A": 0.55, "C": 0.55}, token_seconds=1e-3, catch_up_seconds=4e-5),
+        SimDrafter("large", {"A": 0.50, "C": 0.92}, token_seconds=2e-3, catch_up_seconds=8e-5),
+        SimDrafter("lookup", {"A": 0.50, "C": 0.50}, token_seconds=1e-4, kind="prompt_lookup", num_parameters=0),
+    ]
+    s = Simulator(drafters, ["A", "C"] * 3, SimVerify(0.02, 0.1e-3), prompt_lengths=[200] * 6, seed=5)
+    policy = s.start(lbss(seed=5))
+    s.run(policy, 300)
+    for d in (0, 1, 2):  # the catch-up cost per token is learned from draft times
+        assert policy.catch_up_seconds(d) == pytest.approx(drafters[d].catch_up_seconds, rel=0.3)
+    prefills = useful = 0
+    for step, plan in enumerate(s.trace.plans[:-1]):
+        busy = {d for ds in plan.drafters for d in ds}
+        for d, rows in plan.prefill.items():
+            assert d not in busy and drafters[d].kind == "model", (step, d, plan)
+            for b in rows:
+                prefills += 1
+                useful += s.trace.plans[step + 1].drafters[b] == (d,)  # it serves the row next step
+    assert prefills >= 10 and useful >= 10, (prefills, useful)
+
+
+def test_lbss_switching_cost_keeps_a_row_on_its_drafter():
+    """A row on drafter 0 whose cache drafter 1 lacks (4000 tokens behind): 1 is 5% better but the
+    catch-up costs more than 5% of the stage, so the matching keeps the row on 0."""
+
+    def matched_drafter(switch_cost: float) -> tuple[int, ...]:
+        policy = LBSSPolicy(FixedLength(K), LBSSConfig(alpha=1, beta=1, switch_cost=switch_cost, never_slower=False))
+        policy.bind([DrafterInfo("a", "model", 1, True), DrafterInfo("b", "model", 2, True)])
+        view = BatchView([0], [4000], [0], [True, True], 0)
+        policy.start_rows(view, [0])
+        row = policy.rows[0]
+        row.age = 1  # first exploitation step (epoch 1: 1 exploration step, then 2 exploiting)
+        for d, reward in ((0, 100.0), (1, 105.0)):
+            for _ in range(50):
+                row.arms[d].reward.add(reward)
+                row.arms[d].seconds.add(0.01)
+                policy.pooled[d].reward.add(reward)
+        row.arms[0].synced = 3999
+        return policy.select(view)[0]
+
+    assert matched_drafter(switch_cost=1e-3) == (0,)
+    assert matched_drafter(switch_cost=0.0) == (1,)  # free switching: the better drafter
+
+
+@pytest.mark.parametrize("make", [lambda: lbss(seed=6), lambda: EpsilonGreedyPolicy(FixedLength(K)), lambda: VotePolicy(FixedLength(K))])
+def test_a_dropped_drafter_is_never_planned_again(make):
+    s = sim(seed=6)
+    policy = s.start(make())
+    s.run(policy, 40)
+    s.usable[2] = False  # as the engine does after the drafter raised
+    s.run(policy, 60)
+    late = s.trace.plans[40:]
+    assert not any(2 in ds for plan in late for ds in plan.drafters)
+    assert not any(2 in plan.prefill for plan in late)
+    assert sum(bool(ds) for plan in late for ds in plan.drafters) > 0.5 * 60 * 6  # the others keep drafting
+
+
+def test_lbss_is_deterministic_when_seeded():
+    def plans(seed):
+        s = sim(seed=7)
+        s.run(s.start(lbss(seed=seed)), 60)
+        return [p.drafters for p in s.trace.plans]
+
+    assert plans(11) == plans(11)
+    assert plans(11) != plans(12)
+
+
+def test_lbss_rows_leaving_free_their_state():
+    s = sim(seed=8, max_new_tokens=[20, 400, 400, 400, 400, 400])
+    policy = s.start(lbss(seed=8))
+    s.run(policy, 60)
+    assert 0 not in policy.rows and len(policy.rows) == 5 and len(s.row_ids) == 5
+
+
+# --- vote --------------------------------------------------------------------------------------
+
+
+def vote_sim(seed: int = 0) -> Simulator:
+    drafters = [
+        SimDrafter("noisy1", {"A": 0.2}, token_seconds=1e-4),
+        SimDrafter("accurate", {"A": 0.9}, token_seconds=1e-4),
+        SimDrafter("noisy2", {"A": 0.2}, token_seconds=1e-4),
+    ]
+    return Simulator(drafters, ["A"] * 4, SimVerify(0.01, 1e-4), seed=seed)
+
+
+def test_vote_weights_move_toward_the_accurate_drafter():
+    s = vote_sim()
+    policy = s.start(VotePolicy(FixedLength(K)))
+    s.run(policy, 60)
+    assert all(plan.drafters == [(0, 1, 2)] * 4 for plan in s.trace.plans)
+    assert s.trace.plans[0].vote_weights == [1.0, 1.0, 1.0]
+    w = policy.weights
+    assert w[1] == policy.config.max_weight and w[0] == w[2] == policy.config.min_weight
+    mean_accepted = lambda fbs: sum(sum(f.accepted) for f in fbs) / (4 * len(fbs))  # noqa: E731
+    assert mean_accepted(s.trace.feedback[-30:]) > mean_accepted(s.trace.feedback[:3])
+
+
+def test_vote_weight_update_on_hand_built_feedback():
+    policy = VotePolicy(FixedLength(4), VoteConfig(learning_rate=0.5, reward_threshold=0.6, punish_threshold=0.3, max_weight=2.0))
+    policy.bind([DrafterInfo(n, "model", 1, True) for n in "abcd"])
+    plan = Plan([(0, 1, 2, 3)], [4], vote_weights=[1.0] * 4)
+    fb = StepFeedback(
+        row_ids=[0], plan=plan, drafted=[4], accepted=[3],
+        proposed=[{0: 4, 1: 4, 2: 4, 3: 0}],
+        matched=[{0: 4, 1: 1, 2: 2, 3: 0}],  # rates 1.0 (reward), 0.25 (punish), 0.5 (neither), none
+        draft_seconds=[0.01] * 4, verify_seconds=0.02,
+    )  # fmt: skip
+    policy.update(fb)
+    assert policy.weights == [1.5, 0.5, 1.0, 1.0]
+    policy.update(fb)
+    assert policy.weights == [2.0, 0.25, 1.0, 1.0]  # 2.25 clipped to max_weight
+
+
+@pytest.mark.parametrize(
+    "drafts, weights, expected",
+    [
+        # the module docstring's example: c (0.5) beats e (0.4)
+        ({0: ["a", "b", "c"], 1: ["a", "d"], 2: ["a", "b", "e", "f"]}, {0: 0.5, 1: 0.3, 2: 0.4}, ["a", "b", "c"]),
+        # a tie goes to the drafter listed first
+        ({0: [1, 2], 1: [3, 4]}, [1.0, 1.0], [1, 2]),
+        ({1: [3, 4], 0: [1, 2]}, [1.0, 1.0], [3, 4]),
+        ({0: [1, 2], 1: [1, 3]}, [1.0, 1.0], [1, 2]),
+        # one empty draft takes no part
+        ({0: [], 1: [7, 8]}, [5.0, 1.0], [7, 8]),
+        ({0: [], 1: []}, [1.0, 1.0], []),
+        # a drafter cut short: the path goes on with the longer one
+        ({0: [5], 1: [5, 6, 7]}, [1.0, 0.5], [5, 6, 7]),
+        # two light drafters that agree outvote one heavier
+        ({0: [1, 2], 1: [3, 4], 2: [3, 5]}, [1.0, 0.6, 0.6], [3, 4]),
+        ({0: [1, 2], 1: [3, 4], 2: [3, 5]}, [1.0, 0.4, 0.4], [1, 2]),
+        # a single drafter: its draft
+        ({2: [9, 9, 9]}, [0.0, 0.0, 1.0], [9, 9, 9]),
+    ],
+)
+def test_heaviest_path_hand_built(drafts, weights, expected):
+    assert heaviest_path(drafts, weights) == expected
+
+
+# --- adaptive draft length ---------------------------------------------------------------------
+
+B_LEN = 8  # rows of the draft-length tests
+
+
+def length_sim(alpha: float, forward_seconds: float, verify: SimVerify, seed: int) -> tuple[Simulator, callable, int]:
+    """One drafter for all rows; returns the simulator, tokens per second as a function of k, and k*."""
+    s = Simulator([SimDrafter("d", {"A": alpha}, forward_seconds=forward_seconds)], ["A"] * B_LEN, verify, seed=seed)
+
+    def rate(k: int) -> float:  # E[tokens per step] / step seconds, the analytic objective
+        return B_LEN * expected_tokens(alpha, k) / (forward_seconds * k + verify.seconds(B_LEN * (k + 1)))
+
+    return s, rate, max(range(1, 17), key=rate)  # brute force over k
+
+
+def assert_settled(ks: list[int], rate, k_star: int, max_off: int) -> None:
+    mode = collections.Counter(ks).most_common(1)[0][0]
+    efficiency = sum(rate(k) for k in ks) / len(ks) / rate(k_star)
+    assert abs(mode - k_star) <= max_off and efficiency >= 0.95, (mode, k_star, round(efficiency, 3))
+
+
+SCENARIOS = [  # (alpha, draft seconds per forward, verify cost): k* = 2, 8, 16
+    (0.80, 2e-3, SimVerify(0.01, 0.5e-3)),
+    (0.90, 3e-3, SimVerify(0.03, 0.2e-3)),
+    (0.95, 1e-3, SimVerify(0.03, 0.1e-3)),
+]
+
+
+@pytest.mark.parametrize("rule, max_off", [(GoodputLength, 1), (MinionsLength, 2)])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_adaptive_k_settles_near_the_analytic_optimum(rule, max_off, scenario):
+    s, rate, k_star = length_sim(*scenario, seed=1)
+    s.run(s.start(FixedPolicy(rule())), 300)
+    assert_settled([p.k[0] for p in s.trace.plans[150:]], rate, k_star, max_off)
+
+
+def test_adaptive_k_negative_control():
+    """A fixed k far from k* fails the same assertion (so it can fail)."""
+    s, rate, k_star = length_sim(*SCENARIOS[0], seed=1)
+    assert k_star == 2
+    s.run(s.start(FixedPolicy(FixedLength(8))), 50)
+    with pytest.raises(AssertionError):
+        assert_settled([p.k[0] for p in s.trace.plans], rate, k_star, 2)
+
+
+def test_goodput_rule_uses_the_prior_until_measured():
+    rule = GoodputLength(GoodputLengthConfig(initial=3, dither_every=0))
+    rule.bind([DrafterInfo("d", "model", 1, True)])
+    assert rule.k(0, 0, BatchView([0], [5], [0], [True], 1)) == 3
+    assert rule.alpha(0) == pytest.approx(0.6)
+
+
+def heuristic_feedback(k: list[int], matched: list[int]) -> StepFeedback:
+    B = len(k)
+    return StepFeedback(
+        row_ids=list(range(B)), plan=Plan([(0,)] * B, k), drafted=list(k), accepted=list(matched),
+        proposed=[{0: x} for x in k], matched=[{0: m} for m in matched],
+        draft_seconds=[0.01], verify_seconds=0.01,
+    )  # fmt: skip
+
+
+def test_heuristic_follows_plus_two_minus_one():
+    rule = HeuristicLength(HeuristicLengthConfig(initial=5, max_k=9))
+    rule.bind([DrafterInfo("d", "model", 1, True)])
+    view = BatchView([0, 1], [5, 5], [0, 0], [True], 0)
+    seen = []
+    for matched in ([5, 2], [7, 0], [9, 0], [3, 0], [0, 0], [0, 0], [0, 0], [0, 0], [0, 0], [0, 0]):
+        ks = [rule.k(0, 0, view), rule.k(0, 1, view)]
+        rule.update(heuristic_feedback(ks, matched))
+        seen.append(ks)
+    # row 0: 5 -(all)-> 7 -(all)-> 9 -(all, capped)-> 9 -(3 of 9)-> 8 -> 7 ... ; row 1: 5 -> 4 -> 3 -> ... -> 1 (floor)
+    assert [k for k, _ in seen] == [5, 7, 9, 9, 8, 7, 6, 5, 4, 3]
+    assert [k for _, k in seen] == [5, 4, 3, 2, 1, 1, 1, 1, 1, 1]
+
+
+def test_cost_fits():
+    from hf_spin.policies.estimates import VERIFY_ELASTICITY_PRIOR, CostModel, DecayedLeastSquares, VerifyFit, bucket
+
+    fit = VerifyFit()
+    for n in [10, 20, 30, 40] * 10:
+        fit.add(n, 0.02 + 1e-4 * n)
+    assert fit.coefficients() == pytest.approx((0.02, 1e-4), rel=0.01)  # the prior pulls a little
+    flat = VerifyFit()  # N never varies: the slope is the prior elasticity
+    for _ in range(20):
+        flat.add(30, 0.023)
+    assert flat.coefficients()[1] == pytest.approx(VERIFY_ELASTICITY_PRIOR * 0.023 / 30)
+    assert flat.predict(30) == pytest.approx(0.023)
+    draft = DecayedLeastSquares(3)
+    for f, t, c in [(4, 8, 0), (4, 24, 0), (2, 12, 300), (0, 0, 50), (3, 3, 10)] * 5:
+        draft.add([f, t, c], 1e-3 * f + 2e-4 * t + 5e-6 * c)
+    assert draft.coefficients() == pytest.approx([1e-3, 2e-4, 5e-6], rel=0.01)
+    assert [bucket(b) for b in (1, 2, 3, 4, 7, 8, 64)] == [0, 1, 1, 2, 2, 3, 6]
+    model = CostModel(1)
+    assert model.plain_goodput(4) is None and model.catch_up_seconds(0) == 0.0
+
+
+def test_draft_length_min_confidence_reaches_the_plan():
+    policy = FixedPolicy(GoodputLength(GoodputLengthConfig(min_confidence=0.3)))
+    policy.bind([DrafterInfo("d", "model", 1, True)])
+    assert policy.plan(BatchView([0], [5], [0], [True], 0)).min_confidence == 0.3
+
+
+# --- baselines ---------------------------------------------------------------------------------
+
+
+def test_epsilon_greedy_explores_about_epsilon_of_the_time():
+    s = sim(seed=9)
+    policy = s.start(EpsilonGreedyPolicy(FixedLength(K), EpsilonGreedyConfig(epsilon=0.2, seed=9)))
+    differs = total = 0
+    explored = 0
+    for _ in range(500):
+        view = s.view()
+        greedy = [policy.greedy(rid, view.usable, view.batch_size) for rid in view.row_ids]
+        s.step(policy)
+        plan = s.trace.plans[-1]
+        differs += sum(ds != ((g,) if g is not None else ()) for ds, g in zip(plan.drafters, greedy))
+        explored += sum(policy.explored)
+        total += len(greedy)
+    assert explored / total == pytest.approx(0.2, abs=0.03)
+    # a random pick equals the greedy one a third of the time: about 0.2 x 2/3 of choices differ
+    assert differs / total == pytest.approx(0.2 * 2 / 3, abs=0.03)
+    # and the greedy choice is the best drafter per row type (as the exploitation of LBSS)
+    late = range(400, 500)
+    fractions = best_fraction(s, list(late))
+    assert all(f > 0.7 for f in fractions.values()), fractions
+
+
+def test_epsilon_greedy_never_slower():
+    s = sim(seed=10, token_scale=30.0)
+    s.run(s.start(EpsilonGreedyPolicy(FixedLength(K), EpsilonGreedyConfig(epsilon=0.1, seed=10))), 300)
+    plain = sum(ds == () for plan in s.trace.plans[50:] for ds in plan.drafters) / (250 * 6)
+    assert plain == pytest.approx(0.9, abs=0.05)
+
+
+def test_by_prompt_length_sends_longer_prompts_to_larger_drafters():
+    infos = [DrafterInfo("large", "model", 10**9, True), DrafterInfo("lookup", "prompt_lookup", 0, False), DrafterInfo("small", "model", 10**8, True)]
+    policy = ByPromptLengthPolicy(FixedLength(K))
+    policy.bind(infos)
+    view = BatchView(list(range(6)), [50, 10, 400, 30, 90, 20], [0] * 6, [True] * 3, 0)
+    policy.start_rows(view, list(range(6)))
+    assert policy.select(view) == [(2,), (1,), (0,), (2,), (0,), (1,)]
+    # the choice stays with the request; a failed drafter hands its rows to the nearest in size
+    later = BatchView([2, 4, 5], [400, 90, 20], [30, 30, 30], [False, True, True], 9)
+    assert policy.select(later) == [(2,), (2,), (1,)]
+
+
+# --- oracle ------------------------------------------------------------------------------------
+
+
+def test_best_in_hindsight():
+    single = [{"plain": 20.0, "small": 31.0, "large": 27.0}, {"plain": 20.0, "small": 22.0, "large": 35.0}, {"plain": 30.0, "small": 10.0, "large": 12.0}]
+    report = best_in_hindsight(single, {"lbss": [30.0, 33.0, 30.0], "fixed": [31.0, 22.0, 10.0]})
+    assert report.best == ["small", "large", "plain"]
+    assert report.best_goodput == [31.0, 35.0, 30.0]
+    assert report.fraction["lbss"] == pytest.approx([30 / 31, 33 / 35, 1.0])
+    assert report.mean_fraction["fixed"] == pytest.approx((1.0 + 22 / 35 + 10 / 30) / 3)
+    assert report.best_fixed == "large" and report.best_fixed_fraction == pytest.approx((27 / 31 + 1.0 + 12 / 30) / 3)
+
+
+# --- names, configs and refusals ---------------------------------------------------------------
+
+
+def test_registries_and_pool_names():
+    assert set(POLICIES) == {"lbss", "vote", "epsilon_greedy", "by_prompt_length", "round_robin", "fixed"}
+    assert set(DRAFT_LENGTHS) == {"minions", "goodput", "heuristic"}
+    for name, cls in POLICIES.items():
+        for length in ("minions", "goodput", "heuristic", 3):
+            pool = hf_spin.AssistantPool(["prompt_lookup", "prompt_lookup"], policy=name, draft_length=length)
+            assert type(pool.policy) is cls and isinstance(pool.policy.draft_length, type(make_draft_length(length)))
+    pool = hf_spin.AssistantPool(["prompt_lookup"], policy=LBSSConfig(alpha=4, seed=3), draft_length=GoodputLengthConfig(max_k=8))
+    assert pool.policy.config.alpha == 4 and pool.policy.draft_length.config.max_k == 8
+    own = LBSSPolicy(MinionsLength())
+    assert hf_spin.AssistantPool(["prompt_lookup"], policy=own).policy is own
+
+
+def _bind(policy, n=3):
+    policy.bind([DrafterInfo(str(i), "model", i, True) for i in range(n)])
+    return policy
+
+
+def _start(policy, batch):
+    view = BatchView(list(range(batch)), [5] * batch, [0] * batch, [True] * len(policy.drafters), 0)
+    policy.start_rows(view, list(range(batch)))
+
+
+REFUSALS = [
+    (lambda: make_policy("best"), r"policy='best' is not supported; choose one of \['by_prompt_length', 'epsilon_greedy', 'fixed', 'lbss'"),
+    (lambda: make_policy(3), r"policy=3 is not supported"),
+    (lambda: make_policy(LBSSPolicy(), "goodput"), r"draft_length='goodput' cannot be applied to a Policy object"),
+    (lambda: make_draft_length("fast"), r"draft_length='fast' is not supported; give a positive int, one of \['goodput', 'heuristic', 'minions'\]"),
+    (lambda: make_draft_length(0), r"draft_length must be a positive int"),
+    (lambda: make_draft_length(True), r"draft_length must be a positive int"),
+    (lambda: EpsilonGreedyConfig(epsilon=1.5), r"EpsilonGreedyConfig.epsilon must be a number in \[0.0, 1.0\], got 1.5"),
+    (lambda: EpsilonGreedyConfig(epsilon=-0.1), r"EpsilonGreedyConfig.epsilon"),
+    (lambda: EpsilonGreedyConfig(seed="x"), r"EpsilonGreedyConfig.seed must be an int, got 'x'"),
+    (lambda: LBSSConfig(beta=0), r"LBSSConfig.beta must be an int >= 1, got 0"),
+    (lambda: LBSSConfig(alpha=2, beta=3), r"LBSSConfig.alpha must be an int >= 3, got 2"),
+    (lambda: LBSSConfig(capacities=(2, 0)), r"LBSSConfig.capacities must be a tuple of positive ints \(None: unlimited\), one per drafter, got \(2, 0\)"),
+    (lambda: LBSSConfig(capacities=4), r"LBSSConfig.capacities must be a tuple"),
+    (lambda: LBSSConfig(switch_cost=-1.0), r"LBSSConfig.switch_cost must be a number in \[0.0, inf\)"),
+    (lambda: LBSSConfig(never_slower="yes"), r"LBSSConfig.never_slower must be True or False"),
+    (lambda: LBSSConfig(prefill_margin=1.0), r"LBSSConfig.prefill_margin must be a number in \[0.0, 1.0\)"),
+    (lambda: _bind(LBSSPolicy(config=LBSSConfig(capacities=(2, 2)))), r"LBSSConfig.capacities has 2 entries but the pool has 3 drafters"),
+    (lambda: _bind(LBSSPolicy(config=LBSSConfig(switch_cost=(0.1,)))), r"LBSSConfig.switch_cost has 1 entries but the pool has 3 drafters"),
+    (
+        lambda: _start(_bind(LBSSPolicy(config=LBSSConfig(capacities=(1, 1, 1)))), 6),
+        r"LBSSConfig.capacities=\(1, 1, 1\) let the drafters serve at most 3 rows in one step, but the batch has 6 rows",
+    ),
+    (lambda: VoteConfig(learning_rate=1.0), r"VoteConfig.learning_rate must be a number in \(0.0, 1.0\)"),
+    (lambda: VoteConfig(punish_threshold=0.7, reward_threshold=0.6), r"VoteConfig.punish_threshold \(0.7\) must be below reward_threshold \(0.6\)"),
+    (lambda: VoteConfig(min_weight=5.0, max_weight=2.0), r"VoteConfig.max_weight must be a number in \[5.0, inf\)"),
+    (lambda: _bind(VotePolicy(config=VoteConfig(initial_weights=(1.0, 1.0)))), r"VoteConfig.initial_weights has 2 entries but the pool has 3"),
+    (lambda: HeuristicLengthConfig(initial=0), r"HeuristicLengthConfig.initial must be an int >= 1, got 0"),
+    (lambda: GoodputLengthConfig(min_k=4, max_k=2), r"GoodputLengthConfig.max_k must be an int >= 4, got 2"),
+    (lambda: GoodputLengthConfig(initial=20), r"GoodputLengthConfig.initial must be in \[min_k, max_k\] = \[1, 16\], got 20"),
+    (lambda: GoodputLengthConfig(prior_alpha=1.0), r"GoodputLengthConfig.prior_alpha must be a number in \(0.0, 1.0\)"),
+    (lambda: GoodputLengthConfig(dither_every=1), r"GoodputLengthConfig.dither_every must be 0 \(never\) or >= 2, got 1"),
+    (lambda: MinionsLengthConfig(window=10), r"MinionsLengthConfig.window must be >= dwell \+ probe = 16, got 10"),
+    (lambda: MinionsLengthConfig(min_confidence=1.0), r"MinionsLengthConfig.min_confidence must be a number in \[0.0, 1.0\)"),
+    (lambda: best_in_hindsight([]), r"best_in_hindsight needs at least one request"),
+    (lambda: best_in_hindsight([{"a": 1.0}, {"b": 1.0}]), r"single\[1\] has choices \['b'\] but single\[0\] has \['a'\]"),
+    (lambda: best_in_hindsight([{"a": -1.0}]), r"single\[0\]\['a'\] must be a finite goodput >= 0"),
+    (lambda: best_in_hindsight([{"a": 1.0}], {"p": [1.0, 2.0]}), r"policies\['p'\] has 2 goodputs but there are 1 requests"),
+]
+
+
+@pytest.mark.parametrize("make, message", REFUSALS)
+def test_refused_arguments(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
