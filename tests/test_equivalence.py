@@ -120,6 +120,25 @@ def test_round_robin_equivalence(arch, batch):
     assert stats.drafters[model_name].target_forwards >= 2, str(stats)  # served again after skipping steps: caught up
 
 
+POLICY_ARCHS = ("llama", "gpt2", "qwen2")
+
+
+@pytest.mark.parametrize("draft_length", [3, *sorted(hf_spin.policies.DRAFT_LENGTHS)])
+@pytest.mark.parametrize("policy", sorted(hf_spin.policies.POLICIES))
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("arch", POLICY_ARCHS)
+def test_policy_equivalence(arch, batch, policy, draft_length):
+    """Every policy and draft-length rule over a pool of three kinds (another model, the target
+    drafting for itself, prompt lookup): whoever a policy picks, and however many tokens, the output
+    is plain `generate`'s. The pool is used twice: learned state carries across calls."""
+    target, other = _models(arch)
+    self_drafter = hf_spin.ModelDrafter(target, name="self")
+    pool = hf_spin.AssistantPool([other, self_drafter, "prompt_lookup"], policy=policy, draft_length=draft_length)
+    inputs, reference = _case(arch, batch)
+    for _ in range(2):
+        _assert_lossless(target, inputs, reference, pool)
+
+
 @pytest.mark.parametrize("arch", EQUIVALENT_ARCHS)
 def test_compaction_equivalence(arch, monkeypatch):
     """Compact the target's and the drafter's caches after every step that leaves a hole (rows of
