@@ -39,7 +39,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--draft-length", type=int, default=hf_spin.policies.DEFAULT_DRAFT_LENGTH, help="hf_spin's k")
-    ap.add_argument("--min-confidence", type=float, default=0.0, help="hf_spin's confidence stop (transformers' assistant default: 0.4 with k <= 20)")
+    ap.add_argument("--min-confidence", type=float, default=hf_spin.policies.DEFAULT_MIN_CONFIDENCE, help="hf_spin's confidence stop (transformers' assistant default: 0.4 with k <= 20)")
     ap.add_argument("--batch-sizes", type=int, nargs="*", default=[4, 8], help="batched comparisons (besides batch 1)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))

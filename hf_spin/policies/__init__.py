@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .base import (
     DEFAULT_DRAFT_LENGTH,
+    DEFAULT_MIN_CONFIDENCE,
     BatchView,
     DrafterInfo,
     DraftLength,
@@ -100,6 +101,7 @@ def make_policy(policy: str | Policy, draft_length: int | str | DraftLength = DE
 
 __all__ = [
     "DEFAULT_DRAFT_LENGTH",
+    "DEFAULT_MIN_CONFIDENCE",
     "DRAFT_LENGTHS",
     "DRAFT_LENGTH_CONFIGS",
     "POLICIES",
