@@ -52,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--policies", nargs="+", default=None, help=f"default: every registered policy but 'fixed' ({sorted(POLICIES)})")
     ap.add_argument("--draft-length", default="5", help="an int or a DraftLength name, for every hf_spin run")
     ap.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
+    ap.add_argument("--ragged-attention", action="store_true", help="hf_spin on packed rows (AssistantPool(ragged_attention=True))")
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation runs")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
@@ -81,11 +82,10 @@ class Bench:
             self.assist[label] = {"assistant_model": model} if same else {"assistant_model": model, "tokenizer": self.tok, "assistant_tokenizer": tok}
         draft_length = int(args.draft_length) if args.draft_length.isdigit() else args.draft_length
         policies = args.policies or sorted(p for p in POLICIES if p != "fixed")
-        self.pools = {f"spin:{label}": hf_spin.AssistantPool([entry], draft_length=make_draft_length(draft_length), tokenizer=self.tok) for label, entry in self.entries.items()}
+        options = dict(tokenizer=self.tok, ragged_attention=args.ragged_attention)
+        self.pools = {f"spin:{label}": hf_spin.AssistantPool([entry], draft_length=make_draft_length(draft_length), **options) for label, entry in self.entries.items()}
         for policy in policies:
-            self.pools[f"policy:{policy}"] = hf_spin.AssistantPool(
-                list(self.entries.values()), policy=policy, draft_length=make_draft_length(draft_length), tokenizer=self.tok
-            )
+            self.pools[f"policy:{policy}"] = hf_spin.AssistantPool(list(self.entries.values()), policy=policy, draft_length=make_draft_length(draft_length), **options)
         self.gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=self.tok.pad_token_id)
 
     def run(self, questions: list[dict]) -> list[dict]:
@@ -115,6 +115,7 @@ class Bench:
                     "accepted": row.accepted,
                     "target_forwards": row.target_forwards,
                     "chosen": dict(row.drafters),
+                    "failures": {name: d.failures for name, d in stats.drafters.items() if d.failures},
                 }
         return records
 
@@ -176,7 +177,8 @@ def markdown(summary: dict, env: dict) -> str:
         return "-" if x is None else format(x, spec)
 
     lines = [
-        f"Spec-Bench pool benchmark: greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, draft_length={env['draft_length']}; "
+        f"Spec-Bench pool benchmark: greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, draft_length={env['draft_length']}, "
+        f"ragged_attention={env['ragged_attention']}; "
         f"target {TARGET}; {env['machine']}, {env['threads']} threads, {env['processes']} process(es); "
         f"torch {env['torch']}, transformers {env['transformers']}, hf_spin {env['hf_spin']}.",
     ]
@@ -228,7 +230,13 @@ def main() -> None:
     records = gather_object(records)
     if not state.is_main_process:
         return
-    env = {**machine(state.num_processes), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "draft_length": args.draft_length}
+    env = {
+        **machine(state.num_processes),
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "draft_length": args.draft_length,
+        "ragged_attention": args.ragged_attention,
+    }
     summary = summarize(records)
     table = markdown(summary, env)
     path = write_results(args.out, "pool_bench", {"env": env, "summary": summary, "records": records}, table)

@@ -41,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--draft-length", type=int, default=hf_spin.policies.DEFAULT_DRAFT_LENGTH, help="hf_spin's k")
     ap.add_argument("--min-confidence", type=float, default=hf_spin.policies.DEFAULT_MIN_CONFIDENCE, help="hf_spin's confidence stop (transformers' assistant default: 0.4 with k <= 20)")
     ap.add_argument("--batch-sizes", type=int, nargs="*", default=[4, 8], help="batched comparisons (besides batch 1)")
+    ap.add_argument("--skip-batch1", action="store_true", help="only the batched comparisons")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     return ap.parse_args()
@@ -82,7 +83,12 @@ def run_batch1(target, drafter, tok, questions, args) -> list[dict]:
     return records
 
 
+# hf_spin variants at batch > 1: the rectangular cache with holes, and packed rows (no padding at all)
+BATCHED_VARIANTS = {"hf_spin": {}, "hf_spin_packed": {"ragged_attention": True}}
+
+
 def run_batched(target, drafter, tok, questions, batch_size, args) -> list[dict]:
+    """One record per batch: plain batched `generate` and each hf_spin variant, with where the time went."""
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     records = []
     chunks = [questions[i : i + batch_size] for i in range(0, len(questions), batch_size)]
@@ -90,20 +96,30 @@ def run_batched(target, drafter, tok, questions, batch_size, args) -> list[dict]
         batch = encode(tok, chunk)
         P = batch["input_ids"].shape[1]
         plain, t_plain = timed(lambda: target.generate(**batch, **gen))
-        pool = hf_spin.AssistantPool([drafter], draft_length=FixedLength(args.draft_length, args.min_confidence))
-        spin, t_spin = timed(lambda: target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **gen))
         ref = new_tokens(plain, P, tok.pad_token_id)
-        stats = pool.last_stats
-        records.append(
-            {
-                "batch_size": len(chunk),
-                "categories": [q["category"] for q in chunk],
-                "new_tokens": sum(len(r) for r in ref),
-                "seconds": {"plain": t_plain, "hf_spin": t_spin},
+        record = {
+            "batch_size": len(chunk),
+            "categories": [q["category"] for q in chunk],
+            "prompt_tokens": int(batch["attention_mask"].sum()),
+            "padded_prompt_tokens": int(batch["attention_mask"].numel()),
+            "new_tokens": sum(len(r) for r in ref),
+            "seconds": {"plain": t_plain},
+        }
+        for variant, options in BATCHED_VARIANTS.items():
+            pool = hf_spin.AssistantPool([drafter], draft_length=FixedLength(args.draft_length, args.min_confidence), **options)
+            spin, t_spin = timed(lambda: target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **gen))
+            stats = pool.last_stats
+            record["seconds"][variant] = t_spin
+            record[variant] = {
                 "identical_rows": sum(a == b for a, b in zip(new_tokens(spin, P, tok.pad_token_id), ref)),
-                "hf_spin": {"acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length},
+                "acceptance_rate": stats.acceptance_rate,
+                "mean_accepted_length": stats.mean_accepted_length,
+                "steps": stats.steps,
+                "prefill_seconds": stats.prefill_seconds,
+                "draft_seconds": sum(d.draft_seconds for d in stats.drafters.values()),
+                "verify_seconds": stats.verify_seconds,
             }
-        )
+        records.append(record)
         save_partial(getattr(args, "partial", None), records[-1])
     return records
 
@@ -136,15 +152,19 @@ def summarize(records: list[dict], batched: dict[int, list[dict]]) -> dict:
     batch_table = {}
     for bs, rs in batched.items():
         tokens = sum(r["new_tokens"] for r in rs)
-        batch_table[bs] = {
-            "batches": len(rs),
-            "throughput_ratio": (tokens / sum(r["seconds"]["hf_spin"] for r in rs)) / (tokens / sum(r["seconds"]["plain"] for r in rs)),
-            "plain_tok_s": tokens / sum(r["seconds"]["plain"] for r in rs),
-            "hf_spin_tok_s": tokens / sum(r["seconds"]["hf_spin"] for r in rs),
-            "acceptance_rate": statistics.mean(r["hf_spin"]["acceptance_rate"] for r in rs),
-            "mean_accepted_length": statistics.mean(r["hf_spin"]["mean_accepted_length"] for r in rs),
-            "identical_rows": f'{sum(r["identical_rows"] for r in rs)}/{sum(r["batch_size"] for r in rs)}',
-        }
+        plain_s = sum(r["seconds"]["plain"] for r in rs)
+        row = {"batches": len(rs), "plain_tok_s": tokens / plain_s, "padded_prompt_fraction": 1 - sum(r["prompt_tokens"] for r in rs) / sum(r["padded_prompt_tokens"] for r in rs)}
+        for variant in BATCHED_VARIANTS:
+            total = sum(r["seconds"][variant] for r in rs)
+            row[variant] = {
+                "tok_s": tokens / total,
+                "throughput_ratio": plain_s / total,
+                "acceptance_rate": statistics.mean(r[variant]["acceptance_rate"] for r in rs),
+                "mean_accepted_length": statistics.mean(r[variant]["mean_accepted_length"] for r in rs),
+                "identical_rows": f'{sum(r[variant]["identical_rows"] for r in rs)}/{sum(r["batch_size"] for r in rs)}',
+                **{k: sum(r[variant][k] for r in rs) for k in ("steps", "prefill_seconds", "draft_seconds", "verify_seconds")},
+            }
+        batch_table[bs] = row
     return {"batch1": table, "batched": batch_table}
 
 
@@ -153,23 +173,36 @@ def markdown(summary: dict, env: dict) -> str:
         f"Spec-Bench, greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, {env['threads']} threads; "
         f"target {env['target']}, drafter {env['drafter']} (hf_spin k={env['draft_length']}, min_confidence={env['min_confidence']}); "
         f"{env['machine']}, {env['processes']} process(es); torch {env['torch']}, transformers {env['transformers']}, hf_spin {env['hf_spin']}.",
-        "",
-        "| category | n | plain tok/s | assisted x | hf_spin x | hf_spin / assisted | acceptance | mean accepted len | identical (spin / assisted) |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for cat, r in sorted(summary["batch1"].items(), key=lambda kv: (kv[0] == "ALL", kv[0])):
+    if summary["batch1"]:
+        lines += [
+            "",
+            "| category | n | plain tok/s | assisted x | hf_spin x | hf_spin / assisted | acceptance | mean accepted len | identical (spin / assisted) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+    for cat, r in sorted(summary["batch1"].items(), key=lambda kv: (kv[0] == "ALL", kv[0])):  # empty with --skip-batch1
         lines.append(
             f"| {cat} | {r['n']} | {r['plain_tok_s']:.2f} | {r['assisted_speedup']:.2f} | {r['hf_spin_speedup']:.2f} | "
             f"{r['hf_spin_vs_assisted']:.2f} | {r['acceptance_rate']:.1%} | {r['mean_accepted_length']:.2f} | "
             f"{r['identical_hf_spin']}/{r['n']} / {r['identical_assisted']}/{r['n']} |"
         )
     if summary["batched"]:
-        lines += ["", "| batch | batches | plain tok/s | hf_spin tok/s | ratio | acceptance | mean accepted len | identical rows |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Batch > 1: plain batched `generate` vs hf_spin on the rectangular cache (`hf_spin`) and on packed rows "
+            "(`hf_spin_packed`, `ragged_attention=True`); seconds summed over the batches (prefill = until the first token).",
+            "",
+            "| batch | batches | padded prompt share | plain tok/s | variant | tok/s | ratio | acceptance | mean accepted len | steps | prefill s | draft s | verify s | identical rows |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for bs, r in summary["batched"].items():
-            lines.append(
-                f"| {bs} | {r['batches']} | {r['plain_tok_s']:.2f} | {r['hf_spin_tok_s']:.2f} | {r['throughput_ratio']:.2f} | "
-                f"{r['acceptance_rate']:.1%} | {r['mean_accepted_length']:.2f} | {r['identical_rows']} |"
-            )
+            for variant in BATCHED_VARIANTS:
+                v = r[variant]
+                lines.append(
+                    f"| {bs} | {r['batches']} | {r['padded_prompt_fraction']:.0%} | {r['plain_tok_s']:.2f} | {variant} | {v['tok_s']:.2f} | "
+                    f"{v['throughput_ratio']:.2f} | {v['acceptance_rate']:.1%} | {v['mean_accepted_length']:.2f} | {v['steps']} | "
+                    f"{v['prefill_seconds']:.1f} | {v['draft_seconds']:.1f} | {v['verify_seconds']:.1f} | {v['identical_rows']} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -186,7 +219,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     args.partial = args.out / f"partial-{state.process_index}.jsonl"
     with state.split_between_processes(questions) as shard:
-        records = run_batch1(target, drafter, tok, shard, args)
+        records = [] if args.skip_batch1 else run_batch1(target, drafter, tok, shard, args)
         batched = {bs: run_batched(target, drafter, tok, shard, bs, args) for bs in args.batch_sizes}
     records = gather_object(records)
     batched = {bs: gather_object(rs) for bs, rs in batched.items()}

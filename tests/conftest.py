@@ -12,6 +12,7 @@ import importlib.util
 import os
 import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available() and "triton" not in sys.modules and importlib.util.find_spec("triton") is not None:
@@ -24,3 +25,13 @@ if not torch.cuda.is_available() and "triton" not in sys.modules and importlib.u
         del os.environ["TRITON_INTERPRET"]
     else:
         os.environ["TRITON_INTERPRET"] = _previous
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread: with two, OpenMP hand-offs cost more than the matmuls
+    (100x slower when another process shares the cores). Same thread count on both sides of a compare."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -44,14 +44,7 @@ TRANSLATION_ARCHS = ("llama", "gpt2")
 TRANSLATION_DRAFTERS = ("bpe", "mirror", "bpe+lookup")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread: with two, OpenMP hand-offs cost more than the matmuls
-    (100x slower when another process shares the cores). Same thread count on both sides of a compare."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.lru_cache(maxsize=None)

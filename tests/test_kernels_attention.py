@@ -23,12 +23,7 @@ ARCHS_CHECKED = ("llama", "qwen2", "mistral", "gpt2")
 ATOL = 1e-5  # float32 logits of a 2-layer random model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _models(arch: str, impls=(ATTENTION_NAME, "eager", "sdpa"), **overrides) -> dict[str, torch.nn.Module]:

@@ -25,12 +25,7 @@ ARCHS_CHECKED = ("llama", "qwen2", "mistral", "gpt2")
 PROMPT_LENGTH, MAX_NEW_TOKENS = 14, 24
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.lru_cache(maxsize=None)
