@@ -16,6 +16,7 @@ a fraction of the per-request oracle (the best single drafter, or plain decoding
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -52,6 +53,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--policies", nargs="+", default=None, help=f"default: every registered policy but 'fixed' ({sorted(POLICIES)})")
     ap.add_argument("--draft-length", default="5", help="an int or a DraftLength name, for every hf_spin run")
     ap.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
+    ap.add_argument("--resume", type=Path, default=None, help="a partial .jsonl of an interrupted run: its questions are not run again")
     ap.add_argument("--ragged-attention", action="store_true", help="hf_spin on packed rows (AssistantPool(ragged_attention=True))")
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation runs")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -101,7 +103,11 @@ class Bench:
         ]
         if len(questions) == 1 and not self.args.no_assisted:
             for label, kwargs in self.assist.items():
-                out, t = timed(lambda: self.target.generate(**batch, **kwargs, **self.gen))
+                try:  # a baseline that crashes is recorded as such, not allowed to end the run
+                    out, t = timed(lambda: self.target.generate(**batch, **kwargs, **self.gen))
+                except Exception as err:  # noqa: BLE001
+                    records[0]["methods"][f"assisted:{label}"] = {"error": repr(err)[:300]}
+                    continue
                 records[0]["methods"][f"assisted:{label}"] = {"seconds": t, "identical": new_tokens(out, P, pad)[0] == ref[0]}
         for method, pool in self.pools.items():
             out, t = timed(lambda: self.target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **self.gen))
@@ -136,7 +142,7 @@ def summarize(records: list[dict]) -> dict:
     out = {}
     for bs in sorted({r["batch_size"] for r in records}):
         rs = [r for r in records if r["batch_size"] == bs]
-        methods = list(rs[0]["methods"])
+        methods = list(dict.fromkeys(m for r in rs for m in r["methods"]))
         singles = [m for m in methods if m.startswith("spin:")]
         # oracle: per request, the best of the single drafters and plain decoding, in hindsight
         for r in rs:
@@ -148,20 +154,25 @@ def summarize(records: list[dict]) -> dict:
             tasks["ALL"].append(r)
         table = {}
         for task, group in tasks.items():
-            plain = statistics.mean(speed(r, "plain") for r in group)
-            oracle = sum(r["oracle"]["goodput"] for r in group)
-            row = {"n": len(group), "plain_tok_s": plain, "oracle_choice": dict(Counter(r["oracle"]["method"] for r in group))}
+            row = {"n": len(group), "plain_tok_s": statistics.mean(speed(r, "plain") for r in group), "oracle_choice": dict(Counter(r["oracle"]["method"] for r in group))}
             for m in methods:
-                ms = [r["methods"][m] for r in group]
+                ran = [r for r in group if "seconds" in r["methods"].get(m, {})]  # a crashed baseline is left out
+                if not ran:
+                    row[m] = {"errors": len(group)}
+                    continue
+                plain = statistics.mean(speed(r, "plain") for r in ran)
+                oracle = sum(r["oracle"]["goodput"] for r in ran)
+                ms = [r["methods"][m] for r in ran]
                 drafted = sum(x.get("drafted", 0) for x in ms)
                 forwards = sum(x.get("target_forwards", 0) for x in ms)
                 chosen = Counter()
                 for x in ms:
                     chosen.update(x.get("chosen", {}))
                 row[m] = {
-                    "speedup": statistics.mean(speed(r, m) for r in group) / plain,
-                    "goodput": statistics.mean(row_goodput(r, m) for r in group),
-                    "oracle_fraction": sum(row_goodput(r, m) for r in group) / oracle,
+                    "errors": len(group) - len(ran),
+                    "speedup": statistics.mean(speed(r, m) for r in ran) / plain,
+                    "goodput": statistics.mean(row_goodput(r, m) for r in ran),
+                    "oracle_fraction": sum(row_goodput(r, m) for r in ran) / oracle,
                     "acceptance_rate": sum(x.get("accepted", 0) for x in ms) / drafted if drafted else None,
                     "mean_accepted_length": sum(r["new_tokens"] for r in group) / forwards if forwards else None,
                     "identical": f"{sum(x['identical'] for x in ms)}/{len(ms)}",
@@ -184,23 +195,27 @@ def markdown(summary: dict, env: dict) -> str:
     ]
     for bs, table in summary.items():
         tasks = sorted((t for t in table if t != "ALL")) + ["ALL"]
-        methods = [m for m in table["ALL"] if isinstance(table["ALL"][m], dict) and "speedup" in table["ALL"][m]]
+        methods = [m for m in table["ALL"] if isinstance(table["ALL"][m], dict) and "errors" in table["ALL"][m]]
         lines += ["", f"### batch {bs}: speed-up over plain `generate` (Spec-Bench: mean speed / mean plain speed)", ""]
-        lines += ["| method | " + " | ".join(tasks) + " | acceptance | mean accepted len | goodput tok/s | oracle fraction | identical |"]
-        lines += ["|---" * (len(tasks) + 6) + "|"]
+        lines += ["| method | " + " | ".join(tasks) + " | acceptance | mean accepted len | goodput tok/s | oracle fraction | identical | crashed |"]
+        lines += ["|---" * (len(tasks) + 7) + "|"]
         for m in methods:
             a = table["ALL"][m]
+            if "speedup" not in a:
+                lines.append(f"| {m} | " + " | ".join("crashed" for _ in tasks) + f" | | | | | | {a['errors']} |")
+                continue
+            speeds = [f"{table[t][m]['speedup']:.2f}" if "speedup" in table[t].get(m, {}) else "crashed" for t in tasks]
             lines.append(
-                f"| {m} | " + " | ".join(f"{table[t][m]['speedup']:.2f}" for t in tasks)
-                + f" | {fmt(a['acceptance_rate'], '.1%')} | {fmt(a['mean_accepted_length'], '.2f')} | {a['goodput']:.2f} | {a['oracle_fraction']:.2f} | {a['identical']} |"
+                f"| {m} | " + " | ".join(speeds)
+                + f" | {fmt(a['acceptance_rate'], '.1%')} | {fmt(a['mean_accepted_length'], '.2f')} | {a['goodput']:.2f} | {a['oracle_fraction']:.2f} | {a['identical']} | {a['errors']} |"
             )
-        lines.append(f"| plain tok/s | " + " | ".join(f"{table[t]['plain_tok_s']:.2f}" for t in tasks) + " | | | | | |")
+        lines.append(f"| plain tok/s | " + " | ".join(f"{table[t]['plain_tok_s']:.2f}" for t in tasks) + " | | | | | | |")
         lines += ["", f"### batch {bs}: which drafter each policy chose (share of row-steps), and the oracle's choice", ""]
         lines += ["| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
         for m in [m for m in methods if m.startswith("policy:")]:
             cells = []
             for t in tasks:
-                chosen = table[t][m]["chosen"]
+                chosen = table[t][m].get("chosen", {})
                 cells.append(", ".join(f"{k.split('/')[-1]} {v:.0%}" for k, v in sorted(chosen.items(), key=lambda kv: -kv[1])) or "plain")
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("| oracle | " + " | ".join(", ".join(f"{k} x{v}" for k, v in table[t]["oracle_choice"].items()) for t in tasks) + " |")
@@ -219,12 +234,17 @@ def main() -> None:
     bench.gen = full
     args.out.mkdir(parents=True, exist_ok=True)
     partial = args.out / f"pool_bench-partial-{state.process_index}.jsonl"
-    records = []
+    records = [json.loads(line) for line in args.resume.read_text().splitlines()] if args.resume else []
+    done = {(r["question_id"], r.get("requested_batch_size", r["batch_size"])) for r in records}
+    if args.resume:
+        partial.write_text("".join(json.dumps(r) + "\n" for r in records))
     with state.split_between_processes(questions) as shard:
         for bs in args.batch_sizes:
-            chunks = [shard[i : i + bs] for i in range(0, len(shard), bs)]
+            todo = [q for q in shard if (q["question_id"], bs) not in done]
+            chunks = [todo[i : i + bs] for i in range(0, len(todo), bs)]
             for chunk in tqdm(chunks, desc=f"batch {bs}", disable=not state.is_main_process):
                 for record in bench.run(chunk):
+                    record["requested_batch_size"] = bs
                     records.append(record)
                     save_partial(partial, record)
     records = gather_object(records)
