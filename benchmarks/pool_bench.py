@@ -53,6 +53,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--policies", nargs="+", default=None, help=f"default: every registered policy but 'fixed' ({sorted(POLICIES)})")
     ap.add_argument("--draft-length", default="5", help="an int or a DraftLength name, for every hf_spin run")
     ap.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
+    ap.add_argument("--summarize", type=Path, default=None, help="only rebuild the tables from a partial .jsonl (no models loaded)")
     ap.add_argument("--resume", type=Path, default=None, help="a partial .jsonl of an interrupted run: its questions are not run again")
     ap.add_argument("--ragged-attention", action="store_true", help="hf_spin on packed rows (AssistantPool(ragged_attention=True))")
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation runs")
@@ -140,8 +141,11 @@ def row_goodput(r: dict, method: str) -> float:
 def summarize(records: list[dict]) -> dict:
     """Per batch size, per task and ALL: speed-ups, rates, choices and oracle fractions."""
     out = {}
-    for bs in sorted({r["batch_size"] for r in records}):
-        rs = [r for r in records if r["batch_size"] == bs]
+    def requested(r):  # the last chunk of a run may be smaller than the batch size asked for
+        return r.get("requested_batch_size", r["batch_size"])
+
+    for bs in sorted({requested(r) for r in records}):
+        rs = [r for r in records if requested(r) == bs]
         methods = list(dict.fromkeys(m for r in rs for m in r["methods"]))
         singles = [m for m in methods if m.startswith("spin:")]
         # oracle: per request, the best of the single drafters and plain decoding, in hindsight
@@ -222,8 +226,25 @@ def markdown(summary: dict, env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report(args, records: list[dict], num_processes: int) -> None:
+    env = {
+        **machine(num_processes),
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "draft_length": args.draft_length,
+        "ragged_attention": args.ragged_attention,
+    }
+    summary = summarize(records)
+    table = markdown(summary, env)
+    path = write_results(args.out, "pool_bench", {"env": env, "summary": summary, "records": records}, table)
+    print(table)
+    print(f"written: {path}")
+
+
 def main() -> None:
     args = parse_args()
+    if args.summarize:  # the settings flags must match the run's: they are only echoed into the header
+        return report(args, [json.loads(line) for line in args.summarize.read_text().splitlines()], 1)
     torch.set_num_threads(args.threads)  # explicit: an oversubscribed CPU collapses ~10x
     state = PartialState()
     bench = Bench(args)
@@ -250,18 +271,7 @@ def main() -> None:
     records = gather_object(records)
     if not state.is_main_process:
         return
-    env = {
-        **machine(state.num_processes),
-        "dtype": args.dtype,
-        "max_new_tokens": args.max_new_tokens,
-        "draft_length": args.draft_length,
-        "ragged_attention": args.ragged_attention,
-    }
-    summary = summarize(records)
-    table = markdown(summary, env)
-    path = write_results(args.out, "pool_bench", {"env": env, "summary": summary, "records": records}, table)
-    print(table)
-    print(f"written: {path}")
+    report(args, records, state.num_processes)
 
 
 if __name__ == "__main__":
