@@ -16,7 +16,7 @@ speculative step of every active row:
 
 Rows that stopped, were cancelled or failed leave the batch at the start of the next step. Each row
 has its own parameters (`rows.Request`): processors, stopping criteria, length limit, greedy or
-sampled, its own RNG. A whole `generate` batch added with `add_batch` keeps the fast path of one
+sampled, its own seed. A whole `generate` batch added with `add_batch` keeps the fast path of one
 processor call over the whole batch. `propose` (steps 3-4) and `verify` (steps 5-7) are separate so
 that a pipeline (pipeline.py) can draft one micro-batch while it verifies another.
 
@@ -48,7 +48,7 @@ from .policies import BatchView, Plan, Policy, StepFeedback
 from .pool import AssistantPool
 from .rows import CANCELLED, LENGTH, STOPPED, Request, Row
 from .stats import DrafterStats, GenerationStats
-from .verification import Verdict, verify_greedy, verify_sampling
+from .verification import Verdict, gumbel_noise, verify_greedy, verify_sampling, verify_seeded
 from .vote_tree import heaviest_path
 
 logger = logging.getLogger(__name__)
@@ -325,18 +325,19 @@ class SpinEngine:
         return scores
 
     def _first_tokens(self, rows: list[Row], scores: torch.Tensor) -> list[int]:
-        """Greedy rows take the argmax; sampled rows draw from softmax(scores), seeded rows from their own RNG."""
+        """Greedy rows take the argmax; sampled rows draw from softmax(scores), seeded rows by Gumbel-max."""
         first = scores.argmax(-1)  # [n]
-        shared = [i for i, r in enumerate(rows) if r.request.do_sample and r.request.generator is None and not r.done]
+        shared = [i for i, r in enumerate(rows) if r.request.do_sample and r.request.seed is None and not r.done]
         if shared and len(shared) == len(rows):
             first = torch.multinomial(torch.softmax(scores, -1), 1)[:, 0]
         elif shared:
             idx = torch.tensor(shared, device=scores.device)
             first[idx] = torch.multinomial(torch.softmax(scores[idx], -1), 1)[:, 0]
         for i, row in enumerate(rows):
-            if row.request.do_sample and row.request.generator is not None and not row.done:
+            if row.request.do_sample and row.request.seed is not None and not row.done:
                 def draw(i=i, row=row):
-                    first[i] = torch.multinomial(torch.softmax(scores[i], -1), 1, generator=row.request.generator)[0]
+                    noise = gumbel_noise(row.request.seed, 0, 1, scores.shape[-1], scores.device)[0]
+                    first[i] = (torch.log_softmax(scores[i], -1) + noise).argmax()
                 self._isolated(row, draw)
         return first.tolist()
 
@@ -395,8 +396,8 @@ class SpinEngine:
             todo = [[b for b in range(B) if d_idx in chosen[b] and ks[b] > 0]]
             while todo and todo[-1]:
                 served = todo.pop()
-                generators = [rows[b].request.generator for b in served]
-                sample = [rows[b].request.do_sample for b in served]
+                # seeded rows draft greedily: their tokens come from their own noise, whatever the draft
+                sample = [rows[b].request.do_sample and rows[b].request.seed is None for b in served]
                 request = DraftRequest(
                     served,
                     sequences,
@@ -404,7 +405,6 @@ class SpinEngine:
                     any(sample),
                     score_fn,
                     plan.min_confidence,
-                    generators if any(g is not None for g in generators) else None,
                     sample if any(sample) and not all(sample) else None,  # greedy and sampled rows in one call
                 )
                 out: list[Draft] = []
@@ -575,38 +575,39 @@ class SpinEngine:
 
     def _verdict_of(self, rows: list[int], scores, draft_tokens, draft_lengths, qs, drafts) -> Verdict:
         greedy = [b for b in rows if not self.rows[b].request.do_sample]
-        shared = [b for b in rows if self.rows[b].request.do_sample and self.rows[b].request.generator is None]
-        seeded = [b for b in rows if self.rows[b].request.do_sample and self.rows[b].request.generator is not None]
+        shared = [b for b in rows if self.rows[b].request.do_sample and self.rows[b].request.seed is None]
+        seeded = [b for b in rows if self.rows[b].request.do_sample and self.rows[b].request.seed is not None]
         everyone = rows == list(range(len(self.rows)))
         if everyone and len(greedy) == len(rows):
             return verify_greedy(scores, draft_tokens, draft_lengths)
         if everyone and len(shared) == len(rows):
-            return self._sample(scores, draft_tokens, draft_lengths, qs, drafts, None)
+            return self._sample(scores, draft_tokens, draft_lengths, qs, drafts)
         B = len(self.rows)
         accepted = torch.zeros(B, dtype=torch.long, device=scores.device)
         next_token = torch.zeros(B, dtype=torch.long, device=scores.device)
-        groups = [(greedy, False, None), (shared, True, None)] + [([b], True, self.rows[b].request.generator) for b in seeded]
-        for group, sample, generator in groups:
+        for group, kind in ((greedy, "greedy"), (shared, "sampled"), (seeded, "seeded")):
             if not group:
                 continue
             idx = torch.tensor(group, device=scores.device)
-            if generator is not None:  # a seeded row alone, cut to its own draft length: its draws depend on it only
-                (b,) = group
-                k = len(drafts[b])
-                v = self._sample(scores[idx, : k + 1], draft_tokens[idx, :k], draft_lengths[idx], [qs[b]], [drafts[b]], generator)
-            elif sample:
-                v = self._sample(scores[idx], draft_tokens[idx], draft_lengths[idx], [qs[b] for b in group], [drafts[b] for b in group], generator)
-            else:
+            if kind == "greedy":
                 v = verify_greedy(scores[idx], draft_tokens[idx], draft_lengths[idx])
+            elif kind == "sampled":
+                v = self._sample(scores[idx], draft_tokens[idx], draft_lengths[idx], [qs[b] for b in group], [drafts[b] for b in group])
+            else:
+                noise = torch.zeros(len(group), *scores.shape[1:], device=scores.device)  # [b, K + 1, V]
+                for i, b in enumerate(group):  # positions past a row's drafts are never read
+                    row = self.rows[b]
+                    noise[i, : len(drafts[b]) + 1] = gumbel_noise(row.request.seed, len(row.generated), len(drafts[b]) + 1, scores.shape[-1], scores.device)
+                v = verify_seeded(scores[idx], draft_tokens[idx], draft_lengths[idx], noise)
             accepted[idx], next_token[idx] = v.accepted, v.next_token
         return Verdict(accepted[rows], next_token[rows]) if not everyone else Verdict(accepted, next_token)
 
     @staticmethod
-    def _sample(scores, draft_tokens, draft_lengths, qs, drafts, generator) -> Verdict:
+    def _sample(scores, draft_tokens, draft_lengths, qs, drafts) -> Verdict:
         K = draft_tokens.shape[1]
         p = torch.softmax(scores, dim=-1)  # [b, K + 1, V]
         q = _stack_q(qs, drafts, K, p) if any(x is not None for x in qs) else None
-        return verify_sampling(p, draft_tokens, draft_lengths, q, generator=generator)
+        return verify_sampling(p, draft_tokens, draft_lengths, q)
 
     def _commit(self, row: Row, tokens: list[int], scores: torch.Tensor) -> None:
         """Append tokens to the row one at a time until it stops (cutting `tokens` there)."""

@@ -3,7 +3,7 @@
 A row is one sequence being generated. It joins the running batch with a prefill, produces tokens step
 by step, and leaves the batch between steps once it stops (a stopping criterion, its length limit), is
 cancelled, or fails. Every row carries its own generation parameters: logits processors, stopping
-criteria, length limit, greedy or sampled, and an RNG of its own for a seeded request.
+criteria, length limit, greedy or sampled, and a seed of its own.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Request:
 
     Example: `Request(prompt=[1, 5, 9], max_new_tokens=16)` decodes greedily up to 16 tokens;
     `Request(prompt, max_new_tokens=16, do_sample=True, processors=LogitsProcessorList([TemperatureLogitsWarper(0.7)]),
-    generator=torch.Generator().manual_seed(0))` samples at temperature 0.7 from its own RNG.
+    seed=0)` samples at temperature 0.7, the same tokens whenever it runs.
     """
 
     prompt: list[int]  # [L] prompt token ids, without padding
@@ -38,7 +38,8 @@ class Request:
     processors: LogitsProcessorList = field(default_factory=LogitsProcessorList)  # applied to target and drafts alike
     stopping_criteria: StoppingCriteriaList = field(default_factory=StoppingCriteriaList)  # called on [1, padding + sequence]
     do_sample: bool = False  # False: greedy
-    generator: torch.Generator | None = None  # the row's own RNG (a seeded request); None: torch's global RNG
+    seed: int | None = None  # sampled rows: draw each token by Gumbel-max with noise fixed by (seed, position), so the
+    #                          tokens depend on the seed alone, never on drafts or batch; None: torch's global RNG
     padding: list[int] = field(default_factory=list)  # left padding the row had in a `generate` batch (processors see it)
     logprobs: bool = False  # record the log-probability of every generated token (after processors)
 

@@ -111,7 +111,7 @@ def test_per_row_parameters_and_seeds(target, drafter):
 
     def sampled(seed, top_k):
         procs = LogitsProcessorList([lp.TemperatureLogitsWarper(0.8), lp.TopKLogitsWarper(top_k)])
-        return Request(prompt=ps[1], max_new_tokens=15, do_sample=True, processors=procs, generator=torch.Generator().manual_seed(seed), logprobs=True)
+        return Request(prompt=ps[1], max_new_tokens=15, do_sample=True, processors=procs, seed=seed, logprobs=True)
 
     def pool():
         return hf_spin.AssistantPool([drafter], policy="fixed")
@@ -125,6 +125,30 @@ def test_per_row_parameters_and_seeds(target, drafter):
     # top-k 2: every token was one of the 2 likeliest, so its probability after the warpers is >= 1/2 or it is the top one
     assert len(company[2].logprobs) == len(company[2].generated) and all(lp_ <= 0 for lp_ in company[2].logprobs)
     assert min(company[2].logprobs) > -torch.log(torch.tensor(1e6)).item()  # nothing outside the top-k was drawn
+
+
+def test_seeded_sampling_keeps_the_target_distribution(target):
+    """Gumbel-max with noise fixed by (seed, position): over many seeds the first two tokens follow the
+    target's (processed) distribution. 3000 seeded rows of one prompt, two tokens each, checked by total
+    variation against the exact probabilities."""
+    prompt = prompts(1, seed=9)[0]
+    procs = LogitsProcessorList([lp.TemperatureLogitsWarper(1.5), lp.TopKLogitsWarper(4)])
+    engine = SpinEngine(target, hf_spin.AssistantPool(["prompt_lookup"]))
+    n = 3000
+    rows = run(engine, {0: [Request(prompt=prompt, max_new_tokens=2, do_sample=True, processors=procs, seed=s) for s in range(n)]})
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt])).logits[0, -1]
+    p = torch.softmax(procs(torch.tensor([prompt]), logits[None])[0], -1)
+    first = torch.bincount(torch.tensor([r.generated[0] for r in rows]), minlength=VOCAB).float() / n
+    assert 0.5 * (first - p).abs().sum() < 0.04
+    # second token given the likeliest first one
+    top = int(p.argmax())
+    seconds = torch.tensor([r.generated[1] for r in rows if r.generated[0] == top])
+    with torch.no_grad():
+        logits2 = target(torch.tensor([prompt + [top]])).logits[0, -1]
+    p2 = torch.softmax(procs(torch.tensor([prompt + [top]]), logits2[None])[0], -1)
+    second = torch.bincount(seconds, minlength=VOCAB).float() / len(seconds)
+    assert len(seconds) > 500 and 0.5 * (second - p2).abs().sum() < 0.08
 
 
 def test_cancelled_rows_leave_and_the_others_are_unchanged(target, drafter):
@@ -177,10 +201,10 @@ class PoisonTarget(torch.nn.Module):
         except AttributeError:
             return getattr(self.inner, name)
 
-    def forward(self, input_ids=None, **kwargs):
+    def forward(self, input_ids=None, position_ids=None, **kwargs):
         if (input_ids == POISON).any():
             raise RuntimeError("poisoned input (simulated target fault)")
-        return self.inner(input_ids=input_ids, **kwargs)
+        return self.inner(input_ids=input_ids, position_ids=position_ids, **kwargs)
 
 
 class PoisonProposer(Drafter):

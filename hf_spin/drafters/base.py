@@ -38,7 +38,6 @@ class DraftRequest:
     do_sample: bool
     score: ScoreFn | None
     min_confidence: float = 0.0
-    generators: list[torch.Generator | None] | None = None  # [b] per served row, its own RNG (a seeded request), or None
     sample: list[bool] | None = None  # [b] per served row when rows differ (do_sample is then True: some row samples)
 
 

@@ -117,7 +117,6 @@ class ModelDrafter(Drafter):
         new_ids = {row: [] for row in request.rows}
         q_rows = {row: [] for row in request.rows}
         limit = dict(zip(request.rows, request.k))
-        generator = dict(zip(request.rows, request.generators or [None] * len(request.rows)))
         sample = dict(zip(request.rows, request.sample or [request.do_sample] * len(request.rows)))
         active = [row for row in request.rows if limit[row] > 0]
         while active:
@@ -130,8 +129,7 @@ class ModelDrafter(Drafter):
                     scores = logits[row, -1].float()
                 q = torch.softmax(scores, dim=-1)  # [V]
                 if sample[row] and self.shares_vocab:
-                    gen = generator[row] if generator[row] is not None and generator[row].device == q.device else None
-                    token = int(torch.multinomial(q, 1, generator=gen))
+                    token = int(torch.multinomial(q, 1))
                     q_rows[row].append(q)
                 else:
                     token = int(scores.argmax())
