@@ -139,6 +139,60 @@ class RaggedCache(DynamicCache):
         self.slot_mask = self.slot_mask[rows]
         self._trim_tail()
 
+    # -- rows joining a running batch (continuous batching) -------------------------------------------
+    def add_empty_rows(self, n: int) -> None:
+        """Append n rows that hold no token yet (every slot a hole); a later forward fills them."""
+        self.slot_mask = torch.cat([self.slot_mask, self.slot_mask.new_zeros(n, self.num_slots)], dim=0)
+        for layer in self.layers:
+            if layer.is_initialized and layer.keys.numel():
+                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(n, *layer.keys.shape[1:])], dim=0)
+                layer.values = torch.cat([layer.values, layer.values.new_zeros(n, *layer.values.shape[1:])], dim=0)
+
+    def append_rows(self, other: "RaggedCache") -> None:
+        """Append `other`'s rows after this cache's rows (rows prefilled apart, joining the batch).
+
+        The narrower side is padded on the left with holes to the wider side's slots `[B + B', H, max(S, S'), D]`,
+        like left padding: positions come from each row's valid slots, so no row's computation changes.
+        """
+        B, B2 = self.slot_mask.shape[0], other.slot_mask.shape[0]
+        S, S2 = self.num_slots, other.num_slots
+        W = max(S, S2)
+
+        def widen(t: torch.Tensor, width: int) -> torch.Tensor:  # [b, H, s, D] -> [b, H, width, D], holes on the left
+            return torch.cat([t.new_zeros(*t.shape[:2], width - t.shape[2], t.shape[3]), t], dim=2) if width > t.shape[2] else t
+
+        while len(self.layers) < len(other.layers):
+            self.layers.append(type(other.layers[len(self.layers)])())
+        for mine, theirs in zip(self.layers, other.layers):
+            mine_ok = mine.is_initialized and mine.keys.numel() > 0
+            theirs_ok = theirs.is_initialized and theirs.keys.numel() > 0
+            if not theirs_ok and not mine_ok:
+                continue
+            like = theirs if theirs_ok else mine  # shapes [*, H, *, D] and dtype for the side with no data
+            for name in ("keys", "values"):
+                ref = getattr(like, name)
+                a = widen(getattr(mine, name), W) if mine_ok else ref.new_zeros(B, ref.shape[1], W, ref.shape[3])
+                b = widen(getattr(theirs, name), W) if theirs_ok else ref.new_zeros(B2, ref.shape[1], W, ref.shape[3])
+                setattr(mine, name, torch.cat([a, b.to(a.device)], dim=0))
+            if not mine_ok:
+                mine.dtype, mine.device, mine.is_initialized = like.keys.dtype, like.keys.device, True
+        pad = lambda m, width: torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1)  # noqa: E731
+        self.slot_mask = torch.cat([pad(self.slot_mask, W), pad(other.slot_mask.to(self.device), W)], dim=0)
+
+    # -- undoing a forward that raised (fault isolation) ----------------------------------------------
+    def checkpoint(self) -> tuple[int, torch.Tensor]:
+        """What `restore` needs to undo the next forward: (slots, slot mask)."""
+        return self.num_slots, self.slot_mask.clone()
+
+    def restore(self, state: tuple[int, torch.Tensor]) -> None:
+        """Drop whatever a forward that raised half-way appended (some layers may have grown, others not)."""
+        slots, mask = state
+        for layer in self.layers:
+            if layer.is_initialized and layer.keys.numel() and layer.keys.shape[-2] > slots:
+                layer.keys = layer.keys[..., :slots, :]
+                layer.values = layer.values[..., :slots, :]
+        self.slot_mask = mask
+
 
 def _col_index(mask: torch.Tensor) -> torch.Tensor:
     return torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
@@ -349,6 +403,17 @@ class PackedCache(Cache):
         """Keep only `rows` (retire the others) and compact: retired rows' memory is given back."""
         rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
         self._relayout(rows, [grow_capacity(self.lengths[r]) for r in rows])
+
+    def add_empty_rows(self, n: int) -> None:
+        """Append n rows holding no token (no slots yet: their first forward gives them capacity)."""
+        self.lengths += [0] * n
+        self.capacity += [0] * n
+
+    def checkpoint(self) -> None:
+        """Nothing to save: `forward_packed` leaves the lengths as they were when a forward raises."""
+
+    def restore(self, state) -> None:
+        self._write = self._pending = None
 
     # -- memory accounting -------------------------------------------------------------------------
     def bytes_per_token(self) -> int:

@@ -18,6 +18,7 @@ P(y) = q(y) p(y) + sum_{x != y} q(x) (1 - p(x)) p(y) / (1 - p(x)) = p(y) for any
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -96,3 +97,29 @@ def verify_sampling(
     dist = torch.where(rejected[:, None] & residual_ok, residual, p_next)  # [B, V]
     next_token = torch.multinomial(dist, 1, generator=generator).squeeze(1)  # [B]
     return Verdict(accepted, next_token)
+
+
+def gumbel_noise(seed: int, first_position: int, n: int, V: int, device=None) -> torch.Tensor:
+    """[n, V] standard Gumbel noise for positions first_position .. first_position + n - 1 of a row,
+    each position's noise fixed by (seed, position) alone."""
+    out = torch.empty(n, V)
+    for i in range(n):
+        key = hashlib.blake2b(f"{seed}:{first_position + i}".encode(), digest_size=8).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+        u = torch.rand(V, generator=g).clamp_(min=torch.finfo(torch.float32).tiny)
+        out[i] = -torch.log(-torch.log(u))
+    return out.to(device) if device is not None else out
+
+
+def verify_seeded(target_scores: torch.Tensor, drafts: torch.Tensor, draft_lengths: torch.Tensor, noise: torch.Tensor) -> Verdict:
+    """Sampling by the Gumbel-max trick with noise fixed per position: the token at a position is
+    argmax(log p + g), which is distributed as p (g iid Gumbel), so the sequence has the target's
+    distribution. Verification is greedy on the perturbed scores: a draft is accepted iff it is that
+    token, and the next token is that token at the first mismatch. The tokens are a function of the
+    noise alone, so a seeded request yields the same tokens whatever was drafted and whoever shared
+    its batch.
+
+    target_scores: [B, K + 1, V] processed scores; noise: [B, K + 1, V] (gumbel_noise per row);
+    drafts: [B, K]; draft_lengths: [B].
+    """
+    return verify_greedy(torch.log_softmax(target_scores, dim=-1) + noise, drafts, draft_lengths)

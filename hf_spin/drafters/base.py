@@ -38,6 +38,7 @@ class DraftRequest:
     do_sample: bool
     score: ScoreFn | None
     min_confidence: float = 0.0
+    sample: list[bool] | None = None  # [b] per served row when rows differ (do_sample is then True: some row samples)
 
 
 @dataclass
@@ -68,6 +69,10 @@ class Drafter(ABC):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these rows (others finished); indices into the current batch."""
+
+    def add_rows(self, sequences: list[list[int]]) -> None:
+        """Rows join the running batch after the current ones, with these committed sequences
+        (continuous batching). A drafter with per-row state grows it here, as `select_rows` shrinks it."""
 
     def finish(self) -> None:
         """Free per-call state."""

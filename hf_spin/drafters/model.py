@@ -61,6 +61,10 @@ class ModelDrafter(Drafter):
         self.cache.select_rows(rows.to(self.model.device))
         self.cached = [self.cached[i] for i in rows.tolist()]
 
+    def add_rows(self, sequences: list[list[int]]) -> None:
+        self.cache.add_empty_rows(len(sequences))  # their first draft or prefill feeds each whole sequence
+        self.cached += [[] for _ in sequences]
+
     def finish(self) -> None:
         self.cache, self.cached = None, []
 
@@ -113,6 +117,7 @@ class ModelDrafter(Drafter):
         new_ids = {row: [] for row in request.rows}
         q_rows = {row: [] for row in request.rows}
         limit = dict(zip(request.rows, request.k))
+        sample = dict(zip(request.rows, request.sample or [request.do_sample] * len(request.rows)))
         active = [row for row in request.rows if limit[row] > 0]
         while active:
             next_chunks: list[list[int]] = [[] for _ in range(B)]
@@ -123,7 +128,7 @@ class ModelDrafter(Drafter):
                 else:  # another vocabulary: the target's processors do not apply; greedy proposal
                     scores = logits[row, -1].float()
                 q = torch.softmax(scores, dim=-1)  # [V]
-                if request.do_sample and self.shares_vocab:
+                if sample[row] and self.shares_vocab:
                     token = int(torch.multinomial(q, 1))
                     q_rows[row].append(q)
                 else:

@@ -1,0 +1,240 @@
+"""Pipelined speculation (Spin, Minions): the running batch is split into micro-batches ("lanes") so
+that drafting one overlaps verifying another.
+
+    drafting thread:   draft A | draft B | draft A | draft B | ...
+    result pool:            [A]       [B]       [A]                (holds at most one drafted micro-batch)
+    target thread:               verify A | verify B | verify A | ...
+
+Each lane is a whole `SpinEngine` with its own target cache and its own copies of the drafters (they
+share the models), so every lane is lossless on its own and no cache is touched by two threads: a lane
+is either with the drafting thread (plan, idle-drafter catch-up, drafts) or with the target thread
+(prefill of joining rows, verification, commit, retirement). The result pool between them is a queue
+of one: the drafting thread pauses (back-pressure) while it already holds a drafted micro-batch the
+target has not taken. The shared policy is called under a lock.
+
+`step()` (on the caller's thread, the target thread) verifies one micro-batch. New rows join the
+least-loaded of the first m lanes, m chosen by `MicroBatchCount` (Spin's heuristic: split further
+while throughput does not drop) or fixed; rows never move between lanes, so a new m takes effect as
+rows come and go. On CPU the two threads share the cores the models' own matmuls already use, so the
+overlap gains little; the mechanism is there for drafters and target on different devices (CUDA
+streams: a drafter on a GPU drafts on a stream of its own).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import queue
+import threading
+from contextlib import nullcontext
+from time import perf_counter
+
+import torch
+
+from .engine import Proposal, SpinEngine
+from .micro_batches import MicroBatchCount
+from .pool import AssistantPool
+from .rows import Request, Row
+from .stats import DrafterStats, GenerationStats
+
+# Most micro-batches the heuristic may try.
+MAX_MICRO_BATCHES = 8
+STATS_FIELDS = ("drafted", "accepted", "target_forwards", "new_tokens", "draft_seconds", "failures")
+
+
+class _LockedPolicy:
+    """The pool's policy, shared by every lane, one call at a time."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.lock = threading.Lock()
+
+    def plan(self, view):
+        with self.lock:
+            return self.policy.plan(view)
+
+    def update(self, feedback):
+        with self.lock:
+            return self.policy.update(feedback)
+
+    def start_rows(self, view, rows):
+        with self.lock:
+            return self.policy.start_rows(view, rows)
+
+    def end_rows(self, row_ids):
+        with self.lock:
+            return self.policy.end_rows(row_ids)
+
+
+class Pipeline:
+    """An engine (same interface as `SpinEngine`: add, cancel, step, has_work, close) whose micro-batches
+    draft on one thread while the caller's thread verifies.
+
+    micro_batches: a fixed number of micro-batches, or None for Spin's heuristic (`MicroBatchCount`).
+    """
+
+    def __init__(self, model, pool: AssistantPool, tokenizer=None, *, micro_batches: int | None = None, isolate_faults: bool = False):
+        if pool is None:
+            raise ValueError("a Pipeline overlaps drafting with verification; it needs an AssistantPool (for plain decoding use SpinEngine(model, None))")
+        self.model, self.pool, self.tokenizer = model, pool, tokenizer
+        self.bound = pool.bind(model, tokenizer)
+        self.policy = _LockedPolicy(pool.policy)
+        self.isolate_faults = isolate_faults
+        self.count = MicroBatchCount(fixed=micro_batches, maximum=MAX_MICRO_BATCHES)
+        self.lanes: list[SpinEngine] = []
+        self._row_ids = itertools.count()
+        self._to_draft: queue.Queue = queue.Queue()  # lanes handed to the drafting thread (None: stop)
+        self._results: queue.Queue = queue.Queue(maxsize=1)  # the result pool: (lane, proposal, error)
+        self._in_flight: set[int] = set()  # ids of lanes with the drafting thread or in the result pool
+        self._thread: threading.Thread | None = None
+        self._threads = torch.get_num_threads()  # the drafting thread uses the caller's setting
+        self._stream = None
+        self.pool_wait_seconds = 0.0  # drafting thread time spent blocked on a full result pool (back-pressure)
+        self.target_wait_seconds = 0.0  # target thread time spent waiting for a drafted micro-batch
+        self.steps = 0
+        self._retired_stats: dict[str, DrafterStats] = {}
+
+    # -- the engine interface ------------------------------------------------------------------------
+    def add(self, request: Request) -> Row:
+        m = self.count.current
+        while len(self.lanes) < m:
+            self.lanes.append(self._new_lane())
+        lane = min(self.lanes[:m], key=lambda e: len(e.rows) + len(e.pending))
+        return lane.add(request)
+
+    def cancel(self, row: Row) -> None:
+        row.cancel_requested = True
+
+    @property
+    def has_work(self) -> bool:
+        return any(lane.has_work for lane in self.lanes)
+
+    @property
+    def rows(self) -> list[Row]:
+        return [r for lane in self.lanes for r in lane.rows]
+
+    @property
+    def micro_batches(self) -> int:
+        """Lanes holding rows now."""
+        return sum(1 for lane in self.lanes if lane.rows or lane.pending)
+
+    @property
+    def drafter_stats(self) -> dict[str, DrafterStats]:
+        total: dict[str, DrafterStats] = {name: DrafterStats() for name in self.pool.names}
+        for stats in [self._retired_stats] + [lane.drafter_stats for lane in self.lanes]:
+            for name, d in stats.items():
+                for f in STATS_FIELDS:
+                    setattr(total[name], f, getattr(total[name], f) + getattr(d, f))
+        return total
+
+    @property
+    def stats(self) -> GenerationStats:
+        out = GenerationStats(rows=[], drafters=self.drafter_stats)
+        for lane in self.lanes:
+            out.verify_seconds += lane.stats.verify_seconds
+            out.prefill_seconds += lane.stats.prefill_seconds
+            out.steps += lane.stats.steps
+        return out
+
+    def step(self) -> None:
+        """Hand lanes that can draft to the drafting thread, then verify one drafted micro-batch."""
+        self._start_thread()
+        # 1. Lanes with the target thread: rows leave, new rows join (prefill), then they draft.
+        for lane in self.lanes:
+            if id(lane) not in self._in_flight:
+                self._between_steps(lane)
+        self._drop_empty_lanes()
+        if not self._in_flight:
+            return
+        # 2. Verify the micro-batch the drafting thread delivered (waiting for it if need be).
+        start = perf_counter()
+        lane, proposal, error = self._results.get()
+        self.target_wait_seconds += perf_counter() - start
+        self._in_flight.discard(id(lane))
+        if error is not None:
+            raise error
+        before = sum(len(r.generated) for r in lane.rows)
+        lane.verify(proposal)
+        committed = sum(len(r.generated) for r in lane.rows) - before
+        self.steps += 1
+        self.count.observe(committed, sum(len(x.rows) for x in self.lanes))
+        # 3. Its finished rows leave and waiting rows join before it drafts again.
+        self._between_steps(lane)
+
+    def close(self) -> None:
+        """Stop the drafting thread and retire every row."""
+        if self._thread is not None:
+            self._to_draft.put(None)
+            while self._thread.is_alive():
+                try:  # a drafting thread blocked on a full result pool needs room to finish
+                    self._results.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            self._thread = None
+        self._in_flight.clear()
+        for lane in self.lanes:
+            lane.close()
+
+    # -- lanes -------------------------------------------------------------------------------------------
+    def _new_lane(self) -> SpinEngine:
+        drafters = [copy.copy(d) for d in self.bound]  # own per-row state, shared models
+        return SpinEngine(
+            self.model,
+            self.pool,
+            self.tokenizer,
+            isolate_faults=self.isolate_faults,
+            drafters=drafters,
+            policy=self.policy,
+            row_ids=self._row_ids,
+            defer_idle_prefill=True,
+        )
+
+    def _between_steps(self, lane: SpinEngine) -> None:
+        lane.retire()
+        if lane.pending:
+            lane.admit()
+            lane.retire()  # rows that stopped at their first token
+        if lane.rows:
+            self._in_flight.add(id(lane))
+            self._to_draft.put(lane)
+
+    def _drop_empty_lanes(self) -> None:
+        """Lanes beyond the current count that emptied go away (their drafter counts are kept)."""
+        keep = []
+        for i, lane in enumerate(self.lanes):
+            if i >= self.count.current and not lane.has_work and id(lane) not in self._in_flight:
+                lane.close()
+                for name, d in lane.drafter_stats.items():
+                    total = self._retired_stats.setdefault(name, DrafterStats())
+                    for f in STATS_FIELDS:
+                        setattr(total, f, getattr(total, f) + getattr(d, f))
+            else:
+                keep.append(lane)
+        self.lanes = keep
+
+    # -- the drafting thread ---------------------------------------------------------------------------
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            device = getattr(self.bound[0], "model", None)
+            if device is not None and device.device.type == "cuda":
+                self._stream = torch.cuda.Stream(device=device.device)
+            self._thread = threading.Thread(target=self._draft_loop, name="hf_spin-drafting", daemon=True)
+            self._thread.start()
+
+    def _draft_loop(self) -> None:
+        torch.set_num_threads(self._threads)
+        while True:
+            lane = self._to_draft.get()
+            if lane is None:
+                return
+            try:
+                with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+                    proposal: Proposal | None = lane.propose()
+                if self._stream is not None:
+                    self._stream.synchronize()  # q tensors are read on the target's stream
+                item = (lane, proposal, None)
+            except BaseException as err:  # noqa: BLE001 - handed to the target thread, which raises it
+                item = (lane, None, err)
+            start = perf_counter()
+            self._results.put(item)  # back-pressure: blocks while the pool holds a micro-batch
+            self.pool_wait_seconds += perf_counter() - start

@@ -1,0 +1,83 @@
+"""Serving: an HTTP server with TGI's routes and OpenAI-compatible completions over a `SpinEngine`.
+
+    app = hf_spin.serving.build_app(model, tokenizer, hf_spin.AssistantPool([draft, "prompt_lookup"]))
+    uvicorn.run(app, host="127.0.0.1", port=8080)        # or: hf-spin serve --model ... --drafter ...
+
+Modules: `schemas` (request bodies), `requests` (body -> engine Request), `scheduler` (the thread that
+owns the engine), `service` (what routes share), `tgi` and `openai` (the routes), `app` (the FastAPI
+app: errors, auth, health, info, metrics), `metrics`, `text` (stop sequences, incremental decoding),
+`cli` (`hf-spin serve`).
+"""
+
+from __future__ import annotations
+
+from ..engine import SpinEngine
+from ..pool import AssistantPool
+from .metrics import Metrics
+from .requests import Limits
+from .scheduler import Scheduler
+from .service import Service
+
+
+def build_app(
+    model,
+    tokenizer,
+    pool: AssistantPool | None = None,
+    *,
+    model_id: str | None = None,
+    max_batch_size: int = 16,
+    max_queue: int = 64,
+    limits: Limits | None = None,
+    api_key: str | None = None,
+    pipeline: bool | int = False,
+    threads: int | None = None,
+    shutdown_grace_seconds: float = 10.0,
+    info: dict | None = None,
+):
+    """The ASGI app serving `model` (with `pool`'s drafters; None: plain decoding, still batched).
+
+    pipeline: False, True (micro-batches chosen by Spin's heuristic) or a fixed number of micro-batches.
+    threads: torch threads of the scheduler thread. Returns a FastAPI app; `app.state.service` holds the parts.
+    """
+    from .app import create_app  # fastapi is only needed once an app is built
+
+    def make_engine():
+        if pipeline:
+            from ..pipeline import Pipeline
+
+            fixed = None if pipeline is True else int(pipeline)
+            return Pipeline(model, pool, tokenizer, micro_batches=fixed, isolate_faults=True)
+        return SpinEngine(model, pool, tokenizer, isolate_faults=True)
+
+    holder: dict = {}
+    metrics = Metrics(engine_stats=lambda: dict(holder["scheduler"].engine.drafter_stats) if "scheduler" in holder else {})
+    scheduler = Scheduler(make_engine, max_batch_size=max_batch_size, max_queue=max_queue, metrics=metrics, threads=threads)
+    holder["scheduler"] = scheduler
+    eos = model.generation_config.eos_token_id
+    details = {
+        "model_dtype": str(model.dtype),
+        "model_device_type": model.device.type,
+        "speculation": pool is not None,
+        "drafters": [{"name": i.name, "kind": i.kind, "num_parameters": i.num_parameters} for i in pool.infos] if pool else [],
+        "policy": type(pool.policy).__name__ if pool else None,
+        "ragged_attention": bool(pool and pool.ragged_attention),
+        "pipeline": "auto" if pipeline is True else (int(pipeline) if pipeline else False),
+        "eos_token_ids": [eos] if isinstance(eos, int) else list(eos or []),
+        **(info or {}),
+    }
+    service = Service(
+        model_id=model_id or getattr(model.config, "name_or_path", "") or model.config.model_type,
+        tokenizer=tokenizer,
+        scheduler=scheduler,
+        metrics=metrics,
+        limits=limits or Limits(),
+        api_key=api_key,
+        info=details,
+        shutdown_grace_seconds=shutdown_grace_seconds,
+    )
+    app = create_app(service)
+    app.state.service = service
+    return app
+
+
+__all__ = ["Limits", "Metrics", "Scheduler", "Service", "build_app"]

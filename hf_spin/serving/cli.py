@@ -1,0 +1,123 @@
+"""`hf-spin serve`: load the target and drafters, build the app, run it under uvicorn.
+
+    hf-spin serve                                   # packaged Qwen2.5-Coder-1.5B, drafters Qwen-0.5B + prompt lookup
+    hf-spin serve --model ./my-model --drafter ./my-draft --drafter prompt_lookup --policy fixed --port 9000
+    hf-spin serve --no-speculation                  # plain batched decoding (the baseline)
+    hf-spin serve --pipeline auto                   # micro-batches chosen by Spin's heuristic
+
+A model or drafter is a packaged model name (`hf_spin.models.NAMES`), a local folder with a
+`transformers` model and tokenizer, or (drafters only) `prompt_lookup`. Binds 127.0.0.1 unless told
+otherwise. The API key comes from `--api-key` or `$HF_SPIN_API_KEY`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFTERS = ("qwen2.5-coder-0.5b-instruct", "prompt_lookup")
+DEFAULT_POLICY = "round_robin"
+API_KEY_ENV = "HF_SPIN_API_KEY"
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .. import models
+    from ..pool import NAMED_DRAFTERS
+
+    names = ", ".join(models.NAMES)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 to listen on every interface)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"target: a packaged model ({names}) or a local folder (default {DEFAULT_MODEL})")
+    p.add_argument("--drafter", action="append", default=None,
+                   help=f"a drafter, repeatable: a packaged model, a local folder, or one of {sorted(NAMED_DRAFTERS)} (default: {' and '.join(DEFAULT_DRAFTERS)})")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"drafter selection policy, a name from hf_spin.policies.POLICIES (default {DEFAULT_POLICY})")
+    p.add_argument("--draft-length", default="5", help="tokens drafted per step: an int or a draft-length rule name (default 5)")
+    p.add_argument("--no-speculation", action="store_true", help="serve without drafters: plain batched decoding")
+    p.add_argument("--pipeline", default="off", help="micro-batch pipelining: off (default), auto (Spin's heuristic) or a number of micro-batches")
+    p.add_argument("--ragged-attention", action="store_true", help="packed KV caches and varlen attention (AssistantPool(ragged_attention=True))")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="model dtype (default bfloat16)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for the models (default: torch's choice)")
+    p.add_argument("--max-batch-size", type=int, default=16, help="rows decoding together (default 16)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 503 + Retry-After (default 64)")
+    p.add_argument("--max-input-tokens", type=int, default=4096, help="longest prompt in tokens (default 4096)")
+    p.add_argument("--max-total-tokens", type=int, default=8192, help="prompt + max_new_tokens limit (default 8192)")
+    p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set, else no key)")
+    p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds running requests may finish at shutdown (default 10)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def _pipeline(value: str) -> bool | int:
+    if value == "off":
+        return False
+    if value == "auto":
+        return True
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise SystemExit(f"--pipeline must be off, auto or a positive number of micro-batches, got {value!r}")
+
+
+def load_model(name: str, dtype):
+    """(model, tokenizer) of a packaged model name or a local folder."""
+    from .. import models
+
+    if name in models.NAMES:
+        return models.load(name, dtype=dtype)
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        raise SystemExit(f"--model/--drafter {name!r} is neither a packaged model ({', '.join(models.NAMES)}) nor a folder")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    return model, tokenizer
+
+
+def build(args):
+    """The app for these arguments (loads every model)."""
+    import torch
+
+    from .. import AssistantPool
+    from ..pool import NAMED_DRAFTERS
+    from . import Limits, build_app
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    model, tokenizer = load_model(args.model, dtype)
+    pool = None
+    if not args.no_speculation:
+        entries = []
+        for name in args.drafter or DEFAULT_DRAFTERS:
+            if name in NAMED_DRAFTERS:
+                entries.append(name)
+            else:
+                draft, draft_tok = load_model(name, dtype)
+                entries.append((draft, draft_tok))  # the pool skips translation when the tokenizers match
+        length = int(args.draft_length) if args.draft_length.isdigit() else args.draft_length
+        pool = AssistantPool(entries, policy=args.policy, draft_length=length, tokenizer=tokenizer, ragged_attention=args.ragged_attention)
+        pool.bind(model, tokenizer)  # refuse a bad pool now, not at the first request
+    return build_app(
+        model,
+        tokenizer,
+        pool,
+        model_id=args.model,
+        max_batch_size=args.max_batch_size,
+        max_queue=args.max_queue,
+        limits=Limits(max_input_tokens=args.max_input_tokens, max_total_tokens=args.max_total_tokens),
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        pipeline=_pipeline(args.pipeline),
+        threads=args.threads,
+        shutdown_grace_seconds=args.shutdown_grace,
+    )
+
+
+def serve(args) -> None:
+    from .server import Server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build(args)
+    Server(app, host=args.host, port=args.port, log_level=args.log_level).run()

@@ -1,0 +1,233 @@
+"""The step-able engine: rows join and leave a running batch, each with its own parameters, still lossless.
+
+Reference for every greedy row: plain `generate` on that prompt alone (batch 1, fp32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import logits_process as lp
+from transformers.generation.stopping_criteria import EosTokenCriteria
+
+import hf_spin
+from hf_spin.drafters import Draft, Drafter
+from hf_spin.engine import SpinEngine
+from hf_spin.rows import CANCELLED, ERROR, LENGTH, STOPPED, Request
+
+from .archs import EOS, VOCAB, tiny_model
+
+POISON = 77  # a token id the fault-injection tests refuse on
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return tiny_model("llama", seed=1, num_hidden_layers=1)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts of different lengths (5, 8, 11, ...) without the poison token."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = torch.randint(3, VOCAB, (5 + 3 * (i % 4),), generator=g).tolist()
+        out.append([t if t != POISON else 3 for t in p])
+    return out
+
+
+def alone(target, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy `generate` on one prompt: the tokens it produces (stopping at EOS)."""
+    out = target.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def request(prompt, n, **kwargs) -> Request:
+    return Request(prompt=prompt, max_new_tokens=n, stopping_criteria=StoppingCriteriaList([EosTokenCriteria(EOS)]), **kwargs)
+
+
+def run(engine: SpinEngine, schedule: dict[int, list[Request]]) -> list:
+    """Step the engine, adding schedule[s] before step s; returns the rows in order of addition."""
+    rows, step = [], 0
+    while engine.has_work or any(s >= step for s in schedule):
+        for req in schedule.get(step, []):
+            rows.append(engine.add(req))
+        engine.step()
+        step += 1
+        assert step < 500
+    engine.close()
+    return rows
+
+
+@pytest.mark.parametrize("ragged_attention", [False, True], ids=["ragged_cache", "packed_cache"])
+def test_rows_joining_at_different_steps_match_plain_generate_alone(target, drafter, ragged_attention):
+    pool = hf_spin.AssistantPool([drafter, "prompt_lookup"], policy="round_robin", ragged_attention=ragged_attention)
+    engine = SpinEngine(target, pool)
+    ps = prompts(6)
+    lengths = [20, 7, 16, 1, 12, 18]  # rows stop at different steps too
+    schedule = {0: [request(ps[0], lengths[0]), request(ps[1], lengths[1])], 3: [request(ps[2], lengths[2])],
+                4: [request(ps[3], lengths[3]), request(ps[4], lengths[4])], 9: [request(ps[5], lengths[5])]}
+    rows = run(engine, schedule)
+    for row, p, n in zip(rows, ps, lengths):
+        assert row.generated == alone(target, p, n), f"row {row.id}"
+        assert row.finish_reason in (LENGTH, STOPPED)
+    assert engine.rows == [] and engine.cache is None  # every row retired, the batch started afresh
+    stats = engine.drafter_stats
+    assert sum(d.drafted for d in stats.values()) > 0
+
+
+def test_a_row_joining_an_emptied_batch_restarts_it(target, drafter):
+    engine = SpinEngine(target, hf_spin.AssistantPool([drafter]))
+    ps = prompts(2, seed=3)
+    rows = run(engine, {0: [request(ps[0], 6)], 12: [request(ps[1], 9)]})  # the first row is long gone by step 12
+    assert [r.generated for r in rows] == [alone(target, ps[0], 6), alone(target, ps[1], 9)]
+
+
+def test_plain_decoding_without_a_pool(target):
+    engine = SpinEngine(target, None)
+    ps = prompts(3, seed=4)
+    rows = run(engine, {0: [request(ps[0], 10)], 2: [request(ps[1], 10), request(ps[2], 4)]})
+    assert [r.generated for r in rows] == [alone(target, p, n) for p, n in zip(ps, [10, 10, 4])]
+    assert all(r.stats.mean_accepted_length == 1.0 for r in rows)
+
+
+def test_per_row_parameters_and_seeds(target, drafter):
+    """A greedy row, two sampled rows with processors of their own and seeds, in one batch: the greedy
+    row is exact, each seeded row gives the same tokens alone and in company, and its processors hold."""
+    ps = prompts(3, seed=5)
+
+    def sampled(seed, top_k):
+        procs = LogitsProcessorList([lp.TemperatureLogitsWarper(0.8), lp.TopKLogitsWarper(top_k)])
+        return Request(prompt=ps[1], max_new_tokens=15, do_sample=True, processors=procs, seed=seed, logprobs=True)
+
+    def pool():
+        return hf_spin.AssistantPool([drafter], policy="fixed")
+
+    company = run(SpinEngine(target, pool()), {0: [request(ps[0], 15), sampled(7, 3)], 2: [sampled(8, 2)]})
+    solo_a = run(SpinEngine(target, pool()), {0: [sampled(7, 3)]})[0]
+    solo_b = run(SpinEngine(target, pool()), {0: [sampled(8, 2)]})[0]
+    assert company[0].generated == alone(target, ps[0], 15)
+    assert company[1].generated == solo_a.generated and company[2].generated == solo_b.generated
+    assert company[1].generated != company[2].generated
+    # top-k 2: every token was one of the 2 likeliest, so its probability after the warpers is >= 1/2 or it is the top one
+    assert len(company[2].logprobs) == len(company[2].generated) and all(lp_ <= 0 for lp_ in company[2].logprobs)
+    assert min(company[2].logprobs) > -torch.log(torch.tensor(1e6)).item()  # nothing outside the top-k was drawn
+
+
+def test_seeded_sampling_keeps_the_target_distribution(target):
+    """Gumbel-max with noise fixed by (seed, position): over many seeds the first two tokens follow the
+    target's (processed) distribution. 3000 seeded rows of one prompt, two tokens each, checked by total
+    variation against the exact probabilities."""
+    prompt = prompts(1, seed=9)[0]
+    procs = LogitsProcessorList([lp.TemperatureLogitsWarper(1.5), lp.TopKLogitsWarper(4)])
+    engine = SpinEngine(target, hf_spin.AssistantPool(["prompt_lookup"]))
+    n = 3000
+    rows = run(engine, {0: [Request(prompt=prompt, max_new_tokens=2, do_sample=True, processors=procs, seed=s) for s in range(n)]})
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt])).logits[0, -1]
+    p = torch.softmax(procs(torch.tensor([prompt]), logits[None])[0], -1)
+    first = torch.bincount(torch.tensor([r.generated[0] for r in rows]), minlength=VOCAB).float() / n
+    assert 0.5 * (first - p).abs().sum() < 0.04
+    # second token given the likeliest first one
+    top = int(p.argmax())
+    seconds = torch.tensor([r.generated[1] for r in rows if r.generated[0] == top])
+    with torch.no_grad():
+        logits2 = target(torch.tensor([prompt + [top]])).logits[0, -1]
+    p2 = torch.softmax(procs(torch.tensor([prompt + [top]]), logits2[None])[0], -1)
+    second = torch.bincount(seconds, minlength=VOCAB).float() / len(seconds)
+    assert len(seconds) > 500 and 0.5 * (second - p2).abs().sum() < 0.08
+
+
+def test_cancelled_rows_leave_and_the_others_are_unchanged(target, drafter):
+    engine = SpinEngine(target, hf_spin.AssistantPool([drafter]))
+    ps = prompts(3, seed=6)
+    rows = [engine.add(request(p, 20)) for p in ps]
+    engine.step()
+    engine.step()
+    engine.cancel(rows[1])
+    engine.step()  # rows[1] retired here
+    assert rows[1].finish_reason == CANCELLED and rows[1] not in engine.rows
+    while engine.has_work:
+        engine.step()
+    engine.close()
+    assert rows[0].generated == alone(target, ps[0], 20) and rows[2].generated == alone(target, ps[2], 20)
+
+
+class PoisonDrafter(Drafter):
+    """Raises whenever it is asked to draft for a row holding the poison token; else proposes nothing."""
+
+    name = "poison"
+
+    def draft(self, request):
+        if any(POISON in request.sequences[b] for b in request.rows):
+            raise RuntimeError("poisoned row (simulated drafter fault)")
+        return Draft(tokens=[[] for _ in request.rows], q=[None] * len(request.rows))
+
+
+def test_isolated_drafter_fault_bans_the_drafter_from_that_row_only(target, drafter):
+    pool = hf_spin.AssistantPool([PoisonDrafter(), drafter], policy="round_robin")
+    engine = SpinEngine(target, pool, isolate_faults=True)
+    ps = prompts(3, seed=7)
+    ps[1] = ps[1] + [POISON]
+    rows = run(engine, {0: [request(p, 14) for p in ps]})
+    assert [r.generated for r in rows] == [alone(target, p, 14) for p in ps]  # still lossless
+    assert rows[1].banned == {0} and not rows[0].banned and not rows[2].banned
+    assert engine.usable == [True, True] and engine.drafter_stats["poison"].failures >= 1
+
+
+class PoisonTarget(torch.nn.Module):
+    """Wraps a model; its forward raises when the poison token is among the tokens fed."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+    def forward(self, input_ids=None, position_ids=None, **kwargs):
+        if (input_ids == POISON).any():
+            raise RuntimeError("poisoned input (simulated target fault)")
+        return self.inner(input_ids=input_ids, position_ids=position_ids, **kwargs)
+
+
+class PoisonProposer(Drafter):
+    """Proposes the poison token for rows whose prompt starts with MARK, nothing for the others."""
+
+    name = "poison_proposer"
+    MARK = 90
+
+    def draft(self, request):
+        tokens = [[POISON] if request.sequences[b][0] == self.MARK else [] for b in request.rows]
+        return Draft(tokens=tokens, q=[None] * len(request.rows))
+
+
+@pytest.mark.parametrize("ragged_attention", [False, True], ids=["ragged_cache", "packed_cache"])
+def test_isolated_target_fault_fails_only_its_row(target, ragged_attention):
+    """One row's prompt poisons the target's prefill, another's draft poisons a verification forward:
+    those two rows fail with the error, the others finish exactly."""
+    engine = SpinEngine(PoisonTarget(target), hf_spin.AssistantPool([PoisonProposer()], ragged_attention=ragged_attention), isolate_faults=True)
+    ps = prompts(4, seed=8)
+    ps[1] = ps[1] + [POISON]  # fails at prefill (joining with another row)
+    ps[3] = [PoisonProposer.MARK] + ps[3]  # fails at its first verification
+    rows = run(engine, {0: [request(ps[0], 12)], 1: [request(ps[1], 12), request(ps[2], 12)], 2: [request(ps[3], 12)]})
+    for failed in (rows[1], rows[3]):
+        assert failed.finish_reason == ERROR and "poisoned input" in failed.error
+    assert rows[3].generated == [alone(target, ps[3], 1)[0]]  # its prefill worked: one token
+    assert rows[0].generated == alone(target, ps[0], 12) and rows[2].generated == alone(target, ps[2], 12)
