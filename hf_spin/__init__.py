@@ -5,7 +5,7 @@
     hf_spin.enable()  # from here on: model.generate(**batch, assistant_pool=pool, ...)
 """
 
-from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TranslatingDrafter
+from .drafters import Drafter, FuzzyDrafter, ModelDrafter, PromptLookupDrafter, StreamingDrafter, TranslatingDrafter
 from .generation import SpinGenerateOutput, disable, enable, generate
 from .policies import FixedPolicy, Plan, Policy, RoundRobinPolicy
 from .pool import AssistantPool
@@ -15,6 +15,7 @@ __all__ = [
     "AssistantPool",
     "Drafter",
     "FixedPolicy",
+    "FuzzyDrafter",
     "GenerationStats",
     "ModelDrafter",
     "Plan",
@@ -22,6 +23,7 @@ __all__ = [
     "PromptLookupDrafter",
     "RoundRobinPolicy",
     "SpinGenerateOutput",
+    "StreamingDrafter",
     "TranslatingDrafter",
     "disable",
     "enable",

@@ -203,7 +203,7 @@ def generate(
     if streamer is not None:
         streamer.put(first.cpu())
     for d in drafters:
-        d.start(model, rows.sequences)
+        d.start(model, rows.sequences, target_cache=cache)
 
     step = 0
     while True:

@@ -6,6 +6,11 @@ stays, the rest is rolled back (rejected drafts), and the new tail is fed in one
 (catch-up: the bonus token, or every token since this drafter last served the row). Then k - 1
 single-token forwards. The same code serves a drafter with another tokenizer (translation.py),
 which only changes how sequences and drafts cross between the two vocabularies.
+
+Subclasses change the mechanism through three hooks, never by copying `draft`:
+    _new_cache(B)          the cache a call starts with (a sparse one in streaming.py)
+    _keep(row, common)     how many cached tokens of a row survive rollback (fuzzy.py drops fuzzy KV)
+    _forward(chunks, keep) every forward: the catch-up (keep given) and each draft step (keep None)
 """
 
 from __future__ import annotations
@@ -43,12 +48,23 @@ class ModelDrafter(Drafter):
     def to_target_space(self, prefix: list[int], new_ids: list[int], k: int) -> list[int]:
         return new_ids[:k]
 
-    def start(self, target, sequences: list[list[int]]) -> None:
+    def start(self, target, sequences: list[list[int]], target_cache: RaggedCache | None = None) -> None:
         self.target_vocab_size = target.config.get_text_config().vocab_size
-        device = self.model.device
-        empty = torch.zeros(len(sequences), 0, dtype=torch.bool, device=device)
-        self.cache = RaggedCache(empty, contiguous=needs_contiguous_slots(self.model.config))
+        self.cache = self._new_cache(len(sequences))
         self.cached = [[] for _ in sequences]
+
+    def _new_cache(self, batch: int) -> RaggedCache:
+        empty = torch.zeros(batch, 0, dtype=torch.bool, device=self.model.device)  # [B, 0]
+        return RaggedCache(empty, contiguous=needs_contiguous_slots(self.model.config))
+
+    def _keep(self, row: int, common: int) -> int:
+        """Cached tokens of `row` to keep, given that its first `common` cached tokens are still committed."""
+        return common
+
+    def _forward(self, chunks: list[list[int]], keep: list[int] | None) -> torch.Tensor:
+        """Feed one chunk per row (B lists) through the drafter, appending to its cache; logits [B, 1, V_draft]
+        at each row's last chunk token. keep: [B] tokens each row kept before a catch-up; None for a draft step."""
+        return forward_ragged(self.model, self.cache, chunks, all_logits=False)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.cache.select_rows(rows.to(self.model.device))
@@ -83,12 +99,12 @@ class ModelDrafter(Drafter):
             seq = self.to_draft_space(request.sequences[row])
             draft_seqs[row] = seq
             # at least one token is fed, so the forward yields the next-token logits
-            keep[row] = min(common_prefix_length(self.cached[row], seq), len(seq) - 1)
+            keep[row] = min(self._keep(row, common_prefix_length(self.cached[row], seq)), len(seq) - 1)
             chunks[row] = seq[keep[row]:]
             self.cached[row] = list(seq)
         self.cache.rollback(torch.tensor(keep, device=self.cache.slot_mask.device))
         # 2. Catch up and draft kmax tokens, one forward per token after the first.
-        logits = forward_ragged(self.model, self.cache, chunks, all_logits=False)  # [B, 1, V_draft]
+        logits = self._forward(chunks, keep)  # [B, 1, V_draft]
         new_ids = {row: [] for row in request.rows}
         q_rows = {row: [] for row in request.rows}
         for step in range(kmax):
@@ -107,7 +123,7 @@ class ModelDrafter(Drafter):
                 new_ids[row].append(token)
                 next_chunks[row] = [token]
             if step + 1 < kmax:
-                logits = forward_ragged(self.model, self.cache, next_chunks, all_logits=False)
+                logits = self._forward(next_chunks, None)
                 for row in request.rows:
                     self.cached[row].append(new_ids[row][-1])
         # 3. Hand back the drafts in the target vocabulary.
