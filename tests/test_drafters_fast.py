@@ -328,6 +328,35 @@ def test_first_streaming_draft_attends_to_sinks_and_window(arch, seeded):
     assert drafter.cache.lengths.tolist() == [sink + window + 1]
 
 
+def test_self_streaming_cache_is_a_sparse_view_of_the_target_cache(monkeypatch):
+    """Self-speculation: after each catch-up, the KV the drafter holds for committed tokens (but the last,
+    which it fed itself) is a copy of the target's exact KV at the same tokens: sinks + window of it."""
+    compared = []
+    real_draft = hf_spin.StreamingDrafter.draft
+
+    def checked_draft(self, request):
+        out = real_draft(self, request)
+        cache, target_cache = self.cache, self.target_cache
+        for b in request.rows:
+            n = self.exact[b]
+            held = cache.slot_mask[b].nonzero()[:, 0]  # the drafter's valid slots, in token order
+            tokens = torch.arange(len(held))
+            tokens = torch.where(tokens < self.sink_tokens, tokens, tokens + cache.evicted[b])  # true token index
+            target_slots = target_cache.slot_mask[b].nonzero()[:, 0]
+            mine, theirs = held[tokens < n], target_slots[tokens[tokens < n]]
+            for layer, target_layer in zip(cache.layers, target_cache.layers):
+                assert torch.equal(layer.keys[b][:, mine], target_layer.keys[b][:, theirs])
+                assert torch.equal(layer.values[b][:, mine], target_layer.values[b][:, theirs])
+            compared.append((n, len(request.sequences[b]), len(mine)))
+        return out
+
+    monkeypatch.setattr(hf_spin.StreamingDrafter, "draft", checked_draft)
+    target = _models("llama")[0]
+    _assert_lossless("llama", 4, hf_spin.StreamingDrafter(target, sink_tokens=2, window_tokens=6))
+    assert all(n == length - 1 for n, length, _ in compared)  # everything but the last token copied exactly
+    assert max(length for _, length, _ in compared) > PROMPT_LENGTH + 5 and min(held for *_, held in compared) >= 2
+
+
 def test_streaming_refuses_bad_budgets():
     with pytest.raises(ValueError, match="window_tokens"):
         hf_spin.StreamingDrafter(_models("llama")[0], window_tokens=0)

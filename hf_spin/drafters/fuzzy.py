@@ -326,7 +326,6 @@ class FuzzyDrafter(ModelDrafter):
         self.calibrate = calibrate
         if name is None:
             self.name += f"-fuzzy{group_size}" + ("" if calibrate else "-uncalibrated")
-        self.exact: list[int] = []  # per row: leading cached tokens whose KV the exact (sequential) model computed
 
     @property
     def group_size(self) -> int:
@@ -334,33 +333,21 @@ class FuzzyDrafter(ModelDrafter):
 
     def start(self, target, sequences: list[list[int]], target_cache=None) -> None:
         super().start(target, sequences, target_cache)
-        self.exact = [0] * len(sequences)
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        super().select_rows(rows)
-        self.exact = [self.exact[i] for i in rows.tolist()]
-
-    def finish(self) -> None:
-        super().finish()
-        self.exact = []
-
-    def _keep(self, row: int, common: int) -> int:
-        # calibration: fuzzy KV never survives a verification, accepted or not
-        return min(common, self.exact[row]) if self.calibrate else common
+        # calibration: track the exact prefix, so that fuzzy KV never survives a verification, accepted or not
+        self.exact = [0] * len(sequences) if self.calibrate else None
 
     def _forward(self, chunks: list[list[int]], keep: list[int] | None) -> torch.Tensor:
         served = [b for b, chunk in enumerate(chunks) if chunk]
         if keep is None:  # a draft step: fuzzy
             logits = forward_ragged(self.model, self.cache, chunks, all_logits=False, forward=self.fuzzy)
-            if self.fuzzy.exact:  # sets of one layer: the model's own computation, nothing to calibrate
+            if self.exact is not None and self.fuzzy.exact:  # sets of one layer: the model's own computation
                 for b in served:
                     self.exact[b] += len(chunks[b])
             return logits
-        exact = self.calibrate or any(keep[b] == 0 for b in served)  # calibration, or a prompt prefill
-        if exact:
+        if self.calibrate or any(keep[b] == 0 for b in served):  # calibration, or a prompt prefill: exact
             logits = super()._forward(chunks, keep)
-        else:
-            logits = forward_ragged(self.model, self.cache, chunks, all_logits=False, forward=self.fuzzy)
-        for b in served:
-            self.exact[b] = keep[b] + len(chunks[b]) if exact else min(self.exact[b], keep[b])
-        return logits
+            if self.exact is not None:
+                for b in served:
+                    self.exact[b] = keep[b] + len(chunks[b])
+            return logits
+        return forward_ragged(self.model, self.cache, chunks, all_logits=False, forward=self.fuzzy)

@@ -9,8 +9,12 @@ which only changes how sequences and drafts cross between the two vocabularies.
 
 Subclasses change the mechanism through three hooks, never by copying `draft`:
     _new_cache(B)          the cache a call starts with (a sparse one in streaming.py)
-    _keep(row, common)     how many cached tokens of a row survive rollback (fuzzy.py drops fuzzy KV)
+    _keep(row, common)     how many cached tokens of a row survive rollback
     _forward(chunks, keep) every forward: the catch-up (keep given) and each draft step (keep None)
+and one piece of state: `exact`, per row the leading cached tokens whose KV is the drafter's exact KV.
+A drafter whose forwards approximate (fuzzy.py: fuzzy layers; streaming.py: sparse attention) sets it,
+and the rollback then drops every approximate entry, accepted tokens included, to be recomputed or
+copied exactly (EasySpec's bonus calibration). None: all cached KV is exact (this class).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class ModelDrafter(Drafter):
         self.name = name or getattr(model.config, "name_or_path", "") or model.config.model_type
         self.cache: RaggedCache | None = None
         self.cached: list[list[int]] = []  # per row: the draft-space ids whose KV the cache holds
+        self.exact: list[int] | None = None  # per row: leading cached tokens with exact KV (None: all of them)
         self.target_vocab_size = model.config.get_text_config().vocab_size
 
     # Vocabulary crossing: identity for a shared tokenizer (overridden for token translation).
@@ -52,6 +57,7 @@ class ModelDrafter(Drafter):
         self.target_vocab_size = target.config.get_text_config().vocab_size
         self.cache = self._new_cache(len(sequences))
         self.cached = [[] for _ in sequences]
+        self.exact = None
 
     def _new_cache(self, batch: int) -> RaggedCache:
         empty = torch.zeros(batch, 0, dtype=torch.bool, device=self.model.device)  # [B, 0]
@@ -59,7 +65,7 @@ class ModelDrafter(Drafter):
 
     def _keep(self, row: int, common: int) -> int:
         """Cached tokens of `row` to keep, given that its first `common` cached tokens are still committed."""
-        return common
+        return common if self.exact is None else min(common, self.exact[row])
 
     def _forward(self, chunks: list[list[int]], keep: list[int] | None) -> torch.Tensor:
         """Feed one chunk per row (B lists) through the drafter, appending to its cache; logits [B, 1, V_draft]
@@ -69,9 +75,11 @@ class ModelDrafter(Drafter):
     def select_rows(self, rows: torch.Tensor) -> None:
         self.cache.select_rows(rows.to(self.model.device))
         self.cached = [self.cached[i] for i in rows.tolist()]
+        if self.exact is not None:
+            self.exact = [self.exact[i] for i in rows.tolist()]
 
     def finish(self) -> None:
-        self.cache, self.cached = None, []
+        self.cache, self.cached, self.exact = None, [], None
 
     def _scores(self, logits: torch.Tensor, row: int, prefix: list[int], request: DraftRequest) -> torch.Tensor:
         """Draft logits [V_draft] -> scores over the target vocabulary [V_target], processed like the target's."""

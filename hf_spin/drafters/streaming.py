@@ -20,8 +20,10 @@ Life of a row (sink 2, window 3; tokens t0 t1 ...):
                         first token the target committed) sees [t0 t1 | t5 t6 t7 | t8]
     rollback            drafts rejected -> their slots become holes; if a rollback reaches into the evicted
                         middle (a window shorter than the draft), the row is rebuilt from its tokens.
-KV of tokens fed after the prefill (accepted + bonus tokens, drafts) is computed by the drafter over
-its sparse cache, so it is itself approximate; verification never reads it.
+KV of tokens the drafter feeds after the prefill is computed over its sparse cache, so it is itself
+approximate. A separate drafter keeps it; the target drafting for itself replaces it at each catch-up
+with the exact KV the verification wrote into the target's cache (MagicDec's draft cache is a sparse
+view of the full one). Verification never reads the drafter's KV.
 """
 
 from __future__ import annotations
@@ -86,6 +88,17 @@ class StreamingCache(RaggedCache):
         super().select_rows(rows)
         self.evicted = self.evicted[rows]
 
+    def append_from(self, source: RaggedCache, counts: torch.Tensor) -> None:
+        """Append copies of the KV of each row's last counts[b] tokens in `source` (same rows and layers)."""
+        width = int(counts.max())
+        rank = source.slot_mask.long().cumsum(dim=1)  # [B, S]
+        take = source.slot_mask & (rank > (source.lengths - counts)[:, None])  # [B, S] the slots to copy
+        cols = torch.arange(take.shape[1], device=take.device).expand_as(take)
+        src = torch.argsort((~take).long() * take.shape[1] + cols, dim=1)[:, :width]  # [B, W] those slots first, in order
+        self.add_slots(counts, width)  # the first counts[b] new slots of row b valid, the rest holes
+        for i, layer in enumerate(source.layers):
+            self.update(gather_slots(layer.keys, src), gather_slots(layer.values, src), i)
+
     @classmethod
     def from_cache(cls, cache: RaggedCache, sink_tokens: int, window_tokens: int) -> StreamingCache:
         """A packed copy of the sinks + last window of every row of `cache` (which is left unchanged)."""
@@ -103,6 +116,12 @@ class StreamingDrafter(ModelDrafter):
 
     sink_tokens: first tokens of each row always attended (attention sinks).
     window_tokens: most recent tokens attended besides the sinks; budget = sink_tokens + window_tokens.
+
+    With the target itself as the drafter (`seeded`), the drafter's cache is a sparse view of the target's
+    exact cache: the prefill KV is copied at start, and at every catch-up the exact KV of the newly
+    committed tokens (accepted drafts, the previous bonus token) is copied from the target's cache, which
+    the verification just filled; only the last committed token is fed. The drafter's own KV of
+    drafts and of that last token comes from sparse attention and is dropped at the next catch-up.
     """
 
     def __init__(self, model, sink_tokens: int = DEFAULT_SINK_TOKENS, window_tokens: int = DEFAULT_WINDOW_TOKENS, name: str | None = None):
@@ -114,7 +133,8 @@ class StreamingDrafter(ModelDrafter):
         self.sink_tokens, self.window_tokens = sink_tokens, window_tokens
         if name is None:
             self.name += f"-streaming{sink_tokens}+{window_tokens}"
-        self.seeded = False  # whether the last start() copied the target's prefill instead of prefilling itself
+        self.seeded = False  # whether the last start() got the target's own cache to copy exact KV from
+        self.target_cache: RaggedCache | None = None  # read only, never changed
 
     @property
     def budget(self) -> int:
@@ -127,22 +147,44 @@ class StreamingDrafter(ModelDrafter):
     def start(self, target, sequences: list[list[int]], target_cache: RaggedCache | None = None) -> None:
         super().start(target, sequences, target_cache)
         self.seeded = target is self.model and target_cache is not None and _filled(target_cache, sequences)
+        self.target_cache = target_cache if self.seeded else None
         if self.seeded:  # self-speculation: the target's prefill KV is exactly what our own prefill would compute
             self.cache = StreamingCache.from_cache(target_cache, self.sink_tokens, self.window_tokens)
             self.cached = [list(seq[:-1]) for seq in sequences]  # the target cache holds all but the last token
+            self.exact = [len(seq) - 1 for seq in sequences]
+
+    def finish(self) -> None:
+        super().finish()
+        self.target_cache = None
 
     def _keep(self, row: int, common: int) -> int:
+        keep = super()._keep(row, common)  # seeded: no further than the KV copied from the target
         evicted = int(self.cache.evicted[row])
-        return 0 if evicted and common < self.sink_tokens + evicted else common  # 0: rebuild the row
+        return 0 if evicted and keep < self.sink_tokens + evicted else keep  # 0: rebuild the row
 
     def _forward(self, chunks: list[list[int]], keep: list[int] | None) -> torch.Tensor:
-        if keep is not None:  # a row starting from nothing: prefill all but its last token with full attention
+        if keep is not None:
+            chunks = self._copy_exact(chunks, keep)
+            # a row starting from nothing (and nothing to copy): prefill all but its last token with full attention
             prefill = [chunk[:-1] if keep[b] == 0 else [] for b, chunk in enumerate(chunks)]
             if any(prefill):
                 forward_ragged(self.model, self.cache, prefill, all_logits=False)
                 chunks = [chunk[len(p) :] for chunk, p in zip(chunks, prefill)]
         self.cache.evict()  # then every token that yields a draft sees sinks + window (+ its own chunk) only
         return super()._forward(chunks, keep)
+
+    def _copy_exact(self, chunks: list[list[int]], keep: list[int]) -> list[list[int]]:
+        """Seeded: append the target's KV of every chunk token but the last; returns what is left to feed."""
+        if self.target_cache is None:
+            return chunks
+        held = self.target_cache.lengths.tolist()  # the engine keeps it at every committed token but the last
+        counts = [len(c) - 1 if c and held[b] == keep[b] + len(c) - 1 else 0 for b, c in enumerate(chunks)]
+        if any(counts):
+            self.cache.append_from(self.target_cache, torch.tensor(counts, device=self.cache.slot_mask.device))
+        for b, chunk in enumerate(chunks):
+            if chunk:
+                self.exact[b] = keep[b] + counts[b]
+        return [chunk[n:] for chunk, n in zip(chunks, counts)]
 
 
 def _filled(cache: RaggedCache, sequences: list[list[int]]) -> bool:
