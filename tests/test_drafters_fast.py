@@ -106,6 +106,20 @@ def test_streaming_greedy_equivalence(arch, kind, batch):
     assert drafter.seeded == kind.startswith("self")  # the target drafting for itself copies its prefill
 
 
+@pytest.mark.parametrize("kind", ("fuzzy", "streaming"))
+def test_round_robin_catch_up(kind):
+    """Served every other step beside prompt lookup: the catch-up spans several steps' tokens (calibration
+    recomputes them; the self-streaming drafter copies them from the target's cache)."""
+    target, other = _models("qwen2")
+    drafter = hf_spin.FuzzyDrafter(target, group_size=2) if kind == "fuzzy" else hf_spin.StreamingDrafter(target, 2, 6)
+    inputs, reference = _case("qwen2", 4)
+    pool = hf_spin.AssistantPool([drafter, "prompt_lookup"], policy="round_robin")
+    out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, reference)
+    stats = pool.last_stats.drafters[pool.names[0]]
+    assert stats.failures == 0 and stats.target_forwards >= 2 and stats.accepted > 0, str(pool.last_stats)
+
+
 @pytest.mark.parametrize("arch", ("llama", "gpt2"))
 def test_streaming_without_eviction_is_the_plain_drafter(arch):
     """A budget larger than any row never evicts: acceptance equals the plain self-drafter's (all accepted)."""

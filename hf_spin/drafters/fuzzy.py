@@ -164,7 +164,7 @@ class LayerParallelForward:
         self.group_size = group_size
         self.batched = batched
         self.sets = layer_sets(self.config.num_hidden_layers, group_size)
-        self.exact = all(len(s) == 1 for s in self.sets)  # N = 1, or too few layers to group: the model's forward
+        self.is_exact = all(len(s) == 1 for s in self.sets)  # N = 1, or too few layers to group: the model's forward
         self._stacked: dict[int, _StackedSet] = {}  # first layer of a set -> its stacked weights
 
     def __call__(
@@ -340,7 +340,7 @@ class FuzzyDrafter(ModelDrafter):
         served = [b for b, chunk in enumerate(chunks) if chunk]
         if keep is None:  # a draft step: fuzzy
             logits = forward_ragged(self.model, self.cache, chunks, all_logits=False, forward=self.fuzzy)
-            if self.exact is not None and self.fuzzy.exact:  # sets of one layer: the model's own computation
+            if self.exact is not None and self.fuzzy.is_exact:  # sets of one layer: the model's own computation
                 for b in served:
                     self.exact[b] += len(chunks[b])
             return logits
