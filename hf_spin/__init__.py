@@ -8,7 +8,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from . import kernels  # registers attn_implementation="hf_spin_varlen" with transformers
-from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TranslatingDrafter
+from .drafters import Drafter, FuzzyDrafter, ModelDrafter, PromptLookupDrafter, StreamingDrafter, TranslatingDrafter
 from .generation import SpinGenerateOutput, disable, enable, generate
 from .policies import DraftLength, FixedLength, FixedPolicy, Plan, Policy, RoundRobinPolicy
 from .pool import AssistantPool
@@ -25,6 +25,7 @@ __all__ = [
     "Drafter",
     "FixedLength",
     "FixedPolicy",
+    "FuzzyDrafter",
     "GenerationStats",
     "ModelDrafter",
     "Plan",
@@ -32,6 +33,7 @@ __all__ = [
     "PromptLookupDrafter",
     "RoundRobinPolicy",
     "SpinGenerateOutput",
+    "StreamingDrafter",
     "TranslatingDrafter",
     "disable",
     "enable",

@@ -117,20 +117,10 @@ class RaggedCache(DynamicCache):
 
     def compact(self) -> None:
         """Move each row's valid slots to the right end of a cache of width max(lengths)."""
-        lengths = self.lengths  # [B]
-        width = int(lengths.max()) if lengths.numel() else 0
-        # Source index of every valid slot, in order; rows are right-aligned (left holes like left padding).
-        order = torch.argsort((~self.slot_mask).long() * self.num_slots + _col_index(self.slot_mask), dim=1)
-        dest = torch.arange(width, device=lengths.device)[None, :]  # [1, W]
-        first = width - lengths[:, None]  # [B, 1] first valid column after compaction
-        new_mask = dest >= first  # [B, W]
-        src = torch.where(new_mask, order.gather(1, (dest - first).clamp(min=0)), 0)  # [B, W]
+        src, new_mask = compaction_index(self.slot_mask)
         for layer in self.layers:
             if layer.is_initialized and layer.keys.numel():
-                idx = src[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-                layer.keys = layer.keys.gather(2, idx)
-                idx = src[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
-                layer.values = layer.values.gather(2, idx)
+                layer.keys, layer.values = gather_slots(layer.keys, src), gather_slots(layer.values, src)
         self.slot_mask = new_mask
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -198,10 +188,35 @@ def _col_index(mask: torch.Tensor) -> torch.Tensor:
     return torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
 
 
-def forward_ragged(model, cache: RaggedCache, chunks: list[list[int]], all_logits: bool = True) -> torch.Tensor:
+def compaction_index(slot_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row's valid slots go when packed to the right end of a cache of width max(lengths).
+
+    slot_mask: [B, S]. Returns src [B, W], the old slot of every new slot (0 under a hole), and the new
+    slot mask [B, W] (left holes, like left padding). Example: [[1 0 1 1], [0 0 1 0]] -> src
+    [[0 2 3], [0 0 2]], mask [[1 1 1], [0 0 1]].
+    """
+    lengths = slot_mask.sum(dim=1)  # [B]
+    width = int(lengths.max()) if lengths.numel() else 0
+    # Source index of every valid slot, in order.
+    order = torch.argsort((~slot_mask).long() * slot_mask.shape[1] + _col_index(slot_mask), dim=1)
+    dest = torch.arange(width, device=slot_mask.device)[None, :]  # [1, W]
+    first = width - lengths[:, None]  # [B, 1] first valid column after compaction
+    new_mask = dest >= first  # [B, W]
+    src = torch.where(new_mask, order.gather(1, (dest - first).clamp(min=0)), 0)  # [B, W]
+    return src, new_mask
+
+
+def gather_slots(kv: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """kv [B, H, S, D], src [B, W] slot indices -> [B, H, W, D] (a new tensor)."""
+    return kv.gather(2, src[:, None, :, None].expand(-1, kv.shape[1], -1, kv.shape[3]))
+
+
+def forward_ragged(model, cache: RaggedCache, chunks: list[list[int]], all_logits: bool = True, forward=None) -> torch.Tensor:
     """Run `model` on one chunk of new tokens per row, appending them to `cache`.
 
     chunks: B lists of token ids, any lengths (an empty chunk adds only holes).
+    forward: called instead of `model` with the same keyword arguments (e.g. the layer-parallel forward
+        of drafters/fuzzy.py); it must return an object with `.logits`.
     Returns logits `[B, T, V]` for every slot of the right-padded chunk (T = longest chunk), or
     `[B, 1, V]` at each row's last chunk token when `all_logits` is False.
     A `PackedCache` goes through `forward_packed` (no padding, no holes).
@@ -223,7 +238,7 @@ def forward_ragged(model, cache: RaggedCache, chunks: list[list[int]], all_logit
         # Only the slots some row ends on: a prefill of L tokens computes U <= B rows of logits, not L.
         keep, last = torch.unique(last, return_inverse=True)  # [U], [B] index into keep
         extra["logits_to_keep"] = keep
-    out = model(
+    out = (forward or model)(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,

@@ -269,7 +269,8 @@ class SpinEngine:
             if self._drafters_started:
                 self._guarded(d_idx, lambda: drafter.add_rows(sequences), None, new_positions)
             else:
-                self._guarded(d_idx, lambda: drafter.start(self.model, sequences), None, new_positions)
+                # the target's cache right after its prefill: a self-speculating drafter copies its exact KV
+                self._guarded(d_idx, lambda: drafter.start(self.model, sequences, target_cache=self.cache), None, new_positions)
         self._drafters_started = True
         if self.policy is not None:
             self.policy.start_rows(self._view(), new_positions)

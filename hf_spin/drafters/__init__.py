@@ -1,8 +1,20 @@
 """Drafter kinds: each proposes tokens in the target's vocabulary; none holds a heuristic."""
 
 from .base import Draft, Drafter, DraftRequest
+from .fuzzy import FuzzyDrafter, fuzzy_device_map
 from .model import ModelDrafter
 from .prompt_lookup import PromptLookupDrafter
+from .streaming import StreamingDrafter
 from .translation import TranslatingDrafter
 
-__all__ = ["Draft", "Drafter", "DraftRequest", "ModelDrafter", "PromptLookupDrafter", "TranslatingDrafter"]
+__all__ = [
+    "Draft",
+    "Drafter",
+    "DraftRequest",
+    "FuzzyDrafter",
+    "ModelDrafter",
+    "PromptLookupDrafter",
+    "StreamingDrafter",
+    "TranslatingDrafter",
+    "fuzzy_device_map",
+]

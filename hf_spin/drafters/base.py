@@ -57,8 +57,13 @@ class Drafter(ABC):
     gives_q: bool = False  # returns draft probabilities when sampling (else a one-hot proposal)
     num_parameters: int = 0  # size, for policies that order drafters by it
 
-    def start(self, target, sequences: list[list[int]]) -> None:
-        """Begin a `generate` call over B rows with these prompts (the rows' initial sequences)."""
+    def start(self, target, sequences: list[list[int]], target_cache=None) -> None:
+        """Begin a `generate` call over B rows with these prompts (the rows' initial sequences).
+
+        target_cache: the target's `RaggedCache` right after its prefill (every committed token but the
+        last). A drafter that runs the target's own weights may copy from it (streaming.py does), never
+        change it.
+        """
 
     @abstractmethod
     def draft(self, request: DraftRequest) -> Draft:

@@ -6,6 +6,15 @@ stays, the rest is rolled back (rejected drafts), and the new tail is fed in one
 (catch-up: the bonus token, or every token since this drafter last served the row). Then k - 1
 single-token forwards. The same code serves a drafter with another tokenizer (translation.py),
 which only changes how sequences and drafts cross between the two vocabularies.
+
+Subclasses change the mechanism through three hooks, never by copying `draft`:
+    _new_cache(B)          the cache a call starts with (a sparse one in streaming.py)
+    _keep(row, common)     how many cached tokens of a row survive rollback
+    _forward(chunks, keep) every forward: the catch-up (keep given) and each draft step (keep None)
+and one piece of state: `exact`, per row the leading cached tokens whose KV is the drafter's exact KV.
+A drafter whose forwards approximate (fuzzy.py: fuzzy layers; streaming.py: sparse attention) sets it,
+and the rollback then drops every approximate entry, accepted tokens included, to be recomputed or
+copied exactly (EasySpec's bonus calibration). None: all cached KV is exact (this class).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ class ModelDrafter(Drafter):
         self.name = name or getattr(model.config, "name_or_path", "") or model.config.model_type
         self.cache: RaggedCache | PackedCache | None = None
         self.cached: list[list[int]] = []  # per row: the draft-space ids whose KV the cache holds
+        self.exact: list[int] | None = None  # per row: leading cached tokens with exact KV (None: all of them)
         self.target_vocab_size = model.config.get_text_config().vocab_size
         self.num_parameters = model.num_parameters()
 
@@ -47,26 +57,41 @@ class ModelDrafter(Drafter):
     def to_target_space(self, prefix: list[int], new_ids: list[int], k: int) -> list[int]:
         return new_ids[:k]
 
-    def start(self, target, sequences: list[list[int]]) -> None:
+    def start(self, target, sequences: list[list[int]], target_cache=None) -> None:
         self.target_vocab_size = target.config.get_text_config().vocab_size
-        device = self.model.device
-        if self.ragged_attention:
-            self.cache = PackedCache(len(sequences), device=device)
-        else:
-            empty = torch.zeros(len(sequences), 0, dtype=torch.bool, device=device)
-            self.cache = RaggedCache(empty, contiguous=needs_contiguous_slots(self.model.config))
+        self.cache = self._new_cache(len(sequences))
         self.cached = [[] for _ in sequences]
+        self.exact = None
+
+    def _new_cache(self, batch: int) -> RaggedCache | PackedCache:
+        if self.ragged_attention:
+            return PackedCache(batch, device=self.model.device)
+        empty = torch.zeros(batch, 0, dtype=torch.bool, device=self.model.device)  # [B, 0]
+        return RaggedCache(empty, contiguous=needs_contiguous_slots(self.model.config))
+
+    def _keep(self, row: int, common: int) -> int:
+        """Cached tokens of `row` to keep, given that its first `common` cached tokens are still committed."""
+        return common if self.exact is None else min(common, self.exact[row])
+
+    def _forward(self, chunks: list[list[int]], keep: list[int] | None) -> torch.Tensor:
+        """Feed one chunk per row (B lists) through the drafter, appending to its cache; logits [B, 1, V_draft]
+        at each row's last chunk token. keep: [B] tokens each row kept before a catch-up; None for a draft step."""
+        return forward_ragged(self.model, self.cache, chunks, all_logits=False)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.cache.select_rows(rows.to(self.model.device))
         self.cached = [self.cached[i] for i in rows.tolist()]
+        if self.exact is not None:
+            self.exact = [self.exact[i] for i in rows.tolist()]
 
     def add_rows(self, sequences: list[list[int]]) -> None:
         self.cache.add_empty_rows(len(sequences))  # their first draft or prefill feeds each whole sequence
         self.cached += [[] for _ in sequences]
+        if self.exact is not None:
+            self.exact += [0 for _ in sequences]
 
     def finish(self) -> None:
-        self.cache, self.cached = None, []
+        self.cache, self.cached, self.exact = None, [], None
 
     def _scores(self, logits: torch.Tensor, row: int, prefix: list[int], request: DraftRequest) -> torch.Tensor:
         """Draft logits [V_draft] -> scores over the target vocabulary [V_target], processed like the target's."""
@@ -93,11 +118,11 @@ class ModelDrafter(Drafter):
             seq = self.to_draft_space(sequences[row])
             draft_seqs[row] = seq
             # at least one token is fed, so the forward yields the next-token logits
-            keep[row] = min(common_prefix_length(self.cached[row], seq), len(seq) - 1)
+            keep[row] = min(self._keep(row, common_prefix_length(self.cached[row], seq)), len(seq) - 1)
             chunks[row] = seq[keep[row]:]
             self.cached[row] = list(seq)
         self.cache.rollback(torch.tensor(keep, device=self.cache.device))
-        return forward_ragged(self.model, self.cache, chunks, all_logits=False), draft_seqs
+        return self._forward(chunks, keep), draft_seqs
 
     @torch.no_grad()
     def prefill(self, rows: list[int], sequences: list[list[int]]) -> None:
@@ -139,7 +164,7 @@ class ModelDrafter(Drafter):
                     still.append(row)
             active = still
             if active:
-                logits = forward_ragged(self.model, self.cache, next_chunks, all_logits=False)
+                logits = self._forward(next_chunks, None)
                 for row in active:
                     self.cached[row].append(new_ids[row][-1])
         # 3. Hand back the drafts in the target vocabulary.
