@@ -41,6 +41,8 @@ import transformers
 
 import hf_spin
 from hf_spin import models
+
+from common import new_tokens, timed
 from hf_spin.cache import RaggedCache, forward_ragged
 from hf_spin.drafters.fuzzy import LayerParallelForward
 from hf_spin.drafters.streaming import StreamingCache
@@ -95,15 +97,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # --- shared helpers ---------------------------------------------------------------------------------
 
-
-def timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
-def new_tokens(sequences: torch.Tensor, prompt_len: int, pad_id: int) -> list[list[int]]:
-    return [[t for t in row[prompt_len:].tolist() if t != pad_id] for row in sequences]
 
 
 def environment(args) -> dict:

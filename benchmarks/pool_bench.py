@@ -213,7 +213,7 @@ def markdown(summary: dict, env: dict) -> str:
                 f"| {m} | " + " | ".join(speeds)
                 + f" | {fmt(a['acceptance_rate'], '.1%')} | {fmt(a['mean_accepted_length'], '.2f')} | {a['goodput']:.2f} | {a['oracle_fraction']:.2f} | {a['identical']} | {a['errors']} |"
             )
-        lines.append(f"| plain tok/s | " + " | ".join(f"{table[t]['plain_tok_s']:.2f}" for t in tasks) + " | | | | | | |")
+        lines.append("| plain tok/s | " + " | ".join(f"{table[t]['plain_tok_s']:.2f}" for t in tasks) + " | | | | | | |")
         lines += ["", f"### batch {bs}: which drafter each policy chose (share of row-steps), and the oracle's choice", ""]
         lines += ["| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
         for m in [m for m in methods if m.startswith("policy:")]:

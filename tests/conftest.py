@@ -35,3 +35,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A tiny random llama: the target of the feature, engine, pipeline and server tests."""
+    from .archs import tiny_model
+
+    return tiny_model("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    """Another seed, one layer: a drafter whose drafts are sometimes accepted."""
+    from .archs import tiny_model
+
+    return tiny_model("llama", seed=1, num_hidden_layers=1)

@@ -33,12 +33,7 @@ PROMPT_LENGTH = 14
 STREAMING_ARCHS = ("llama", "qwen2", "gpt2")  # gpt2: learned absolute positions, so true positions matter too
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,27 +16,12 @@ from hf_spin.drafters import Draft, Drafter
 from hf_spin.engine import SpinEngine
 from hf_spin.rows import CANCELLED, ERROR, LENGTH, STOPPED, Request
 
-from .archs import EOS, VOCAB, tiny_model
+from .archs import EOS, VOCAB
 
 POISON = 77  # a token id the fault-injection tests refuse on
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    return tiny_model("llama", seed=1, num_hidden_layers=1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -1,7 +1,5 @@
 """Everything `generate` accepts keeps working with a pool, or is refused with a clear message."""
 
-import warnings
-
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -10,16 +8,6 @@ import hf_spin
 from hf_spin.drafters import Drafter
 
 from .archs import EOS, ragged_batch, tiny_model
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    return tiny_model("llama", seed=1, num_hidden_layers=1)
 
 
 def spin(model, pool, **kwargs):

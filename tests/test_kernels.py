@@ -14,7 +14,6 @@ If triton was imported without the variable (not through conftest.py), the tests
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

@@ -21,26 +21,7 @@ from hf_spin.rows import Request
 from .test_engine import alone, prompts, request, run
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def target():
-    from .archs import tiny_model
-
-    return tiny_model("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    from .archs import tiny_model
-
-    return tiny_model("llama", seed=1, num_hidden_layers=1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("micro_batches", [2, 3])

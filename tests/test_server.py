@@ -20,7 +20,6 @@ from hf_spin.drafters import Draft, Drafter
 from hf_spin.serving import Limits, build_app
 from hf_spin.serving.server import Server
 
-from .archs import tiny_model
 from .test_engine import POISON, PoisonProposer, PoisonTarget
 from .tiny_tokenizers import PROMPTS, char_tokenizer
 
@@ -28,22 +27,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% 
 TIMEOUT = 60
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    return tiny_model("llama", seed=1, num_hidden_layers=1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
