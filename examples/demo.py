@@ -1,4 +1,4 @@
-"""Demo: the packaged Qwen2.5-Coder-1.5B target with a pool (Qwen2.5-Coder-0.5B + prompt lookup).
+"""Demo: the packaged Qwen2.5-Coder-1.5B target with the packaged Qwen2.5-Coder-0.5B as drafter.
 
     python examples/demo.py                 # prompts of its own
     python examples/demo.py --questions ../shared/data/spec_bench/question.jsonl --n 4
@@ -43,7 +43,7 @@ def main() -> None:
 
     target, tok = models.load("qwen2.5-coder-1.5b-instruct", dtype=torch.bfloat16)
     drafter, _ = models.load("qwen2.5-coder-0.5b-instruct", dtype=torch.bfloat16)
-    pool = hf_spin.AssistantPool([drafter, "prompt_lookup"], policy="fixed")
+    pool = hf_spin.AssistantPool([drafter], policy="fixed")  # the 0.5B drafter, k = 8 with the confidence stop
     hf_spin.enable()
 
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)

@@ -268,4 +268,5 @@ def load(
         # generate() otherwise warns on every call and guesses eos itself
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.eval()
+    model.config._name_or_path = name  # statistics and drafter names say "qwen2.5-coder-0.5b-instruct", not a cache path
     return model, tokenizer

@@ -71,9 +71,20 @@ class Pipeline:
     draft on one thread while the caller's thread verifies.
 
     micro_batches: a fixed number of micro-batches, or None for Spin's heuristic (`MicroBatchCount`).
+    draft_threads: torch threads of the drafting thread (None: the caller's count). On a CPU the two
+        threads share the cores: give each a share (OpenMP threads that outnumber cores spin and collapse).
     """
 
-    def __init__(self, model, pool: AssistantPool, tokenizer=None, *, micro_batches: int | None = None, isolate_faults: bool = False):
+    def __init__(
+        self,
+        model,
+        pool: AssistantPool,
+        tokenizer=None,
+        *,
+        micro_batches: int | None = None,
+        isolate_faults: bool = False,
+        draft_threads: int | None = None,
+    ):
         if pool is None:
             raise ValueError("a Pipeline overlaps drafting with verification; it needs an AssistantPool (for plain decoding use SpinEngine(model, None))")
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
@@ -87,7 +98,7 @@ class Pipeline:
         self._results: queue.Queue = queue.Queue(maxsize=1)  # the result pool: (lane, proposal, error)
         self._in_flight: set[int] = set()  # ids of lanes with the drafting thread or in the result pool
         self._thread: threading.Thread | None = None
-        self._threads = torch.get_num_threads()  # the drafting thread uses the caller's setting
+        self._threads = draft_threads or torch.get_num_threads()  # torch threads of the drafting thread
         self._stream = None
         self.pool_wait_seconds = 0.0  # drafting thread time spent blocked on a full result pool (back-pressure)
         self.target_wait_seconds = 0.0  # target thread time spent waiting for a drafted micro-batch

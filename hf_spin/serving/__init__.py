@@ -31,13 +31,15 @@ def build_app(
     api_key: str | None = None,
     pipeline: bool | int = False,
     threads: int | None = None,
+    draft_threads: int | None = None,
     shutdown_grace_seconds: float = 10.0,
     info: dict | None = None,
 ):
     """The ASGI app serving `model` (with `pool`'s drafters; None: plain decoding, still batched).
 
     pipeline: False, True (micro-batches chosen by Spin's heuristic) or a fixed number of micro-batches.
-    threads: torch threads of the scheduler thread. Returns a FastAPI app; `app.state.service` holds the parts.
+    threads: torch threads of the scheduler thread (the target's); draft_threads: of the pipeline's drafting thread.
+    Returns a FastAPI app; `app.state.service` holds the parts.
     """
     from .app import create_app  # fastapi is only needed once an app is built
 
@@ -46,7 +48,7 @@ def build_app(
             from ..pipeline import Pipeline
 
             fixed = None if pipeline is True else int(pipeline)
-            return Pipeline(model, pool, tokenizer, micro_batches=fixed, isolate_faults=True)
+            return Pipeline(model, pool, tokenizer, micro_batches=fixed, isolate_faults=True, draft_threads=draft_threads)
         return SpinEngine(model, pool, tokenizer, isolate_faults=True)
 
     holder: dict = {}

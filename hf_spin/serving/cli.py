@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", default="off", help="micro-batch pipelining: off (default), auto (Spin's heuristic) or a number of micro-batches")
     p.add_argument("--ragged-attention", action="store_true", help="packed KV caches and varlen attention (AssistantPool(ragged_attention=True))")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="model dtype (default bfloat16)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for the models (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for the models (default: torch's choice); with --pipeline on a CPU, split between target and drafting threads")
     p.add_argument("--max-batch-size", type=int, default=16, help="rows decoding together (default 16)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 503 + Retry-After (default 64)")
     p.add_argument("--max-input-tokens", type=int, default=4096, help="longest prompt in tokens (default 4096)")
@@ -100,6 +101,10 @@ def build(args):
         length = int(args.draft_length) if args.draft_length.isdigit() else args.draft_length
         pool = AssistantPool(entries, policy=args.policy, draft_length=length, tokenizer=tokenizer, ragged_attention=args.ragged_attention)
         pool.bind(model, tokenizer)  # refuse a bad pool now, not at the first request
+    pipeline = _pipeline(args.pipeline)
+    threads, draft_threads = args.threads, None
+    if pipeline and args.threads and model.device.type == "cpu":  # two threads of work share the cores
+        threads, draft_threads = max(1, args.threads - args.threads // 2), max(1, args.threads // 2)
     return build_app(
         model,
         tokenizer,
@@ -109,8 +114,9 @@ def build(args):
         max_queue=args.max_queue,
         limits=Limits(max_input_tokens=args.max_input_tokens, max_total_tokens=args.max_total_tokens),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        pipeline=_pipeline(args.pipeline),
-        threads=args.threads,
+        pipeline=pipeline,
+        threads=threads,
+        draft_threads=draft_threads,
         shutdown_grace_seconds=args.shutdown_grace,
     )
 
