@@ -52,6 +52,7 @@ def test_verifier_first_token_follows_p(with_q):
         first = torch.where(v.accepted > 0, drafts[:, 0], v.next_token)  # the first output token
         counts = torch.bincount(first, minlength=V).float()
         results[n] = (tv(counts, p_one[0]), fits(counts, p_one[0]))
+    print(f"verifier, q given={with_q}: " + "; ".join(f"N={n}: TV {r[0]:.4f}, chi-square p {r[1]:.3f}" for n, r in results.items()))
     assert results[64000][1] > ALPHA, results
     assert results[64000][0] < results[4000][0], results  # 16x the samples: TV about 4x smaller
     # negative control: the draft distribution itself is far from p and the check says so
@@ -100,6 +101,7 @@ def test_engine_sampling_matches_target_distribution(drafter):
         t2, t3 = out[:, -2], out[:, -1]
         counts = torch.bincount(t2 * SMALL_V + t3, minlength=SMALL_V**2).float()
         results[n] = (tv(counts, exact), fits(counts, exact), pool.last_stats.acceptance_rate)
+    print("engine: " + "; ".join(f"N={n}: TV {r[0]:.4f}, chi-square p {r[1]:.3f}, acceptance {r[2]:.2f}" for n, r in results.items()))
     assert results[12000][1] > ALPHA, results
     assert results[12000][0] < results[1500][0], results
     assert results[12000][2] > 0, results  # speculation really happened
