@@ -172,6 +172,7 @@ class SpinEngine:
         self.steps = 0  # verification steps so far
         self._row_ids = row_ids if row_ids is not None else itertools.count()
         self._drafters_started = False
+        self._admitted_last = False  # the last step was an admission
         self._batch: _Batch | None = None
         self._deferred_prefill: dict[int, list[int]] = {}  # drafter -> row ids to catch up (defer_idle_prefill)
 
@@ -209,12 +210,16 @@ class SpinEngine:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Retire rows that are done; then admit the rows that arrived, or run one speculative step."""
+        """Retire rows that are done; then admit the rows that arrived (their first token comes at once),
+        or run one speculative step. Never two admissions in a row while rows run: under a steady stream
+        of arrivals the running rows still advance every other step."""
         self.retire()
-        if self.pending:
+        if self.pending and not (self._admitted_last and self.rows):
             self.admit()
+            self._admitted_last = True
         elif self.rows:
             self.verify(self.propose())
+            self._admitted_last = False
 
     def close(self) -> None:
         """Retire every row and free the drafters' per-call state."""

@@ -81,6 +81,24 @@ def test_a_row_joining_an_emptied_batch_restarts_it(target, drafter):
     assert [r.generated for r in rows] == [alone(target, ps[0], 6), alone(target, ps[1], 9)]
 
 
+def test_running_rows_advance_while_rows_keep_arriving(target):
+    """A new row arrives before every step: admissions alternate with steps, so the first row still
+    finishes within about twice its own number of steps, with its exact tokens."""
+    engine = SpinEngine(target, None)
+    ps = prompts(40, seed=14)
+    first = engine.add(request(ps[0], 10))
+    steps = 0
+    for p in ps[1:]:
+        engine.add(request(p, 40))
+        engine.step()
+        steps += 1
+        if first.done:
+            break
+    engine.close()
+    assert first.done and steps <= 2 * 10 + 1
+    assert first.generated == alone(target, ps[0], 10)
+
+
 def test_plain_decoding_without_a_pool(target):
     engine = SpinEngine(target, None)
     ps = prompts(3, seed=4)

@@ -169,6 +169,10 @@ def test_generate_stream_one_event_per_token(served, target, tok):
     assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
     last = events[-1]
     assert last["generated_text"] == tok.decode(ids, skip_special_tokens=True)
+    with served.client() as c:  # TGI's compat route: either shape by `stream`
+        assert c.post("/", json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 14}}).json()["generated_text"] == last["generated_text"]
+        with c.stream("POST", "/", json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 14}, "stream": True}) as r:
+            assert [e["token"]["id"] for e in sse(r.iter_lines())] == ids
     assert last["details"]["generated_tokens"] == len(ids) and last["details"]["input_length"] == len(tok(PROMPTS[1])["input_ids"])
 
 

@@ -1,6 +1,7 @@
 """The ASGI app (FastAPI): TGI's routes, OpenAI-compatible completions, health, info and metrics.
 
     POST /generate              TGI, one JSON answer            GET /health    200 while the scheduler runs
+    POST /                      TGI's compat route (stream: true for SSE)
     POST /generate_stream       TGI, server-sent events          GET /info      models, drafters, policy, limits
     POST /v1/completions        OpenAI (stream: true for SSE)    GET /metrics   Prometheus text
     POST /v1/chat/completions   OpenAI (stream: true for SSE)
@@ -29,12 +30,13 @@ from .service import Service
 
 # Request body model of each POST route, to list the supported fields when an unknown one comes.
 BODY_MODELS = {
+    "/": GenerateRequest,
     "/generate": GenerateRequest,
     "/generate_stream": GenerateRequest,
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
 }
-ROUTE_NAMES = {"/generate": "generate", "/generate_stream": "generate_stream", "/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+ROUTE_NAMES = {"/": "generate", "/generate": "generate", "/generate_stream": "generate_stream", "/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 
 
 def create_app(service: Service) -> FastAPI:

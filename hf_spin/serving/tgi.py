@@ -1,6 +1,7 @@
 """TGI's generation routes with its JSON shapes (text-generation-inference, router/src/lib.rs).
 
-`POST /generate` -> {"generated_text": str, "details": {...}} (details when `parameters.details`);
+`POST /generate` -> {"generated_text": str, "details": {...}} (details when `parameters.details`); `POST /` is
+either, by the body's `stream`;
 `POST /generate_stream` -> server-sent events, one per token:
 
     data: {"index": 1, "token": {"id": 330, "text": " a", "logprob": -0.2, "special": false},
@@ -132,6 +133,10 @@ def router(service: Service) -> APIRouter:
                 service.metrics.requests.labels("generate_stream", status).inc()
 
         return EventSourceResponse(events(), ping=SSE_PING_SECONDS, shutdown_grace_period=service.shutdown_grace_seconds + SHUTDOWN_MARGIN_SECONDS)
+
+    @api.post("/", summary="TGI's compatibility route: /generate, or /generate_stream when stream is true")
+    async def compat(body: GenerateRequest, request: Request):
+        return await (generate_stream if body.stream else generate)(body, request)
 
     return api
 
