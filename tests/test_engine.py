@@ -191,8 +191,8 @@ def test_isolated_drafter_fault_bans_the_drafter_from_that_row_only(target, draf
     assert engine.usable == [True, True] and engine.drafter_stats["poison"].failures >= 1
 
 
-class PoisonTarget(torch.nn.Module):
-    """Wraps a model; its forward raises when the poison token is among the tokens fed."""
+class Wrapped(torch.nn.Module):
+    """Wraps a model: everything but what a subclass overrides (its forward) goes to the inner model."""
 
     def __init__(self, model):
         super().__init__()
@@ -203,6 +203,10 @@ class PoisonTarget(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.inner, name)
+
+
+class PoisonTarget(Wrapped):
+    """Its forward raises when the poison token is among the tokens fed."""
 
     def forward(self, input_ids=None, position_ids=None, **kwargs):
         if (input_ids == POISON).any():

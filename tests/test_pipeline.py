@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
 
@@ -18,7 +17,7 @@ from hf_spin.micro_batches import WINDOW_SECONDS, WINDOW_STEPS, MicroBatchCount
 from hf_spin.pipeline import Pipeline
 from hf_spin.rows import Request
 
-from .test_engine import alone, prompts, request, run
+from .test_engine import Wrapped, alone, prompts, request, run
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,18 +61,8 @@ class Ticking(Drafter):
         return Draft(tokens=[[] for _ in request.rows], q=[None] * len(request.rows))
 
 
-class SlowTarget(torch.nn.Module):
-    """Wraps a model; every forward takes at least 20 ms (verification slower than drafting)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.inner = model
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.inner, name)
+class SlowTarget(Wrapped):
+    """Every forward takes at least 20 ms (verification slower than drafting)."""
 
     def forward(self, input_ids=None, position_ids=None, **kwargs):
         time.sleep(0.02)

@@ -152,14 +152,17 @@ class ModelDrafter(Drafter):
                     scores = self._scores(logits[row, -1], row, request.sequences[row] + new_ids[row], request)
                 else:  # another vocabulary: the target's processors do not apply; greedy proposal
                     scores = logits[row, -1].float()
-                q = torch.softmax(scores, dim=-1)  # [V]
-                if sample[row] and self.shares_vocab:
+                drawn = sample[row] and self.shares_vocab
+                # q [V] only where it is used: a draw from it, or the confidence stop
+                q = torch.softmax(scores, dim=-1) if drawn or request.min_confidence > 0 else None
+                if drawn:
                     token = int(torch.multinomial(q, 1))
                     q_rows[row].append(q)
                 else:
                     token = int(scores.argmax())
                 new_ids[row].append(token)
-                if len(new_ids[row]) < limit[row] and float(q[token]) >= request.min_confidence:
+                confident = q is None or float(q[token]) >= request.min_confidence
+                if len(new_ids[row]) < limit[row] and confident:
                     next_chunks[row] = [token]
                     still.append(row)
             active = still

@@ -27,7 +27,7 @@ from .schemas import ChatCompletionRequest, CompletionRequest
 from .server import SHUTDOWN_MARGIN_SECONDS
 from .service import Service
 from .text import IncrementalDecoder, StopTrimmer, finish_reason
-from .tgi import SSE_PING_SECONDS, _failure, _observe, _refused
+from .tgi import SSE_PING_SECONDS, _failure, _observe, _refused, stream_failure
 
 FINGERPRINT = f"hf_spin-{__version__}"
 
@@ -92,8 +92,7 @@ def router(service: Service) -> APIRouter:
                 async for event in job.events():
                     last = isinstance(event, Finished)
                     if last and event.reason in (ERROR, CANCELLED):
-                        status = "error" if event.reason == ERROR else "cancelled"
-                        message = f"generation failed: {event.error}" if event.reason == ERROR else (event.error or "cancelled")
+                        status, message = stream_failure(event)
                         yield {"data": json.dumps(error_payload(True, message, "generation"))}
                         return
                     for token_id in event.ids:

@@ -48,6 +48,13 @@ def _failure(service: Service, request: Request, route: str, end: Finished):
     return error_response(request, 503, end.error or "the request was cancelled", "cancelled", headers={"Retry-After": "1"})
 
 
+def stream_failure(end: Finished) -> tuple[str, str]:
+    """(status label, message) of a streamed job that ended in an error or was cancelled."""
+    if end.reason == ERROR:
+        return "error", f"generation failed: {end.error}"
+    return "cancelled", end.error or "cancelled"
+
+
 def router(service: Service) -> APIRouter:
     api = APIRouter()
 
@@ -105,8 +112,7 @@ def router(service: Service) -> APIRouter:
                 async for event in job.events():
                     last = isinstance(event, Finished)
                     if last and event.reason in (ERROR, CANCELLED):
-                        status = "error" if event.reason == ERROR else "cancelled"
-                        message = f"generation failed: {event.error}" if event.reason == ERROR else (event.error or "cancelled")
+                        status, message = stream_failure(event)
                         yield {"data": json.dumps(error_payload(False, message, "generation"))}
                         return
                     for i, (token_id, logprob) in enumerate(zip(event.ids, event.logprobs)):
