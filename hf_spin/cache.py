@@ -126,6 +126,9 @@ class RaggedCache(DynamicCache):
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (retire the others)."""
         self.batch_select_indices(rows)
+        for layer in self.layers:  # transformers skips layers holding no slot: their batch must shrink too
+            if layer.is_initialized and layer.keys.dim() == 4 and layer.keys.shape[0] != len(rows):
+                layer.keys, layer.values = layer.keys[rows], layer.values[rows]
         self.slot_mask = self.slot_mask[rows]
         self._trim_tail()
 
@@ -134,7 +137,7 @@ class RaggedCache(DynamicCache):
         """Append n rows that hold no token yet (every slot a hole); a later forward fills them."""
         self.slot_mask = torch.cat([self.slot_mask, self.slot_mask.new_zeros(n, self.num_slots)], dim=0)
         for layer in self.layers:
-            if layer.is_initialized and layer.keys.numel():
+            if layer.is_initialized and layer.keys.dim() == 4:  # [B, H, S, D], S = 0 included
                 layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(n, *layer.keys.shape[1:])], dim=0)
                 layer.values = torch.cat([layer.values, layer.values.new_zeros(n, *layer.values.shape[1:])], dim=0)
 

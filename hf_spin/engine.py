@@ -134,7 +134,8 @@ class SpinEngine:
         `generate`'s contract.
     drafters, policy: this engine's own drafter objects and policy instead of the pool's (the lanes
         of a pipeline each draft with their own copies, sharing the models).
-    row_ids: where row ids come from (lanes of a pipeline share one counter).
+    row_ids: where row ids come from (default: the pool's counter, so ids stay unique across calls and
+        the policy can tell a new request from one it has seen).
     defer_idle_prefill: run step 7 (idle drafters catching up) at the start of the next `propose`
         instead of at the end of `verify`, so that in a pipeline only the drafting thread runs drafters.
     """
@@ -170,7 +171,7 @@ class SpinEngine:
         self.pending: list[Row] = []  # added, joining at the next step
         self.cache: RaggedCache | PackedCache | None = None
         self.steps = 0  # verification steps so far
-        self._row_ids = row_ids if row_ids is not None else itertools.count()
+        self._row_ids = row_ids if row_ids is not None else pool.row_ids if pool is not None else itertools.count()
         self._drafters_started = False
         self._admitted_last = False  # the last step was an admission
         self._batch: _Batch | None = None

@@ -23,7 +23,6 @@ streams: a drafter on a GPU drafts on a stream of its own).
 from __future__ import annotations
 
 import copy
-import itertools
 import queue
 import threading
 from contextlib import nullcontext
@@ -93,7 +92,6 @@ class Pipeline:
         self.isolate_faults = isolate_faults
         self.count = MicroBatchCount(fixed=micro_batches, maximum=MAX_MICRO_BATCHES)
         self.lanes: list[SpinEngine] = []
-        self._row_ids = itertools.count()
         self._to_draft: queue.Queue = queue.Queue()  # lanes handed to the drafting thread (None: stop)
         self._results: queue.Queue = queue.Queue(maxsize=1)  # the result pool: (lane, proposal, error)
         self._in_flight: set[int] = set()  # ids of lanes with the drafting thread or in the result pool
@@ -196,7 +194,6 @@ class Pipeline:
             isolate_faults=self.isolate_faults,
             drafters=drafters,
             policy=self.policy,
-            row_ids=self._row_ids,
             defer_idle_prefill=True,
         )
 

@@ -8,6 +8,8 @@ another tokenizer (token translation; a shared tokenizer is detected and transla
 
 from __future__ import annotations
 
+import itertools
+
 from .cache import check_packed_support
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TranslatingDrafter
 from .policies import DEFAULT_DRAFT_LENGTH, DrafterInfo, DraftLength, Policy, make_policy
@@ -69,6 +71,7 @@ class AssistantPool:
         self.policy.bind(self.infos)
         self.tokenizer = tokenizer
         self.ragged_attention = bool(ragged_attention)
+        self.row_ids = itertools.count()  # request ids, unique over every call: the policy remembers past requests
         self.last_stats: GenerationStats | None = None  # statistics of the latest generate call
         self.totals: dict[str, DrafterStats] = {}  # per drafter, summed over all calls
 

@@ -76,6 +76,7 @@ class Simulator:
         self.rng = np.random.default_rng(seed)
         B = len(row_types)
         self.row_ids = list(range(B))
+        self.next_id = B  # id of the next request to join
         self.types = list(row_types)
         self.prompt_lengths = list(prompt_lengths or [32] * B)
         self.lengths = list(self.prompt_lengths)  # committed tokens per row
@@ -86,6 +87,19 @@ class Simulator:
         self.usable = [True] * len(drafters)
         self.step_index = 0
         self.trace = Trace()
+
+    def add_rows(self, policy: Policy, row_types: list[str], prompt_length: int = 32, max_new_tokens: int | None = None) -> None:
+        """New requests join the batch between steps (continuous batching), announced to the policy."""
+        first = len(self.row_ids)
+        self.row_ids += list(range(self.next_id, self.next_id + len(row_types)))
+        self.next_id += len(row_types)
+        self.types += list(row_types)
+        self.prompt_lengths += [prompt_length] * len(row_types)
+        self.lengths += [prompt_length] * len(row_types)
+        self.generated += [0] * len(row_types)
+        self.limits += [max_new_tokens] * len(row_types)
+        self.covered += [[0] * len(self.drafters) for _ in row_types]
+        policy.start_rows(self.view(), list(range(first, len(self.row_ids))))
 
     @property
     def infos(self) -> list[DrafterInfo]:

@@ -53,6 +53,21 @@ def test_rollback_and_compact_keep_each_rows_valid_slots():
     assert cache.layers[0].keys[1, 0, :, 0].tolist() == [1.0, 2.0, 3.0]
 
 
+def test_rows_leave_and_join_a_cache_rolled_back_to_no_slot():
+    """A drafter whose cache every row rolled back to nothing (a full re-feed next time) keeps its
+    layers' batch in step with the slot mask when rows leave or join (transformers' own row
+    selection skips layers that hold no token)."""
+    cache = RaggedCache(torch.ones(3, 2, dtype=torch.bool))
+    keys = torch.randn(3, 1, 2, 4)  # [B, H, S, D]
+    cache.update(keys, keys.clone(), 0)
+    cache.rollback(torch.tensor([0, 0, 0]))
+    assert cache.num_slots == 0 and cache.layers[0].keys.shape == (3, 1, 0, 4)
+    cache.select_rows(torch.tensor([2]))
+    assert cache.layers[0].keys.shape[0] == cache.slot_mask.shape[0] == 1
+    cache.add_empty_rows(2)
+    assert cache.layers[0].keys.shape[0] == cache.slot_mask.shape[0] == 3
+
+
 def test_refuses_models_with_non_attention_layers():
     model = tiny_model("llama")
     model.config.layer_types = ["conv", "full_attention"]  # what lfm2 declares for its conv layers

@@ -12,19 +12,24 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
 
     epoch e = [ exploration: alpha steps, in chunks of beta ] [ exploitation: 2^e steps ]
 
-- Exploration: at the start of each chunk the row gets a drafter at random, least-tried first, so
-  every row tries every drafter (alpha = beta x drafters by default). It keeps it for the chunk:
-  the first step of a chunk pays the catch-up, the others measure steady goodput. The draw is one
-  random maximum-weight matching of rows to drafter slots (drafter j repeated B_j times), so no
-  drafter serves more than B_j rows.
+- Exploration: at the start of each chunk the row gets a drafter (alpha = beta x drafters steps by
+  default) and keeps it for the chunk: the first step of a chunk pays the catch-up, the others
+  measure steady goodput. Drafters no request has measured come first (least-tried, ties at
+  random), so the first requests try every drafter. After that (warm start) a chunk goes to the
+  drafter with the highest optimistic estimate, mean + explore_z x sd of the posterior, among
+  those whose optimistic estimate reaches the best mean: a drafter that earlier requests showed
+  to be clearly worse, with little spread between requests, is not explored again, and a new
+  request starts on the drafter that served similar requests best. The draw is one
+  maximum-weight matching of rows to drafter slots (drafter j repeated B_j times), so no drafter
+  serves more than B_j rows.
 - Exploitation: each step, a maximum-weight matching (`scipy.optimize.linear_sum_assignment`) of the
   rows to the free drafter slots, and to plain decoding (unlimited slots), on
 
       W[row, d]     = g(row, d) - g(row, d) s / (s + T tau)     s = c_d x lag(row, d)
       W[row, plain] = g_plain = B / t_verify(N = B)              (never-slower; see below)
 
-  g(row, d): the row's mean reward with d, shrunk toward d's mean over all rows (prior_weight
-  pseudo-observations); c_d: seconds per token of catch-up (learned from feedback: draft seconds
+  g(row, d): the row's mean reward with d, shrunk toward what the `GoodputModel` expects of d on
+  the row from earlier requests and the row's other drafters (prior_weight pseudo-observations); c_d: seconds per token of catch-up (learned from feedback: draft seconds
   = f x forwards + t x row tokens + c x catch-up tokens, or `switch_cost`); lag: tokens d's cache
   is behind on the row; T: steps left in the stage; tau: the row's step time with d. The penalty is
   exactly the goodput lost by paying s seconds once over T steps: g - T g tau / (T tau + s).
@@ -33,8 +38,8 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   beats g_plain, the estimated goodput of a plain step (the verify-cost fit at zero drafts). It is
   probed again in the next exploration stage, which comes after an exploitation stage twice as
   long as the last: when drafting never pays, the row decodes plainly in all but O(alpha log T)
-  of T steps. Exploration is never skipped, so one unlucky early estimate cannot lock a row out
-  of a drafter (each epoch re-measures every drafter on every row).
+  of T steps. Exploration stages are never skipped, so one unlucky early estimate cannot lock a row
+  out of a drafter: a drafter whose posterior still allows it to be the best keeps being probed.
 - Fast switching: `Plan.prefill` names, for each idle model drafter, the rows it is likely to serve
   next (the next exploration chunk, drawn a step ahead; an exploiting row's runner-up within
   `prefill_margin`), when it lags by at least `prefill_min_tokens`.
@@ -50,9 +55,13 @@ import numpy as np
 from .base import BatchView, DrafterInfo, DraftLength, Plan, Policy, StepFeedback
 from .checks import check_float, check_int, check_per_drafter
 from .estimates import CostModel, RunningMean
+from .goodput_model import GoodputModel
 
 PLAIN = -1  # a row's choice: plain decoding
 NO_PLAIN = -1e18  # weight of a plain slot when plain decoding is not an option (taken only if no drafter slot is left)
+UNMEASURED = 1e6  # exploration weight of a drafter no request has measured (minus its tries): tried first
+PRIOR_ROWS = 2.0  # pseudo-requests behind prior_spread in the spread estimate: a few requests override it
+PRIOR_NOISE = 0.5  # prior step-to-step sd of log goodput (accepted + 1 in 1..k+1: logs spread ~0.5)
 PREFILL_KINDS = frozenset({"model", "translation"})  # drafters that keep a per-row cache to pre-fill
 
 
@@ -74,7 +83,9 @@ class LBSSConfig:
     never_slower: bool = True  # exploiting, decode a row plainly when no drafter's estimated goodput beats plain decoding's
     prefill_margin: float = 0.1  # pre-fill an exploiting row's runner-up drafter when within this fraction of the best
     prefill_min_tokens: int = 8  # ...and only when it lags this many tokens: a forward for 1-2 tokens costs more than it saves
-    prior_weight: float = 1.0  # pseudo-observations of a drafter's mean over all rows behind each per-row estimate
+    prior_weight: float = 1.0  # pseudo-observations of the model's expectation behind each per-row estimate
+    prior_spread: float = 0.3  # prior sd over requests of a drafter's log goodput around its mean (0.3: +-35%)
+    history: int = 64  # ended requests whose measurements the estimates keep
     seed: int = 0  # exploration draws; the same seed gives the same plans on the same feedback
 
     def __post_init__(self):
@@ -98,10 +109,13 @@ class LBSSConfig:
         check_float(owner, "prefill_margin", self.prefill_margin, 0.0, 1.0, open_high=True)
         check_int(owner, "prefill_min_tokens", self.prefill_min_tokens, 1)
         check_float(owner, "prior_weight", self.prior_weight, 0.0, 1e9)
+        check_float(owner, "prior_spread", self.prior_spread, 0.0, 10.0, open_low=True)
+        check_int(owner, "history", self.history, 0)
         check_int(owner, "seed", self.seed)
 
 
 class Stage(NamedTuple):
+    epoch: int
     explore: bool
     chunk_start: bool  # exploring: this step starts a chunk
     end: int  # age at which the chunk (exploring) or the exploitation stage ends
@@ -121,6 +135,7 @@ class Arm:
 class RowState:
     """Per-request state, keyed by row id."""
 
+    row_id: int
     length: int  # committed tokens (prompt + generated) at the latest plan
     arms: list[Arm]  # [num_drafters]
     age: int = 0  # steps planned for this row
@@ -138,7 +153,8 @@ class LBSSPolicy(Policy):
         self.config = config or LBSSConfig()
         self.rng = np.random.default_rng(self.config.seed)
         self.rows: dict[int, RowState] = {}
-        self.pooled: list[Arm] = []  # [num_drafters] rewards over all rows: the prior of a row's estimate
+        self.pooled: list[Arm] = []  # [num_drafters] step seconds over all rows (their rewards: self.goodputs)
+        self.goodputs = self._new_model(0)
         self.costs = CostModel(0)
         self.alpha = self.config.alpha or self.config.beta
         self._prefill: dict[int, list[int]] = {}
@@ -151,8 +167,13 @@ class LBSSPolicy(Policy):
         check_per_drafter("LBSSConfig", "capacities", self.config.capacities, n)
         check_per_drafter("LBSSConfig", "switch_cost", self.config.switch_cost, n)
         self.pooled = [Arm() for _ in range(n)]
+        self.goodputs = self._new_model(n)
         self.costs = CostModel(n)
         self.alpha = self.config.alpha or self.config.beta * n
+
+    def _new_model(self, num_drafters: int) -> GoodputModel:
+        c = self.config
+        return GoodputModel(num_drafters, c.prior_spread, PRIOR_ROWS, PRIOR_NOISE, c.history)
 
     def capacity(self, drafter: int, batch_size: int) -> int:
         caps = self.config.capacities
@@ -173,9 +194,11 @@ class LBSSPolicy(Policy):
     def end_rows(self, row_ids: list[int]) -> None:
         for rid in row_ids:
             self.rows.pop(rid, None)
+            self.goodputs.end(rid)
 
     def _new_row(self, view: BatchView, b: int) -> RowState:
-        return RowState(length=view.prompt_lengths[b] + view.generated[b], arms=[Arm() for _ in self.drafters])
+        self.goodputs.start(view.row_ids[b])
+        return RowState(row_id=view.row_ids[b], length=view.prompt_lengths[b] + view.generated[b], arms=[Arm() for _ in self.drafters])
 
     def _row(self, view: BatchView, b: int) -> RowState:
         rid = view.row_ids[b]
@@ -196,20 +219,38 @@ class LBSSPolicy(Policy):
         offset = age - start
         if offset < self.alpha:
             end = start + min((offset // self.config.beta + 1) * self.config.beta, self.alpha)
-            return Stage(True, offset % self.config.beta == 0, end)
-        return Stage(False, False, start + self.alpha + 2**epoch)
+            return Stage(epoch, True, offset % self.config.beta == 0, end)
+        return Stage(epoch, False, False, start + self.alpha + 2**epoch)
+
+    def full_exploration(self, age: int) -> bool:
+        """Whether the epoch at this age re-measures every drafter on the row: always until an ended
+        request informs the estimates (cold start); after that (warm start) once the exploitation
+        stage after it is at least as long as a full exploration stage (2^e >= alpha). Warm epochs
+        before that explore by posterior draws."""
+        return not self.goodputs.warm or 2 ** self.stage(age).epoch >= self.alpha
 
     def estimate(self, row: RowState, drafter: int) -> float:
-        """g(row, d): the row's mean goodput with d, shrunk toward d's mean over all rows."""
-        arm, pooled = row.arms[drafter], self.pooled[drafter].reward
-        if pooled.n:
-            prior = pooled.mean
-        else:  # never measured: as good as the best measured drafter, so it gets tried
-            prior = max((p.reward.mean for p in self.pooled if p.reward.n), default=0.0)
-        w = self.config.prior_weight
+        """g(row, d): the row's mean goodput with d, shrunk toward what the `GoodputModel` expects of d
+        on this row (prior_weight pseudo-observations); a drafter no request has measured counts as
+        good as the best measured one, so it gets tried."""
+        prior = self.goodputs.prior_goodput(row.row_id, drafter)
+        if prior is None:
+            known = [self.goodputs.prior_goodput(row.row_id, d) for d in range(len(self.drafters))]
+            prior = max((g for g in known if g is not None), default=0.0)
+        arm, w = row.arms[drafter], self.config.prior_weight
         if arm.reward.n + w == 0:
             return prior
         return (arm.reward.n * arm.reward.mean + w * prior) / (arm.reward.n + w)
+
+    def explore_weights(self, row: RowState, drafters: list[int], full: bool) -> list[float]:
+        """Exploration value of each drafter for the row: least-tried on the row first in a full
+        exploration, else drafters no request has measured first, then a draw from each one's
+        posterior log goodput (Thompson sampling)."""
+        draws = []
+        for d in range(len(self.drafters)):
+            p = None if full else self.goodputs.predict(row.row_id, d)
+            draws.append(UNMEASURED - row.arms[d].tries if p is None else self.rng.normal(p[0], p[1]))
+        return [draws[d] for d in drafters]
 
     def catch_up_seconds(self, drafter: int) -> float:
         """Seconds per token of catch-up for `drafter` (configured, or learned from feedback)."""
@@ -261,7 +302,7 @@ class LBSSPolicy(Policy):
                 take(b, p)
             else:
                 to_draw.append(b)
-        for b, d in zip(to_draw, self._draw([rows[b] for b in to_draw], cap)):
+        for b, d in zip(to_draw, self._draw([rows[b] for b in to_draw], cap, ahead=0)):
             if d is None:
                 choice[b] = PLAIN  # no drafter slot left this step
             else:
@@ -283,14 +324,15 @@ class LBSSPolicy(Policy):
             r.age += 1
         return [() if d == PLAIN else (d,) for d in choice]
 
-    def _draw(self, rows: list[RowState], cap: list[int]) -> list[int | None]:
-        """Random assignment of rows to free drafter slots, least-tried drafter first (ties at random)."""
+    def _draw(self, rows: list[RowState], cap: list[int], ahead: int) -> list[int | None]:
+        """Rows -> free drafter slots for chunks starting `ahead` steps from now, maximising the
+        exploration weights (ties broken at random)."""
         slots = [d for d in range(len(cap)) for _ in range(min(max(cap[d], 0), len(rows)))]
         out: list[int | None] = [None] * len(rows)
         if not rows or not slots:
             return out
-        weights = np.array([[-r.arms[d].tries for d in slots] for r in rows], dtype=float)  # [R, S]
-        weights += self.rng.random(weights.shape)  # < 1: breaks ties only
+        weights = np.array([self.explore_weights(r, slots, self.full_exploration(r.age + ahead)) for r in rows])  # [R, S]
+        weights += 1e-6 * self.rng.random(weights.shape)  # breaks ties only
         for i, j in zip(*linear_sum_assignment(weights)):
             out[i] = slots[j]
         return out
@@ -328,7 +370,7 @@ class LBSSPolicy(Policy):
         for r, d in zip(rows, choice):  # rows still inside a chunk next step keep their slot
             if d != PLAIN and r.chunk_drafter == d and r.chunk_end > r.age + 1:
                 cap[d] -= 1
-        for r, d in zip(nxt, self._draw(nxt, cap)):
+        for r, d in zip(nxt, self._draw(nxt, cap, ahead=1)):
             r.pending = d
 
     def _prefill_plan(self, view: BatchView, rows: list[RowState], choice: list[int]) -> dict[int, list[int]]:
@@ -378,6 +420,7 @@ class LBSSPolicy(Policy):
             if t <= 0:
                 continue
             reward = (feedback.accepted[b] + 1) / t
+            self.goodputs.add(r.row_id, d, reward)
+            r.arms[d].reward.add(reward)
             for arm in (r.arms[d], self.pooled[d]):
-                arm.reward.add(reward)
                 arm.seconds.add(t)

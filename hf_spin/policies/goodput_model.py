@@ -1,0 +1,146 @@
+"""What LBSS knows of a drafter on a request it has not (or barely) tried: a two-way model of log
+goodput learned across requests, so a new request starts from what earlier requests showed.
+
+    log g(row, d) = a_row + b_d + e_row,d + noise,   e_row,d ~ N(0, tau_d^2),   noise ~ N(0, sigma_d^2)
+
+- a_row: the request's own speed (its prompt length sets the verify cost, which every drafter
+  shares). It cancels when drafters are compared on one row, so one drafter's measurement on a row
+  says how fast the others would be there.
+- b_d: how good drafter d is on the average request.
+- e_row,d: how much this request departs from that for d (prompt lookup on summarization: large;
+  two chat models of one family: small). tau_d is its spread over requests, estimated from rows
+  that tried several drafters (with `prior_rows` pseudo-rows at `prior_spread`, so the first
+  requests still explore).
+- sigma_d: step-to-step noise within a row.
+
+The prediction for (row, d) is the Gaussian posterior of a_row + b_d + e_row,d given the row's
+own n steps with d: mean and standard deviation, in log goodput. `None` for a drafter no request
+has measured yet. Rows are kept after they end (the last `history` of them): they are the evidence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+# Alternating least-squares sweeps for a and b: the fit starts from the last one, so a few suffice.
+SWEEPS = 4
+
+
+@dataclass
+class LogStats:
+    """Welford mean and squared deviations of log goodput, one row with one drafter."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        delta = x - self.mean
+        self.mean += delta / self.n
+        self.m2 += delta * (x - self.mean)
+
+
+class GoodputModel:
+    def __init__(self, num_drafters: int, prior_spread: float, prior_rows: float, prior_noise: float, history: int):
+        self.num_drafters = num_drafters
+        self.prior_spread, self.prior_rows, self.prior_noise, self.history = prior_spread, prior_rows, prior_noise, history
+        self.rows: OrderedDict[int, list[LogStats]] = OrderedDict()  # row id -> [num_drafters], oldest first
+        self.live: set[int] = set()
+        self.a: dict[int, float] = {}  # row effects of the latest fit
+        self.b: list[float | None] = [None] * num_drafters
+        self.tau2 = [prior_spread**2] * num_drafters
+        self.sigma2 = [prior_noise**2] * num_drafters
+        self.stale = True
+
+    # --- evidence ------------------------------------------------------------------------------
+
+    def start(self, row_id: int) -> None:
+        self.rows[row_id] = [LogStats() for _ in range(self.num_drafters)]
+        self.live.add(row_id)
+
+    def end(self, row_id: int) -> None:
+        self.live.discard(row_id)
+        ended = [r for r in self.rows if r not in self.live]
+        for r in ended[: max(0, len(ended) - self.history)]:
+            del self.rows[r]
+            self.a.pop(r, None)
+        self.stale = True
+
+    def add(self, row_id: int, drafter: int, goodput: float) -> None:
+        if row_id not in self.rows:
+            self.start(row_id)
+        self.rows[row_id][drafter].add(math.log(goodput))
+        self.stale = True
+
+    @property
+    def warm(self) -> bool:
+        """Whether an ended request informs the estimates."""
+        return len(self.rows) > len(self.live)
+
+    def steps(self, row_id: int, drafter: int) -> int:
+        stats = self.rows.get(row_id)
+        return stats[drafter].n if stats is not None else 0
+
+    # --- fit -----------------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        """a, b by alternating least squares on the row-drafter means; then tau_d and sigma_d."""
+        if not self.stale:
+            return
+        self.stale = False
+        D = self.num_drafters
+        seen = {r: [d for d in range(D) if s[d].n] for r, s in self.rows.items()}
+        seen = {r: ds for r, ds in seen.items() if ds}
+        a = {r: self.a.get(r, 0.0) for r in seen}
+        b: list[float | None] = [None] * D
+        for _ in range(SWEEPS):
+            for d in range(D):
+                devs = [self.rows[r][d].mean - a[r] for r, ds in seen.items() if d in ds]
+                b[d] = sum(devs) / len(devs) if devs else None
+            for r, ds in seen.items():
+                a[r] = sum(self.rows[r][d].mean - b[d] for d in ds) / len(ds)
+        self.a, self.b = a, b
+        # tau_d: spread of e over rows that measured d and at least one other drafter. A row's m
+        # residuals sum to zero, which shrinks each by (m - 1) / m on average: scaled back up.
+        w0 = self.prior_rows
+        for d in range(D):
+            sq, count = 0.0, 0.0
+            for r, ds in seen.items():
+                if d in ds and len(ds) > 1:
+                    m = len(ds)
+                    sq += (self.rows[r][d].mean - a[r] - b[d]) ** 2 * m / (m - 1)
+                    count += 1
+            self.tau2[d] = (sq + w0 * self.prior_spread**2) / (count + w0)
+            m2 = sum(s[d].m2 for s in self.rows.values())
+            dof = sum(max(s[d].n - 1, 0) for s in self.rows.values())
+            self.sigma2[d] = (m2 + w0 * self.prior_noise**2) / (dof + w0)
+
+    def prior_goodput(self, row_id: int, drafter: int) -> float | None:
+        """Expected goodput (tokens/s) of a step of `drafter` on `row_id` before the row's own steps
+        with it: the log-normal mean exp(a_row + b_d + (tau_d^2 + sigma_d^2) / 2); None if never measured."""
+        self.fit()
+        b = self.b[drafter]
+        if b is None:
+            return None
+        return math.exp(self.row_effect(row_id) + b + (self.tau2[drafter] + self.sigma2[drafter]) / 2)
+
+    def row_effect(self, row_id: int) -> float:
+        """a_row; for a row with no measurement yet, the mean over rows (an average request)."""
+        if row_id in self.a:
+            return self.a[row_id]
+        return sum(self.a.values()) / len(self.a) if self.a else 0.0
+
+    def predict(self, row_id: int, drafter: int) -> tuple[float, float] | None:
+        """Posterior (mean, sd) of log goodput of `drafter` on `row_id`; None if never measured."""
+        self.fit()
+        b = self.b[drafter]
+        if b is None:
+            return None
+        prior, tau2, sigma2 = self.row_effect(row_id) + b, self.tau2[drafter], self.sigma2[drafter]
+        stats = self.rows.get(row_id)
+        n, mean = (stats[drafter].n, stats[drafter].mean) if stats is not None else (0, 0.0)
+        precision = 1.0 / tau2 + n / sigma2
+        return (prior / tau2 + n * mean / sigma2) / precision, precision**-0.5
