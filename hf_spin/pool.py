@@ -71,6 +71,7 @@ class AssistantPool:
         self.policy.bind(self.infos)
         self.tokenizer = tokenizer
         self.ragged_attention = bool(ragged_attention)
+        self._vocab_checked: set[int] = set()  # ids of translating drafters already compared with the target's vocabulary
         self.row_ids = itertools.count()  # request ids, unique over every call: the policy remembers past requests
         self.last_stats: GenerationStats | None = None  # statistics of the latest generate call
         self.totals: dict[str, DrafterStats] = {}  # per drafter, summed over all calls
@@ -123,8 +124,10 @@ class AssistantPool:
                         "translate tokens: pass tokenizer= to AssistantPool or to generate"
                     )
                 drafter.target_tokenizer = drafter.target_tokenizer or tokenizer
-                if _same_vocab(drafter.tokenizer, drafter.target_tokenizer):
-                    self.drafters[i] = drafter = ModelDrafter(drafter.model, name=drafter.name)
+                if id(drafter) not in self._vocab_checked:  # once: comparing two vocabularies takes ~0.1 s
+                    self._vocab_checked.add(id(drafter))
+                    if _same_vocab(drafter.tokenizer, drafter.target_tokenizer):
+                        self.drafters[i] = drafter = ModelDrafter(drafter.model, name=drafter.name)
             elif type(drafter) is ModelDrafter and self.entries[i] is drafter.model:
                 draft_vocab = drafter.model.config.get_text_config().vocab_size
                 if draft_vocab != target_vocab:

@@ -14,14 +14,15 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
 
 - Exploration: at the start of each chunk the row gets a drafter (alpha = beta x drafters steps by
   default) and keeps it for the chunk: the first step of a chunk pays the catch-up, the others
-  measure steady goodput. Drafters no request has measured come first (least-tried, ties at
-  random), so the first requests try every drafter. After that (warm start) a chunk goes to the
-  drafter with the highest optimistic estimate, mean + explore_z x sd of the posterior, among
-  those whose optimistic estimate reaches the best mean: a drafter that earlier requests showed
-  to be clearly worse, with little spread between requests, is not explored again, and a new
-  request starts on the drafter that served similar requests best. The draw is one
-  maximum-weight matching of rows to drafter slots (drafter j repeated B_j times), so no drafter
-  serves more than B_j rows.
+  measure steady goodput. Cold (no ended request informs the estimates yet) and in every epoch
+  whose exploitation stage is at least alpha steps long, the row re-measures every drafter:
+  least-tried on the row first, ties at random. Warm epochs shorter than that explore by Thompson
+  sampling: each drafter's value is a draw from the `GoodputModel` posterior of its log goodput on
+  the row (drafters no request has measured first). A drafter that earlier requests showed to be
+  clearly worse, with little spread between requests, is then rarely drawn, and a new request
+  starts on the drafter that served earlier requests best: requests too short to amortise a full
+  exploration (tens of steps) still exploit. The draw is one maximum-weight matching of rows to
+  drafter slots (drafter j repeated B_j times), so no drafter serves more than B_j rows.
 - Exploitation: each step, a maximum-weight matching (`scipy.optimize.linear_sum_assignment`) of the
   rows to the free drafter slots, and to plain decoding (unlimited slots), on
 
@@ -29,17 +30,17 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
       W[row, plain] = g_plain = B / t_verify(N = B)              (never-slower; see below)
 
   g(row, d): the row's mean reward with d, shrunk toward what the `GoodputModel` expects of d on
-  the row from earlier requests and the row's other drafters (prior_weight pseudo-observations); c_d: seconds per token of catch-up (learned from feedback: draft seconds
-  = f x forwards + t x row tokens + c x catch-up tokens, or `switch_cost`); lag: tokens d's cache
-  is behind on the row; T: steps left in the stage; tau: the row's step time with d. The penalty is
+  the row from earlier requests and the row's other drafters (prior_weight pseudo-observations);
+  c_d: seconds per token of catch-up (learned from feedback: draft seconds = f x forwards + t x
+  row tokens + c x catch-up tokens, or `switch_cost`); lag: tokens d's cache is behind on the row; T: steps left in the stage; tau: the row's step time with d. The penalty is
   exactly the goodput lost by paying s seconds once over T steps: g - T g tau / (T tau + s).
   Exploitation stages grow as 2^e, so exploration costs O(alpha log T) steps: regret is sublinear.
 - Never slower: while exploiting, a row is matched to plain decoding when no drafter's estimate
   beats g_plain, the estimated goodput of a plain step (the verify-cost fit at zero drafts). It is
   probed again in the next exploration stage, which comes after an exploitation stage twice as
   long as the last: when drafting never pays, the row decodes plainly in all but O(alpha log T)
-  of T steps. Exploration stages are never skipped, so one unlucky early estimate cannot lock a row
-  out of a drafter: a drafter whose posterior still allows it to be the best keeps being probed.
+  of T steps. Exploration stages are never skipped and the long ones re-measure every drafter, so
+  one unlucky early estimate cannot lock a row out of a drafter.
 - Fast switching: `Plan.prefill` names, for each idle model drafter, the rows it is likely to serve
   next (the next exploration chunk, drawn a step ahead; an exploiting row's runner-up within
   `prefill_margin`), when it lags by at least `prefill_min_tokens`.
