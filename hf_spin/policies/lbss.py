@@ -18,7 +18,8 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   whose exploitation stage is at least alpha steps long, the row re-measures every drafter:
   least-tried on the row first, ties at random. Warm epochs shorter than that explore by Thompson
   sampling: each drafter's value is a draw from the `GoodputModel` posterior of its log goodput on
-  the row (drafters no request has measured first). A drafter that earlier requests showed to be
+  the row (drafters no request has measured first), net of the catch-up trying it would cost,
+  spread over the rest of the epoch. A drafter that earlier requests showed to be
   clearly worse, with little spread between requests, is then rarely drawn, and a new request
   starts on the drafter that served earlier requests best: requests too short to amortise a full
   exploration (tens of steps) still exploit. The draw is one maximum-weight matching of rows to
@@ -120,6 +121,7 @@ class Stage(NamedTuple):
     explore: bool
     chunk_start: bool  # exploring: this step starts a chunk
     end: int  # age at which the chunk (exploring) or the exploitation stage ends
+    epoch_end: int  # age at which the epoch (its exploitation stage) ends
 
 
 @dataclass
@@ -220,8 +222,8 @@ class LBSSPolicy(Policy):
         offset = age - start
         if offset < self.alpha:
             end = start + min((offset // self.config.beta + 1) * self.config.beta, self.alpha)
-            return Stage(epoch, True, offset % self.config.beta == 0, end)
-        return Stage(epoch, False, False, start + self.alpha + 2**epoch)
+            return Stage(epoch, True, offset % self.config.beta == 0, end, start + self.alpha + 2**epoch)
+        return Stage(epoch, False, False, start + self.alpha + 2**epoch, start + self.alpha + 2**epoch)
 
     def full_exploration(self, age: int) -> bool:
         """Whether the epoch at this age re-measures every drafter on the row: always until an ended
@@ -243,15 +245,22 @@ class LBSSPolicy(Policy):
             return prior
         return (arm.reward.n * arm.reward.mean + w * prior) / (arm.reward.n + w)
 
-    def explore_weights(self, row: RowState, drafters: list[int], full: bool) -> list[float]:
-        """Exploration value of each drafter for the row: least-tried on the row first in a full
-        exploration, else drafters no request has measured first, then a draw from each one's
-        posterior log goodput (Thompson sampling)."""
-        draws = []
+    def explore_weights(self, row: RowState, drafters: list[int], age: int) -> list[float]:
+        """Exploration value of each drafter for a chunk of the row starting at `age`: least-tried on
+        the row first in a full exploration; else drafters no request has measured first, then a
+        draw from each one's posterior goodput (Thompson sampling), net of the catch-up that trying
+        it costs, spread over the rest of the epoch (as the exploitation matching charges it)."""
+        full = self.full_exploration(age)
+        horizon = self.stage(age).epoch_end - age
+        values = []
         for d in range(len(self.drafters)):
             p = None if full else self.goodputs.predict(row.row_id, d)
-            draws.append(UNMEASURED - row.arms[d].tries if p is None else self.rng.normal(p[0], p[1]))
-        return [draws[d] for d in drafters]
+            if p is None:
+                values.append(UNMEASURED - row.arms[d].tries)
+                continue
+            g = float(np.exp(self.rng.normal(p[0], p[1])))
+            values.append(float(np.log(max(g - self.switch_penalty(row, d, g, horizon), 1e-12))))
+        return [values[d] for d in drafters]
 
     def catch_up_seconds(self, drafter: int) -> float:
         """Seconds per token of catch-up for `drafter` (configured, or learned from feedback)."""
@@ -332,7 +341,7 @@ class LBSSPolicy(Policy):
         out: list[int | None] = [None] * len(rows)
         if not rows or not slots:
             return out
-        weights = np.array([self.explore_weights(r, slots, self.full_exploration(r.age + ahead)) for r in rows])  # [R, S]
+        weights = np.array([self.explore_weights(r, slots, r.age + ahead) for r in rows])  # [R, S]
         weights += 1e-6 * self.rng.random(weights.shape)  # breaks ties only
         for i, j in zip(*linear_sum_assignment(weights)):
             out[i] = slots[j]
