@@ -377,6 +377,39 @@ def test_queue_limit_answers_503_with_retry_after(slow, target, tok):
     assert 'hf_spin_requests_total{route="generate",status="rejected"} 1.0' in slow.service.metrics.render().decode()
 
 
+def test_prefill_budget_spreads_a_burst_of_long_prompts_over_steps():
+    """TGI's max_batch_prefill_tokens: rows joining in one step x their longest prompt stay within the
+    budget; a prompt longer than the budget joins alone; cancelled jobs leave without counting."""
+    from hf_spin.rows import Request
+    from hf_spin.serving.scheduler import Job, Scheduler
+
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(lambda: None, max_batch_size=4, max_queue=16, max_batch_prefill_tokens=100)
+
+        def queue(*lengths):
+            jobs = [Job(Request(prompt=[1] * n, max_new_tokens=1), loop) for n in lengths]
+            scheduler._queue.extend(jobs)
+            return jobs
+
+        def admitted():
+            with scheduler._wake:
+                return [len(j.request.prompt) for j in scheduler._admit() if not j.cancelled]
+
+        queue(30, 30, 30, 50, 500, 10)
+        assert admitted() == [30, 30, 30]  # a 4th row would pad 4 x 50 = 200 > 100
+        assert admitted() == [50]  # 2 x 500 > 100
+        assert admitted() == [500]  # over the budget on its own: joins alone
+        cancelled = queue(90)[0]
+        cancelled.cancelled = True
+        queue(20, 20, 20, 20, 20)
+        assert admitted() == [10, 20, 20, 20]  # max_batch_size rows; the cancelled 90 is not counted
+        scheduler._running = [object()] * 3  # three rows decoding: one more may join
+        assert admitted() == [20]
+    finally:
+        loop.close()
+
+
 def test_a_failing_request_fails_alone(target, tok):
     """The target raises on one request's prompt (prefill) and on another's draft (verification): those
     two get a 500 saying why; the requests running beside them are answered exactly."""

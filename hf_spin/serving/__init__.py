@@ -27,6 +27,7 @@ def build_app(
     model_id: str | None = None,
     max_batch_size: int = 16,
     max_queue: int = 64,
+    max_batch_prefill_tokens: int = 4096,
     limits: Limits | None = None,
     api_key: str | None = None,
     pipeline: bool | int = False,
@@ -53,7 +54,9 @@ def build_app(
 
     holder: dict = {}
     metrics = Metrics(engine_stats=lambda: dict(holder["scheduler"].engine.drafter_stats) if "scheduler" in holder else {})
-    scheduler = Scheduler(make_engine, max_batch_size=max_batch_size, max_queue=max_queue, metrics=metrics, threads=threads)
+    scheduler = Scheduler(
+        make_engine, max_batch_size=max_batch_size, max_queue=max_queue, metrics=metrics, threads=threads, max_batch_prefill_tokens=max_batch_prefill_tokens
+    )
     holder["scheduler"] = scheduler
     eos = model.generation_config.eos_token_id
     details = {

@@ -89,6 +89,7 @@ def create_app(service: Service) -> FastAPI:
             "model_pipeline_tag": "text-generation",
             "max_concurrent_requests": service.scheduler.max_batch_size + service.scheduler.max_queue,
             "max_batch_size": service.scheduler.max_batch_size,
+            "max_batch_prefill_tokens": service.scheduler.max_batch_prefill_tokens,
             "max_queue": service.scheduler.max_queue,
             "max_best_of": 1,
             "max_stop_sequences": 4,

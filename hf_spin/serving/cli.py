@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for the models (default: torch's choice); with --pipeline on a CPU, split between target and drafting threads")
     p.add_argument("--max-batch-size", type=int, default=16, help="rows decoding together (default 16)")
+    p.add_argument("--max-batch-prefill-tokens", type=int, default=4096,
+                   help="prompt tokens one step may prefill (joining rows x longest prompt; a longer prompt joins alone; default 4096)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 503 + Retry-After (default 64)")
     p.add_argument("--max-input-tokens", type=int, default=4096, help="longest prompt in tokens (default 4096)")
     p.add_argument("--max-total-tokens", type=int, default=8192, help="prompt + max_new_tokens limit (default 8192)")
@@ -112,6 +114,7 @@ def build(args):
         model_id=args.model,
         max_batch_size=args.max_batch_size,
         max_queue=args.max_queue,
+        max_batch_prefill_tokens=args.max_batch_prefill_tokens,
         limits=Limits(max_input_tokens=args.max_input_tokens, max_total_tokens=args.max_total_tokens),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         pipeline=pipeline,

@@ -5,7 +5,10 @@ request's tokens to the coroutine waiting for them.
     submit(job) ──▶ queue (bounded) ──▶   engine.add ─ step ─ step ─ ...
     job.events() ◀── Tokens / Finished ◀── after every step: new tokens of every row, rows that ended
 
-At most `max_batch_size` rows decode together; up to `max_queue` more requests wait; beyond that
+At most `max_batch_size` rows decode together, and the requests joining in one step pad to at most
+`max_batch_prefill_tokens` prompt tokens (rows x longest prompt; TGI's option of that name), so a
+burst of long prompts joins over several steps instead of stalling every running row behind one
+huge prefill; up to `max_queue` more requests wait; beyond that
 `submit` raises `Overloaded` (the server answers 503 with Retry-After). A job cancelled by its client
 (a disconnect) leaves the batch at the next step. A fault the engine cannot pin on a row fails the rows
 running then, and the scheduler goes on with a fresh engine. `drain` refuses new work and lets running
@@ -101,14 +104,29 @@ class Scheduler:
 
     make_engine: () -> a fresh engine (called at start and after a fault that poisoned the engine).
     max_batch_size: rows decoding together.
+    max_batch_prefill_tokens: prompt tokens (rows joining in one step x the longest of their prompts) one
+        step may prefill; a longer prompt still joins, alone.
     max_queue: requests waiting for a row beyond those; more are refused with `Overloaded`.
     metrics: a `Metrics` or None.
     threads: torch intra-op threads for the scheduler thread (None: leave torch's setting).
     """
 
-    def __init__(self, make_engine, max_batch_size: int = 16, max_queue: int = 64, metrics=None, threads: int | None = None, retry_after: int = 1):
-        if max_batch_size < 1 or max_queue < 0:
-            raise ValueError(f"need max_batch_size >= 1 and max_queue >= 0, got {max_batch_size} and {max_queue}")
+    def __init__(
+        self,
+        make_engine,
+        max_batch_size: int = 16,
+        max_queue: int = 64,
+        metrics=None,
+        threads: int | None = None,
+        retry_after: int = 1,
+        max_batch_prefill_tokens: int = 4096,
+    ):
+        if max_batch_size < 1 or max_queue < 0 or max_batch_prefill_tokens < 1:
+            raise ValueError(
+                f"need max_batch_size >= 1, max_queue >= 0 and max_batch_prefill_tokens >= 1, got {max_batch_size}, "
+                f"{max_queue} and {max_batch_prefill_tokens}"
+            )
+        self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.make_engine = make_engine
         self.engine = make_engine()
         self.max_batch_size = max_batch_size
@@ -206,9 +224,7 @@ class Scheduler:
                     job.cancel(SHUTDOWN_MESSAGE)
                 for job in self._running:
                     job.cancel(SHUTDOWN_MESSAGE)
-            admitted = []
-            while self._queue and (self._queue[0].cancelled or len(self._running) + len(admitted) < self.max_batch_size):
-                admitted.append(self._queue.popleft())
+            admitted = self._admit()
         for job in admitted:
             if job.cancelled:
                 self._finish(job, None, CANCELLED, job.cancel_reason)
@@ -224,6 +240,23 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.set_load(len(self._queue), len(self._running))
         return True
+
+    def _admit(self) -> list[Job]:
+        """Queued jobs that join at the next step: within max_batch_size rows and the prefill budget
+        (joining rows x their longest prompt); cancelled jobs leave the queue at once. Holds the lock."""
+        admitted: list[Job] = []
+        joining, widest = 0, 0
+        while self._queue:
+            job = self._queue[0]
+            if not job.cancelled:
+                width = max(widest, len(job.request.prompt))
+                if len(self._running) + joining >= self.max_batch_size:
+                    break
+                if joining and (joining + 1) * width > self.max_batch_prefill_tokens:
+                    break
+                joining, widest = joining + 1, width
+            admitted.append(self._queue.popleft())
+        return admitted
 
     def _step(self) -> None:
         start = perf_counter()
