@@ -160,6 +160,31 @@ def test_lbss_regret_grows_sublinearly():
     assert sum(worst[-epochs[-1] :]) / epochs[-1] > 0.8 * sum(worst[: epochs[0]]) / epochs[0]
 
 
+def test_goodput_model_carries_one_drafters_measurement_to_the_others():
+    """Rows differ in speed (a_row) and drafter 1 is always 2x drafter 0 (b_1 - b_0 = log 2): a new
+    row that measured only drafter 0 is predicted 2x as fast with drafter 1, with a small spread."""
+    import math
+
+    from hf_spin.policies.goodput_model import GoodputModel
+
+    model = GoodputModel(2, prior_spread=0.3, prior_rows=2.0, prior_noise=0.5, history=64)
+    for row, speed in enumerate([10.0, 40.0, 20.0, 80.0, 5.0, 30.0]):
+        model.start(row)
+        for _ in range(5):
+            model.add(row, 0, speed)
+            model.add(row, 1, 2 * speed)
+        model.end(row)
+    assert model.warm
+    model.start(99)
+    for _ in range(3):
+        model.add(99, 0, 50.0)
+    mean, sd = model.predict(99, 1)
+    assert math.exp(mean) == pytest.approx(100.0, rel=0.05)
+    assert sd < 0.3  # the spread over requests of drafter 1's effect was measured near 0
+    assert model.predict(99, 0)[0] == pytest.approx(math.log(50.0), abs=0.05)
+    assert GoodputModel(2, 0.3, 2.0, 0.5, 64).predict(0, 1) is None  # never measured
+
+
 def late_regret(history: int, seed: int, waves: int = 12) -> float:
     """Short requests (48 tokens, 200-token prompts) arrive in waves of six (two of each type), one
     wave after the other; expected goodput lost per row-step over the second half of the waves."""

@@ -80,10 +80,6 @@ class GoodputModel:
         """Whether an ended request informs the estimates."""
         return len(self.rows) > len(self.live)
 
-    def steps(self, row_id: int, drafter: int) -> int:
-        stats = self.rows.get(row_id)
-        return stats[drafter].n if stats is not None else 0
-
     # --- fit -----------------------------------------------------------------------------------
 
     def fit(self) -> None:
