@@ -45,14 +45,17 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class RunningMean:
-    """Plain running mean (every observation weighs the same)."""
+    """Plain running mean (every observation weighs the same), with Welford's sum of squared
+    deviations `m2` (variance = m2 / (n - 1))."""
 
     def __init__(self):
-        self.n, self.mean = 0, 0.0
+        self.n, self.mean, self.m2 = 0, 0.0, 0.0
 
     def add(self, x: float) -> None:
         self.n += 1
-        self.mean += (x - self.mean) / self.n
+        delta = x - self.mean
+        self.mean += delta / self.n
+        self.m2 += delta * (x - self.mean)
 
 
 class DecayedMean:

@@ -22,32 +22,18 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+
+from .estimates import RunningMean
 
 # Alternating least-squares sweeps for a and b: the fit starts from the last one, so a few suffice.
 SWEEPS = 4
-
-
-@dataclass
-class LogStats:
-    """Welford mean and squared deviations of log goodput, one row with one drafter."""
-
-    n: int = 0
-    mean: float = 0.0
-    m2: float = 0.0
-
-    def add(self, x: float) -> None:
-        self.n += 1
-        delta = x - self.mean
-        self.mean += delta / self.n
-        self.m2 += delta * (x - self.mean)
 
 
 class GoodputModel:
     def __init__(self, num_drafters: int, prior_spread: float, prior_rows: float, prior_noise: float, history: int):
         self.num_drafters = num_drafters
         self.prior_spread, self.prior_rows, self.prior_noise, self.history = prior_spread, prior_rows, prior_noise, history
-        self.rows: OrderedDict[int, list[LogStats]] = OrderedDict()  # row id -> [num_drafters], oldest first
+        self.rows: OrderedDict[int, list[RunningMean]] = OrderedDict()  # row id -> [num_drafters] log goodputs, oldest first
         self.live: set[int] = set()
         self.a: dict[int, float] = {}  # row effects of the latest fit
         self.b: list[float | None] = [None] * num_drafters
@@ -58,7 +44,7 @@ class GoodputModel:
     # --- evidence ------------------------------------------------------------------------------
 
     def start(self, row_id: int) -> None:
-        self.rows[row_id] = [LogStats() for _ in range(self.num_drafters)]
+        self.rows[row_id] = [RunningMean() for _ in range(self.num_drafters)]
         self.live.add(row_id)
 
     def end(self, row_id: int) -> None:
@@ -114,14 +100,17 @@ class GoodputModel:
             dof = sum(max(s[d].n - 1, 0) for s in self.rows.values())
             self.sigma2[d] = (m2 + w0 * self.prior_noise**2) / (dof + w0)
 
+    def _prior(self, row_id: int, drafter: int) -> float | None:
+        """a_row + b_d, the log goodput expected before the row's own steps with d; None if never measured."""
+        self.fit()
+        b = self.b[drafter]
+        return None if b is None else self.row_effect(row_id) + b
+
     def prior_goodput(self, row_id: int, drafter: int) -> float | None:
         """Expected goodput (tokens/s) of a step of `drafter` on `row_id` before the row's own steps
         with it: the log-normal mean exp(a_row + b_d + (tau_d^2 + sigma_d^2) / 2); None if never measured."""
-        self.fit()
-        b = self.b[drafter]
-        if b is None:
-            return None
-        return math.exp(self.row_effect(row_id) + b + (self.tau2[drafter] + self.sigma2[drafter]) / 2)
+        prior = self._prior(row_id, drafter)
+        return None if prior is None else math.exp(prior + (self.tau2[drafter] + self.sigma2[drafter]) / 2)
 
     def row_effect(self, row_id: int) -> float:
         """a_row; for a row with no measurement yet, the mean over rows (an average request)."""
@@ -131,11 +120,10 @@ class GoodputModel:
 
     def predict(self, row_id: int, drafter: int) -> tuple[float, float] | None:
         """Posterior (mean, sd) of log goodput of `drafter` on `row_id`; None if never measured."""
-        self.fit()
-        b = self.b[drafter]
-        if b is None:
+        prior = self._prior(row_id, drafter)
+        if prior is None:
             return None
-        prior, tau2, sigma2 = self.row_effect(row_id) + b, self.tau2[drafter], self.sigma2[drafter]
+        tau2, sigma2 = self.tau2[drafter], self.sigma2[drafter]
         stats = self.rows.get(row_id)
         n, mean = (stats[drafter].n, stats[drafter].mean) if stats is not None else (0, 0.0)
         precision = 1.0 / tau2 + n / sigma2

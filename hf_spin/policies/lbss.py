@@ -33,8 +33,9 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   g(row, d): the row's mean reward with d, shrunk toward what the `GoodputModel` expects of d on
   the row from earlier requests and the row's other drafters (prior_weight pseudo-observations);
   c_d: seconds per token of catch-up (learned from feedback: draft seconds = f x forwards + t x
-  row tokens + c x catch-up tokens, or `switch_cost`); lag: tokens d's cache is behind on the row; T: steps left in the stage; tau: the row's step time with d. The penalty is
-  exactly the goodput lost by paying s seconds once over T steps: g - T g tau / (T tau + s).
+  row tokens + c x catch-up tokens, or `switch_cost`); lag: tokens d's cache is behind on the row;
+  T: steps left in the stage; tau: the row's step time with d. The penalty is exactly the goodput
+  lost by paying s seconds once over T steps: g - T g tau / (T tau + s).
   Exploitation stages grow as 2^e, so exploration costs O(alpha log T) steps: regret is sublinear.
 - Never slower: while exploiting, a row is matched to plain decoding when no drafter's estimate
   beats g_plain, the estimated goodput of a plain step (the verify-cost fit at zero drafts). It is
