@@ -110,7 +110,8 @@ class Proposal:
     drafts: list[list[int]]  # [B] the candidates verified per row (a vote's heaviest path when voting)
     qs: list[torch.Tensor | None]  # [B] q [k_b, V] of a single model drafter when sampling, else None (one-hot)
     proposals: list[dict[int, list[int]]]  # [B] drafter -> its own draft
-    draft_seconds: list[float]  # [num_drafters] wall time per drafter in this step
+    draft_seconds: list[float]  # [num_drafters] wall time per drafter in this step (shadow drafts included)
+    shadows: list[dict[int, list[int]]]  # [B] drafter -> its shadow draft (Plan.shadow): compared, never verified
 
 
 def _prefill_kwargs(model, attention_mask: torch.Tensor) -> dict:
@@ -420,6 +421,7 @@ class SpinEngine:
                         proposals[b][d_idx], q_of[b][d_idx] = list(tokens), q
                 elif self.isolate_faults and self.usable[d_idx] and len(served) > 1:  # find the row(s) at fault: halves
                     todo += [served[: len(served) // 2], served[len(served) // 2 :]]
+        shadows = self._shadow_drafts(plan, chosen, sequences, score_fn, draft_seconds)
         drafts: list[list[int]] = [[] for _ in range(B)]
         qs: list[torch.Tensor | None] = [None] * B
         for b in range(B):
@@ -429,7 +431,25 @@ class SpinEngine:
             elif proposals[b]:  # vote: a deterministic merge, verified as a one-hot proposal
                 weights = plan.vote_weights or [1.0] * len(self.drafters)
                 drafts[b] = heaviest_path(proposals[b], weights)[: ks[b]]
-        return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds)
+        return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows)
+
+    def _shadow_drafts(self, plan: Plan | None, chosen, sequences, score_fn, draft_seconds: list[float]) -> list[dict[int, list[int]]]:
+        """4b. Drafts the plan asks of drafters for rows they do not serve (`Plan.shadow`), greedily:
+        only compared with the committed tokens after the step, so the policy measures them for free."""
+        rows = self.rows
+        shadows: list[dict[int, list[int]]] = [{} for _ in rows]
+        for d_idx, wanted in (plan.shadow if plan is not None else {}).items():
+            if not self.usable[d_idx]:
+                continue
+            served = [b for b in sorted(wanted) if b < len(rows) and d_idx not in chosen[b] and d_idx not in rows[b].banned and min(wanted[b], rows[b].room) > 0]
+            if not served:
+                continue
+            request = DraftRequest(served, sequences, [min(wanted[b], rows[b].room) for b in served], False, score_fn, plan.min_confidence)
+            out: list[Draft] = []
+            if self._guarded(d_idx, lambda: out.append(self.drafters[d_idx].draft(request)), draft_seconds, served, ban=len(served) == 1):
+                for b, tokens in zip(served, out[0].tokens):
+                    shadows[b][d_idx] = list(tokens)
+        return shadows
 
     # -- 5-7. Verify, commit, roll back --------------------------------------------------------------
     @torch.no_grad()
@@ -454,14 +474,17 @@ class SpinEngine:
         accepted = verdict.accepted.tolist()
         next_tokens = verdict.next_token.tolist()
         matched: list[dict[int, int]] = []  # [B] drafter -> tokens of its proposal that were committed
+        shadow_matched: list[dict[int, int]] = []  # [B] the same for shadow drafts
         for b, row in enumerate(rows):
             if row.done:  # failed in this step's forward, scoring or sampling
                 accepted[b] = 0
                 matched.append({})
+                shadow_matched.append({})
                 continue
             new = p.drafts[b][: accepted[b]] + [next_tokens[b]]
             self._commit_isolated(row, new, target_scores[b])
             matched.append({d: common_prefix_length(tokens, new) for d, tokens in p.proposals[b].items()})
+            shadow_matched.append({d: common_prefix_length(tokens, new) for d, tokens in p.shadows[b].items()})
             row.stats.add(len(p.drafts[b]), accepted[b], len(new))
             for d_idx, tokens in p.proposals[b].items():  # a voter is credited with what its own draft got right
                 row.stats.drafters[self.names[d_idx]] += 1
@@ -477,7 +500,7 @@ class SpinEngine:
                 self._prefill_idle(p.plan.prefill, p.draft_seconds)
         self.stats.steps += 1
         if self.policy is not None:
-            executed = Plan(list(p.chosen), p.ks, p.plan.min_confidence, p.plan.vote_weights, p.plan.prefill)
+            executed = Plan(list(p.chosen), p.ks, p.plan.min_confidence, p.plan.vote_weights, p.plan.prefill, p.plan.shadow)
             self.policy.update(
                 StepFeedback(
                     row_ids=[r.id for r in rows],
@@ -486,6 +509,8 @@ class SpinEngine:
                     accepted=accepted,
                     proposed=[{d: len(t) for d, t in prop.items()} for prop in p.proposals],
                     matched=matched,
+                    shadow_proposed=[{d: len(t) for d, t in sh.items()} for sh in p.shadows],
+                    shadow_matched=shadow_matched,
                     draft_seconds=p.draft_seconds,
                     verify_seconds=verify_seconds,
                 )
@@ -703,6 +728,7 @@ class SpinEngine:
             generated=[len(r.generated) for r in self.rows],
             usable=list(self.usable),
             step=self.steps,
+            room=[r.room + 1 for r in self.rows],
         )
 
     def _running_batch(self) -> _Batch | None:

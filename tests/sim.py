@@ -1,7 +1,7 @@
 """A simulated engine for policy tests: drafters with known acceptance and costs, no models.
 
-It runs generation.py's steps 3-7 on made-up numbers: plan -> drafts -> verify -> commit ->
-pre-fill -> `StepFeedback` (built as the engine builds it, so `row_seconds` is the engine's).
+It runs generation.py's steps 3-7 on made-up numbers: plan -> drafts (and shadow drafts) -> verify
+-> commit -> pre-fill -> `StepFeedback` (built as the engine builds it, so `row_seconds` is the engine's).
 
 - Tokens: the target's next token at sequence position j is `truth(j) = 1000 + j`. A drafter with
   per-token acceptance alpha on a row's type proposes truth with probability alpha at each position,
@@ -106,7 +106,8 @@ class Simulator:
         return [d.info() for d in self.drafters]
 
     def view(self) -> BatchView:
-        return BatchView(list(self.row_ids), list(self.prompt_lengths), list(self.generated), list(self.usable), self.step_index)
+        room = None if any(m is None for m in self.limits) else [m - g for m, g in zip(self.limits, self.generated)]
+        return BatchView(list(self.row_ids), list(self.prompt_lengths), list(self.generated), list(self.usable), self.step_index, room)
 
     def start(self, policy: Policy) -> Policy:
         policy.bind(self.infos)
@@ -142,6 +143,15 @@ class Simulator:
             draft_seconds[d] = self._noisy(t)
             for b in served:
                 proposals[b][d] = self._propose(b, d, ks[b])
+        # 4b. Shadow drafts (Plan.shadow): proposed for rows the drafter does not serve, never verified.
+        shadows: list[dict[int, list[int]]] = [{} for _ in range(B)]
+        for d, wanted in plan.shadow.items():
+            served = [b for b in wanted if self.usable[d] and d not in chosen[b] and wanted[b] > 0]
+            for b in served:
+                shadows[b][d] = self._propose(b, d, wanted[b])
+            if served:
+                sd = self.drafters[d]
+                draft_seconds[d] += self._noisy(sd.forward_seconds * max(wanted[b] for b in served) + sd.token_seconds * sum(wanted[b] for b in served))
         drafts = []
         for b in range(B):
             if len(proposals[b]) == 1:
@@ -173,7 +183,7 @@ class Simulator:
                 draft_seconds[d] += self._noisy(self.drafters[d].catch_up_seconds * fed)
                 for b in rows:
                     self.covered[b][d] = self.lengths[b]
-        executed = Plan(list(chosen), ks, plan.min_confidence, plan.vote_weights, plan.prefill)
+        executed = Plan(list(chosen), ks, plan.min_confidence, plan.vote_weights, plan.prefill, plan.shadow)
         feedback = StepFeedback(
             row_ids=list(self.row_ids),
             plan=executed,
@@ -181,6 +191,8 @@ class Simulator:
             accepted=accepted,
             proposed=[{d: len(t) for d, t in p.items()} for p in proposals],
             matched=matched,
+            shadow_proposed=[{d: len(t) for d, t in sh.items()} for sh in shadows],
+            shadow_matched=[{d: _common_prefix(t, new_tokens[b]) for d, t in shadows[b].items()} for b in range(B)],
             draft_seconds=draft_seconds,
             verify_seconds=verify_seconds,
         )

@@ -238,3 +238,44 @@ def test_isolated_target_fault_fails_only_its_row(target, ragged_attention):
         assert failed.finish_reason == ERROR and "poisoned input" in failed.error
     assert rows[3].generated == [alone(target, ps[3], 1)[0]]  # its prefill worked: one token
     assert rows[0].generated == alone(target, ps[0], 12) and rows[2].generated == alone(target, ps[2], 12)
+
+
+class ShadowingPolicy(hf_spin.policies.Policy):
+    """Serves every row with drafter 0 and asks prompt lookup (drafter 1) for a shadow draft; records
+    each row's sequence at plan time to recompute what the shadow should have been."""
+
+    def __init__(self, engine_rows):
+        super().__init__(hf_spin.policies.FixedLength(3))
+        self.engine_rows, self.before, self.checked, self.hits = engine_rows, [], 0, 0
+
+    def select(self, view):
+        return [(0,)] * view.batch_size
+
+    def plan(self, view):
+        self.before = [(r, list(r.sequence)) for r in self.engine_rows()]
+        plan = super().plan(view)
+        return hf_spin.policies.Plan(plan.drafters, plan.k, shadow={1: {b: 4 for b in range(view.batch_size)}})
+
+    def update(self, feedback):
+        lookup = hf_spin.drafters.PromptLookupDrafter()
+        for b, (row, seq) in enumerate(self.before):
+            expected = lookup.lookup(seq, min(4, row.request.max_length - len(row.request.padding) - len(seq) - 1))
+            committed = row.sequence[len(seq) : len(seq) + feedback.accepted[b] + 1]
+            got_p, got_m = feedback.shadow_proposed[b].get(1, 0), feedback.shadow_matched[b].get(1, 0)
+            n = next((i for i, (x, y) in enumerate(zip(expected, committed)) if x != y), min(len(expected), len(committed)))
+            assert (got_p, got_m) == (len(expected), n)
+            self.checked += bool(expected)
+            self.hits += n
+
+
+def test_shadow_drafts_are_compared_with_the_committed_tokens_and_never_verified(target, drafter):
+    """Plan.shadow: prompt lookup drafts every row unverified; the feedback's counts are what its
+    draft shares with the committed tokens, and the output is plain generate's."""
+    pool = hf_spin.AssistantPool([drafter, "prompt_lookup"])
+    engine = SpinEngine(target, pool)
+    policy = engine.policy = ShadowingPolicy(lambda: engine.rows)
+    ps = [p * 3 for p in prompts(3, seed=2)]  # repeated prompts: prompt lookup finds matches
+    rows = run(engine, {0: [request(p, 12) for p in ps]})
+    assert [r.generated for r in rows] == [alone(target, p, 12) for p in ps]
+    assert policy.checked >= 3 and policy.hits >= 1, (policy.checked, policy.hits)
+    assert all(set(r.stats.drafters) <= {pool.names[0]} for r in rows)  # a shadow never serves

@@ -40,6 +40,7 @@ from hf_spin.policies import (
     make_policy,
 )
 from hf_spin.policies.estimates import expected_tokens
+from hf_spin.policies.lbss import Arm
 from hf_spin.vote_tree import heaviest_path
 
 from .sim import SimDrafter, Simulator, SimVerify
@@ -207,6 +208,63 @@ def test_lbss_warm_start_lowers_regret_on_later_requests():
     warm = sum(late_regret(64, seed) for seed in range(3))
     cold = sum(late_regret(0, seed) for seed in range(3))
     assert warm < 0.85 * cold, (warm / 3, cold / 3)
+
+
+def lookup_sim(seed: int) -> Simulator:
+    """A model drafter, good on "chat" rows, and a free prompt lookup (no parameters, no cost),
+    excellent on "copy" rows and useless on "chat" ones."""
+    drafters = [
+        SimDrafter("model", {"copy": 0.5, "chat": 0.8}, token_seconds=1e-3, catch_up_seconds=2e-5, num_parameters=100),
+        SimDrafter("lookup", {"copy": 0.95, "chat": 0.05}, kind="prompt_lookup", num_parameters=0),
+    ]
+    return Simulator(drafters, ["copy", "chat"] * 3, SimVerify(0.02, 0.1e-3), seed=seed)
+
+
+def total_regret(simulator: Simulator, choices: list) -> float:
+    """Expected goodput lost over the run against each row's best choice (None: plain decoding)."""
+    lost = 0.0
+    for plan, types in zip(simulator.trace.plans, simulator.trace.types):
+        B = len(types)
+        for b, t in enumerate(types):
+            got = simulator.row_goodput(t, plan.drafters[b][0] if plan.drafters[b] else None, K, B)
+            lost += max(simulator.row_goodput(t, d, K, B) for d in choices) - got
+    return lost
+
+
+def test_lbss_measures_model_free_drafters_by_shadow_drafts():
+    """Prompt lookup costs nothing to run, so LBSS has it draft every row it does not serve,
+    unverified, and learns its goodput from the matches: it never spends an exploration chunk on it,
+    explores the model alone, and still sends each row to its best drafter. Control: without
+    shadows the same runs lose more goodput (they explore lookup on the chat rows)."""
+    for seed in range(3):
+        s = lookup_sim(seed)
+        policy = s.start(lbss(seed=seed))
+        s.run(policy, 120)
+        for plan in s.trace.plans:
+            assert set(plan.shadow.get(1, {})) == {b for b, ds in enumerate(plan.drafters) if 1 not in ds}
+            assert 0 not in plan.shadow  # a model drafter is never shadowed
+        assert policy.alpha == policy.config.beta  # explores one drafter
+        exploring = [a for a in range(120) if policy.stage(a).explore]
+        assert all(s.trace.plans[a].drafters == [(0,)] * 6 for a in exploring)
+        assert_converged(s, exploit_steps(policy, first_epoch=2, steps=120))
+        off = lookup_sim(seed)
+        off.run(off.start(lbss(seed=seed, shadow=False)), 120)
+        assert any(1 in ds for a in exploring[:4] for ds in off.trace.plans[a].drafters)
+        assert total_regret(s, [None, 0, 1]) < total_regret(off, [None, 0, 1])
+
+
+@pytest.mark.parametrize(
+    "accepted, proposed, matched, expected",
+    [
+        (1, 5, 0, 1.0),  # wrong at once: the step would have committed the target's token only
+        (1, 5, 1, 2.0),  # one right, then wrong within the committed tokens: exact
+        (3, 2, 2, 3.0),  # all proposed right (plus the bonus token): exact
+        (1, 5, 2, 2 + 1 + 0.75 * (1 - 0.75**3) / 0.25),  # censored: 2 matched = all committed, 3 unknown at alpha = (2 + 1) / (2 + 0 + 2)
+    ],
+)
+def test_shadow_tokens_hand_built(accepted, proposed, matched, expected):
+    feedback = StepFeedback([0], Plan([(0,)], [5]), [5], [accepted], [{0: 5}], [{0: accepted}], [0.0, 0.0], 0.1, [{1: proposed}], [{1: matched}])
+    assert LBSSPolicy.shadow_tokens(feedback, 0, Arm(), proposed, matched) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("capacities", [(2, 2, 2), (1, 2, 3), (4, None, 1)])

@@ -43,6 +43,7 @@ class BatchView:
     generated: list[int]  # [B] tokens generated so far per row
     usable: list[bool]  # [num_drafters] False for a drafter dropped after a failure in this call
     step: int  # verification steps done so far in this call
+    room: list[int] | None = None  # [B] tokens each row may still generate (its length limit; it may stop earlier); None: unknown
 
     @property
     def batch_size(self) -> int:
@@ -63,6 +64,7 @@ class Plan:
     min_confidence: float = 0.0  # a model drafter stops a row once q(proposed token) < this
     vote_weights: list[float] | None = None  # [num_drafters] weights of the vote tree, when voting
     prefill: dict[int, list[int]] = field(default_factory=dict)  # idle drafter -> batch rows to catch up
+    shadow: dict[int, dict[int, int]] = field(default_factory=dict)  # drafter -> {batch row: k}: draft, not verified (see StepFeedback)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,11 @@ class StepFeedback:
     matched: list[dict[int, int]]  # [B] drafter -> how many of its tokens match the committed tokens
     draft_seconds: list[float]  # [num_drafters] wall time each drafter spent this step
     verify_seconds: float  # wall time of the target forward and verification
+    # Shadow drafts (Plan.shadow): proposed for a row they did not serve, never verified, only compared
+    # with the tokens the step committed: a measurement of what that drafter would have got, free for
+    # a cheap drafter. Matched == committed tokens < proposed means the rest is unknown (censored).
+    shadow_proposed: list[dict[int, int]] = field(default_factory=list)  # [B] drafter -> tokens it shadow-proposed
+    shadow_matched: list[dict[int, int]] = field(default_factory=list)  # [B] drafter -> how many match the committed tokens
 
     @property
     def batch_size(self) -> int:

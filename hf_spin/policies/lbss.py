@@ -34,7 +34,8 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   the row from earlier requests and the row's other drafters (prior_weight pseudo-observations);
   c_d: seconds per token of catch-up (learned from feedback: draft seconds = f x forwards + t x
   row tokens + c x catch-up tokens, or `switch_cost`); lag: tokens d's cache is behind on the row;
-  T: steps left in the stage; tau: the row's step time with d. The penalty is exactly the goodput
+  T: steps left in the stage, at most the steps the request may still take (its room over its tokens
+  per step: a catch-up late in a request has few steps to pay off); tau: the row's step time with d. The penalty is exactly the goodput
   lost by paying s seconds once over T steps: g - T g tau / (T tau + s).
   Exploitation stages grow as 2^e, so exploration costs O(alpha log T) steps: regret is sublinear.
 - Never slower: while exploiting, a row is matched to plain decoding when no drafter's estimate
@@ -43,9 +44,15 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   long as the last: when drafting never pays, the row decodes plainly in all but O(alpha log T)
   of T steps. Exploration stages are never skipped and the long ones re-measure every drafter, so
   one unlucky early estimate cannot lock a row out of a drafter.
+- Shadow drafts (`shadow`): a drafter without parameters (prompt lookup) costs next to nothing to
+  run, so it drafts every row it does not serve (`Plan.shadow`), unverified, and is never given an
+  exploration chunk. Its would-be reward on the row: the tokens the step would have committed
+  (matches with the committed tokens + 1; when every committed token matched and more were
+  proposed, the rest at the row's per-token acceptance hits / (hits + misses), the estimate of a
+  censored geometric) over the row's verify share rescaled by the verify fit to that draft length.
 - Fast switching: `Plan.prefill` names, for each idle model drafter, the rows it is likely to serve
   next (the next exploration chunk, drawn a step ahead; an exploiting row's runner-up within
-  `prefill_margin`), when it lags by at least `prefill_min_tokens`.
+  `prefill_margin`), when it lags by at least `prefill_min_tokens` and the request has a step left.
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ import numpy as np
 
 from .base import BatchView, DrafterInfo, DraftLength, Plan, Policy, StepFeedback
 from .checks import check_float, check_int, check_per_drafter
-from .estimates import CostModel, RunningMean
+from .estimates import CostModel, DecayedMean, RunningMean
 from .goodput_model import GoodputModel
 
 PLAIN = -1  # a row's choice: plain decoding
@@ -89,6 +96,7 @@ class LBSSConfig:
     prior_weight: float = 1.0  # pseudo-observations of the model's expectation behind each per-row estimate
     prior_spread: float = 0.3  # prior sd over requests of a drafter's log goodput around its mean (0.3: +-35%)
     history: int = 64  # ended requests whose measurements the estimates keep
+    shadow: bool = True  # model-free drafters (prompt lookup) draft every row they do not serve, unverified: measured for free
     seed: int = 0  # exploration draws; the same seed gives the same plans on the same feedback
 
     def __post_init__(self):
@@ -114,6 +122,8 @@ class LBSSConfig:
         check_float(owner, "prior_weight", self.prior_weight, 0.0, 1e9)
         check_float(owner, "prior_spread", self.prior_spread, 0.0, 10.0, open_low=True)
         check_int(owner, "history", self.history, 0)
+        if not isinstance(self.shadow, bool):
+            raise ValueError(f"{owner}.shadow must be True or False, got {self.shadow!r}")
         check_int(owner, "seed", self.seed)
 
 
@@ -133,6 +143,8 @@ class Arm:
     seconds: RunningMean = field(default_factory=RunningMean)  # the row's step time with it
     tries: int = 0  # exploration chunks drawn
     synced: int = 0  # committed tokens whose KV the drafter holds for the row (0: none yet)
+    hits: int = 0  # shadow-draft tokens that matched the committed ones
+    misses: int = 0  # shadow drafts that stopped matching within the committed tokens
 
 
 @dataclass
@@ -142,6 +154,8 @@ class RowState:
     row_id: int
     length: int  # committed tokens (prompt + generated) at the latest plan
     arms: list[Arm]  # [num_drafters]
+    room: int | None = None  # tokens it may still generate at the latest plan (None: unknown)
+    tokens: RunningMean = field(default_factory=RunningMean)  # tokens committed per step, any drafter
     age: int = 0  # steps planned for this row
     chunk_drafter: int | None = None  # drafter of the exploration chunk in progress
     chunk_end: int = 0  # age at which that chunk ends
@@ -160,6 +174,8 @@ class LBSSPolicy(Policy):
         self.pooled: list[Arm] = []  # [num_drafters] step seconds over all rows (their rewards: self.goodputs)
         self.goodputs = self._new_model(0)
         self.costs = CostModel(0)
+        self.shadowed: list[bool] = []  # [num_drafters] measured by shadow drafts, never explored
+        self.tokens_per_step = DecayedMean()  # over all rows: a new row's steps_left until it has its own
         self.alpha = self.config.alpha or self.config.beta
         self._prefill: dict[int, list[int]] = {}
 
@@ -173,7 +189,8 @@ class LBSSPolicy(Policy):
         self.pooled = [Arm() for _ in range(n)]
         self.goodputs = self._new_model(n)
         self.costs = CostModel(n)
-        self.alpha = self.config.alpha or self.config.beta * n
+        self.shadowed = [self.config.shadow and info.num_parameters == 0 for info in drafters]
+        self.alpha = self.config.alpha or self.config.beta * max(1, n - sum(self.shadowed))
 
     def _new_model(self, num_drafters: int) -> GoodputModel:
         c = self.config
@@ -210,6 +227,7 @@ class LBSSPolicy(Policy):
             self.rows[rid] = self._new_row(view, b)
         row = self.rows[rid]
         row.length = view.prompt_lengths[b] + view.generated[b]
+        row.room = view.room[b] if view.room is not None else None
         return row
 
     # --- schedule and estimates ----------------------------------------------------------------
@@ -233,6 +251,13 @@ class LBSSPolicy(Policy):
         before that explore by posterior draws."""
         return not self.goodputs.warm or 2 ** self.stage(age).epoch >= self.alpha
 
+    def steps_left(self, row: RowState) -> float:
+        """Steps the row may still take: its room over the tokens it has committed per step (inf: no limit known)."""
+        if row.room is None:
+            return float("inf")
+        per_step = row.tokens.mean if row.tokens.n else self.tokens_per_step.mean or 1.0
+        return max(1.0, row.room / per_step)
+
     def estimate(self, row: RowState, drafter: int) -> float:
         """g(row, d): the row's mean goodput with d, shrunk toward what the `GoodputModel` expects of d
         on this row (prior_weight pseudo-observations); a drafter no request has measured counts as
@@ -252,9 +277,12 @@ class LBSSPolicy(Policy):
         draw from each one's posterior goodput (Thompson sampling), net of the catch-up that trying
         it costs, spread over the rest of the epoch (as the exploitation matching charges it)."""
         full = self.full_exploration(age)
-        horizon = self.stage(age).epoch_end - age
+        horizon = min(self.stage(age).epoch_end - age, self.steps_left(row))
         values = []
         for d in range(len(self.drafters)):
+            if full and self.shadowed[d]:
+                values.append(-UNMEASURED)  # measured by its shadow drafts: a slot of last resort
+                continue
             p = None if full else self.goodputs.predict(row.row_id, d)
             if p is None:
                 values.append(UNMEASURED - row.arms[d].tries)
@@ -358,7 +386,7 @@ class LBSSPolicy(Policy):
         weights = np.full((R, len(slots)), NO_PLAIN if g_plain is None else g_plain)  # [R, S]
         goodputs = np.zeros((R, len(cap)))  # [R, num_drafters]
         for i, (r, st) in enumerate(zip(rows, stages)):
-            horizon = st.end - r.age
+            horizon = min(st.end - r.age, self.steps_left(r))
             for d in range(len(cap)):
                 goodputs[i, d] = self.estimate(r, d)
             for j, d in enumerate(slots):
@@ -390,6 +418,8 @@ class LBSSPolicy(Policy):
         idle = {d for d, info in enumerate(self.drafters) if view.usable[d] and d not in busy and info.kind in PREFILL_KINDS}
         plan: dict[int, list[int]] = {}
         for b, r in enumerate(rows):
+            if self.steps_left(r) < 2:  # no later step to switch in
+                continue
             for d in {r.pending, r.runner_up}:
                 if d in idle and self.lag(r, d) >= self.config.prefill_min_tokens:
                     plan.setdefault(d, []).append(b)
@@ -397,7 +427,12 @@ class LBSSPolicy(Policy):
 
     def plan(self, view: BatchView) -> Plan:
         plan = super().plan(view)
-        return replace(plan, prefill=self._prefill)
+        shadow = {
+            d: {b: self.draft_length.k(d, b, view) for b, ds in enumerate(plan.drafters) if d not in ds}
+            for d in range(len(self.drafters))
+            if self.shadowed[d] and view.usable[d]
+        }
+        return replace(plan, prefill=self._prefill, shadow={d: rows for d, rows in shadow.items() if rows})
 
     # --- learning ------------------------------------------------------------------------------
 
@@ -430,8 +465,49 @@ class LBSSPolicy(Policy):
             t = max(t, feedback.verify_seconds / max(feedback.batch_size, 1))
             if t <= 0:
                 continue
-            reward = (feedback.accepted[b] + 1) / t
-            self.goodputs.add(r.row_id, d, reward)
-            r.arms[d].reward.add(reward)
-            for arm in (r.arms[d], self.pooled[d]):
-                arm.seconds.add(t)
+            self._observe(r, d, (feedback.accepted[b] + 1) / t, t)
+            r.arms[d].hits += feedback.accepted[b]
+            r.arms[d].misses += feedback.accepted[b] < feedback.drafted[b]
+        # 3. Shadow drafts: what a model-free drafter would have got on the rows it did not serve.
+        for b, r in enumerate(rows):
+            if r is None:
+                continue
+            r.tokens.add(feedback.accepted[b] + 1)
+            self.tokens_per_step.add(feedback.accepted[b] + 1)
+            for d, proposed in (feedback.shadow_proposed[b] if feedback.shadow_proposed else {}).items():
+                t = self.shadow_seconds(feedback, b, d, proposed)
+                if t > 0:
+                    self._observe(r, d, self.shadow_tokens(feedback, b, r.arms[d], proposed, feedback.shadow_matched[b][d]) / t, t)
+
+    def _observe(self, row: RowState, drafter: int, goodput: float, seconds: float) -> None:
+        self.goodputs.add(row.row_id, drafter, goodput)
+        row.arms[drafter].reward.add(goodput)
+        for arm in (row.arms[drafter], self.pooled[drafter]):
+            arm.seconds.add(seconds)
+
+    @staticmethod
+    def shadow_tokens(feedback: StepFeedback, b: int, arm: Arm, proposed: int, matched: int) -> float:
+        """Tokens a step would have committed had the shadow draft been verified (greedy: exact unless
+        censored). Censored (every committed token matched, more were proposed): the rest follows the
+        row's per-token acceptance for the drafter, hits / (hits + misses), the censored geometric's
+        estimate (Laplace-smoothed)."""
+        committed = feedback.accepted[b] + 1
+        censored = matched == committed < proposed
+        arm.hits += matched
+        arm.misses += matched < proposed and not censored
+        if not censored:
+            return matched + 1.0
+        alpha = (arm.hits + 1) / (arm.hits + arm.misses + 2)
+        more = proposed - matched
+        return matched + 1.0 + alpha * (1 - alpha**more) / (1 - alpha)
+
+    def shadow_seconds(self, feedback: StepFeedback, b: int, drafter: int, proposed: int) -> float:
+        """The row's share of the step had it verified `proposed` shadow tokens instead of its draft:
+        the measured verify share scaled by the verify fit, plus the drafter's time per row it drafted for."""
+        B = feedback.batch_size
+        n_tokens = B + sum(feedback.drafted)
+        actual = self.costs.verify_seconds(B, n_tokens)
+        would = self.costs.verify_seconds(B, n_tokens - feedback.drafted[b] + proposed)
+        scale = would / actual if actual and would and actual > 0 else 1.0
+        drafted_for = sum(1 for ds in feedback.plan.drafters if drafter in ds) + sum(1 for sp in feedback.shadow_proposed if drafter in sp)
+        return feedback.verify_seconds / max(B, 1) * scale + feedback.draft_seconds[drafter] / max(drafted_for, 1)
