@@ -186,6 +186,33 @@ def test_goodput_model_carries_one_drafters_measurement_to_the_others():
     assert GoodputModel(2, 0.3, 2.0, 0.5, 64).predict(0, 1) is None  # never measured
 
 
+def test_goodput_model_expects_by_prompt_length():
+    """Drafter 1 (prompt lookup, say) is 2x drafter 0 on long prompts and 0.5x on short ones: a new
+    request is expected to be faster with drafter 1 when its prompt is long, with drafter 0 when it
+    is short, before it drafts anything. Control: without prompt lengths the model cannot tell."""
+    from hf_spin.policies.goodput_model import GoodputModel
+
+    def fitted(with_lengths: bool) -> GoodputModel:
+        model = GoodputModel(2, prior_spread=0.3, prior_rows=2.0, prior_noise=0.5, history=64)
+        for row, (length, speed) in enumerate([(30, 10.0), (1000, 40.0), (60, 20.0), (800, 8.0), (40, 5.0), (900, 30.0)]):
+            model.start(row, length if with_lengths else None)
+            for _ in range(3):
+                model.add(row, 0, speed)
+                model.add(row, 1, speed * (2.0 if length > 500 else 0.5))
+            model.end(row)
+        model.start(98, 950 if with_lengths else None)
+        model.start(99, 35 if with_lengths else None)
+        return model
+
+    def gap(model, row):  # log goodput of drafter 1 minus drafter 0
+        return model.predict(row, 1)[0] - model.predict(row, 0)[0]
+
+    model = fitted(True)
+    assert gap(model, 98) > 0.5 and gap(model, 99) < -0.5, (gap(model, 98), gap(model, 99))
+    control = fitted(False)
+    assert abs(gap(control, 98)) < 0.1 and abs(gap(control, 99)) < 0.1
+
+
 def late_regret(history: int, seed: int, waves: int = 12) -> float:
     """Short requests (48 tokens, 200-token prompts) arrive in waves of six (two of each type), one
     wave after the other; expected goodput lost per row-step over the second half of the waves."""

@@ -1,12 +1,17 @@
 """What LBSS knows of a drafter on a request it has not (or barely) tried: a two-way model of log
 goodput learned across requests, so a new request starts from what earlier requests showed.
 
-    log g(row, d) = a_row + b_d + e_row,d + noise,   e_row,d ~ N(0, tau_d^2),   noise ~ N(0, sigma_d^2)
+    log g(row, d) = a_row + b_d + c_d (x_row - x_d) + e_row,d + noise,
+    e_row,d ~ N(0, tau_d^2),   noise ~ N(0, sigma_d^2),   x_row = log(prompt length)
 
 - a_row: the request's own speed (its prompt length sets the verify cost, which every drafter
   shares). It cancels when drafters are compared on one row, so one drafter's measurement on a row
   says how fast the others would be there.
-- b_d: how good drafter d is on the average request.
+- b_d: how good drafter d is on the average request (that measured it: x_d is their mean x).
+- c_d: how that changes with the prompt's length, known before the request drafts anything:
+  prompt lookup gains on long prompts it can copy from (summaries, retrieval), a catch-up-free
+  drafter starts them without a prefill. A ridge regression over rows, shrunk toward 0 by
+  `prior_rows` pseudo-rows at unit spread of x, so a few requests do not make a slope.
 - e_row,d: how much this request departs from that for d (prompt lookup on summarization: large;
   two chat models of one family: small). tau_d is its spread over requests, estimated from rows
   that tried several drafters (with `prior_rows` pseudo-rows at `prior_spread`, so the first
@@ -37,15 +42,20 @@ class GoodputModel:
         self.live: set[int] = set()
         self.a: dict[int, float] = {}  # row effects of the latest fit
         self.b: list[float | None] = [None] * num_drafters
+        self.c = [0.0] * num_drafters  # slope of log goodput in x_row, per drafter
+        self.x: dict[int, float] = {}  # row id -> log(prompt length), for rows that gave one
+        self.x_mean: list[float] = [0.0] * num_drafters  # x_d
         self.tau2 = [prior_spread**2] * num_drafters
         self.sigma2 = [prior_noise**2] * num_drafters
         self.stale = True
 
     # --- evidence ------------------------------------------------------------------------------
 
-    def start(self, row_id: int) -> None:
+    def start(self, row_id: int, prompt_length: int | None = None) -> None:
         self.rows[row_id] = [RunningMean() for _ in range(self.num_drafters)]
         self.live.add(row_id)
+        if prompt_length is not None:
+            self.x[row_id] = math.log(max(prompt_length, 1))
 
     def end(self, row_id: int) -> None:
         self.live.discard(row_id)
@@ -53,6 +63,7 @@ class GoodputModel:
         for r in ended[: max(0, len(ended) - self.history)]:
             del self.rows[r]
             self.a.pop(r, None)
+            self.x.pop(r, None)
         self.stale = True
 
     def add(self, row_id: int, drafter: int, goodput: float) -> None:
@@ -69,7 +80,7 @@ class GoodputModel:
     # --- fit -----------------------------------------------------------------------------------
 
     def fit(self) -> None:
-        """a, b by alternating least squares on the row-drafter means; then tau_d and sigma_d."""
+        """a, (b, c) by alternating least squares on the row-drafter means; then tau_d and sigma_d."""
         if not self.stale:
             return
         self.stale = False
@@ -77,14 +88,25 @@ class GoodputModel:
         seen = {r: [d for d in range(D) if s[d].n] for r, s in self.rows.items()}
         seen = {r: ds for r, ds in seen.items() if ds}
         a = {r: self.a.get(r, 0.0) for r in seen}
+        x = {r: self.x.get(r) for r in seen}
         b: list[float | None] = [None] * D
         for _ in range(SWEEPS):
             for d in range(D):
-                devs = [self.rows[r][d].mean - a[r] for r, ds in seen.items() if d in ds]
-                b[d] = sum(devs) / len(devs) if devs else None
+                rows = [r for r, ds in seen.items() if d in ds]
+                if not rows:
+                    b[d] = None
+                    continue
+                devs = [self.rows[r][d].mean - a[r] for r in rows]
+                b[d] = sum(devs) / len(devs)
+                xs = [(x[r], dev) for r, dev in zip(rows, devs) if x[r] is not None]
+                self.x_mean[d] = sum(xr for xr, _ in xs) / len(xs) if xs else 0.0
+                sxy = sum((xr - self.x_mean[d]) * (dev - b[d]) for xr, dev in xs)
+                sxx = sum((xr - self.x_mean[d]) ** 2 for xr, _ in xs)
+                self.c[d] = sxy / (sxx + self.prior_rows)
+            self.b = b
             for r, ds in seen.items():
-                a[r] = sum(self.rows[r][d].mean - b[d] for d in ds) / len(ds)
-        self.a, self.b = a, b
+                a[r] = sum(self.rows[r][d].mean - self._expected(d, x[r]) for d in ds) / len(ds)
+        self.a = a
         # tau_d: spread of e over rows that measured d and at least one other drafter. A row's m
         # residuals sum to zero, which shrinks each by (m - 1) / m on average: scaled back up.
         w0 = self.prior_rows
@@ -93,18 +115,25 @@ class GoodputModel:
             for r, ds in seen.items():
                 if d in ds and len(ds) > 1:
                     m = len(ds)
-                    sq += (self.rows[r][d].mean - a[r] - b[d]) ** 2 * m / (m - 1)
+                    sq += (self.rows[r][d].mean - a[r] - self._expected(d, x[r])) ** 2 * m / (m - 1)
                     count += 1
             self.tau2[d] = (sq + w0 * self.prior_spread**2) / (count + w0)
             m2 = sum(s[d].m2 for s in self.rows.values())
             dof = sum(max(s[d].n - 1, 0) for s in self.rows.values())
             self.sigma2[d] = (m2 + w0 * self.prior_noise**2) / (dof + w0)
 
-    def _prior(self, row_id: int, drafter: int) -> float | None:
-        """a_row + b_d, the log goodput expected before the row's own steps with d; None if never measured."""
-        self.fit()
+    def _expected(self, drafter: int, x: float | None) -> float:
+        """b_d + c_d (x - x_d): drafter d's effect on a row of log prompt length x (None: unknown, b_d)."""
         b = self.b[drafter]
-        return None if b is None else self.row_effect(row_id) + b
+        return b + (self.c[drafter] * (x - self.x_mean[drafter]) if x is not None else 0.0)
+
+    def _prior(self, row_id: int, drafter: int) -> float | None:
+        """a_row + b_d + c_d (x_row - x_d), the log goodput expected before the row's own steps with d;
+        None if never measured."""
+        self.fit()
+        if self.b[drafter] is None:
+            return None
+        return self.row_effect(row_id) + self._expected(drafter, self.x.get(row_id))
 
     def prior_goodput(self, row_id: int, drafter: int) -> float | None:
         """Expected goodput (tokens/s) of a step of `drafter` on `row_id` before the row's own steps

@@ -218,7 +218,7 @@ class LBSSPolicy(Policy):
             self.goodputs.end(rid)
 
     def _new_row(self, view: BatchView, b: int) -> RowState:
-        self.goodputs.start(view.row_ids[b])
+        self.goodputs.start(view.row_ids[b], view.prompt_lengths[b])
         return RowState(row_id=view.row_ids[b], length=view.prompt_lengths[b] + view.generated[b], arms=[Arm() for _ in self.drafters])
 
     def _row(self, view: BatchView, b: int) -> RowState:
