@@ -368,7 +368,6 @@ def test_lbss_switching_cost_keeps_a_row_on_its_drafter():
         for d, reward in ((0, 100.0), (1, 105.0)):
             for _ in range(50):
                 policy.goodputs.add(0, d, reward)
-                row.arms[d].reward.add(reward)
                 row.arms[d].seconds.add(0.01)
         row.arms[0].synced = 3999
         return policy.select(view)[0]

@@ -135,11 +135,13 @@ class GoodputModel:
             return None
         return self.row_effect(row_id) + self._expected(drafter, self.x.get(row_id))
 
-    def prior_goodput(self, row_id: int, drafter: int) -> float | None:
-        """Expected goodput (tokens/s) of a step of `drafter` on `row_id` before the row's own steps
-        with it: the log-normal mean exp(a_row + b_d + (tau_d^2 + sigma_d^2) / 2); None if never measured."""
-        prior = self._prior(row_id, drafter)
-        return None if prior is None else math.exp(prior + (self.tau2[drafter] + self.sigma2[drafter]) / 2)
+    def expected_goodput(self, row_id: int, drafter: int) -> float | None:
+        """Expected goodput (tokens/s) of the next step of `drafter` on `row_id`: the log-normal mean
+        exp(m + (s^2 + sigma_d^2) / 2) of the posterior (m, s) (`predict`) and the step noise. Before
+        the row's own steps with d: exp(a_row + b_d + c_d (x_row - x_d) + (tau_d^2 + sigma_d^2) / 2).
+        None if never measured."""
+        p = self.predict(row_id, drafter)
+        return None if p is None else math.exp(p[0] + (p[1] ** 2 + self.sigma2[drafter]) / 2)
 
     def row_effect(self, row_id: int) -> float:
         """a_row; for a row with no measurement yet, the mean over rows (an average request)."""

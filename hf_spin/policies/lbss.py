@@ -30,13 +30,14 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
       W[row, d]     = g(row, d) - g(row, d) s / (s + T tau)     s = c_d x lag(row, d)
       W[row, plain] = g_plain = B / t_verify(N = B)              (never-slower; see below)
 
-  g(row, d): the row's mean reward with d, shrunk toward what the `GoodputModel` expects of d on
-  the row from earlier requests and the row's other drafters (prior_weight pseudo-observations);
-  c_d: seconds per token of catch-up (learned from feedback: draft seconds = f x forwards + t x
-  row tokens + c x catch-up tokens, or `switch_cost`); lag: tokens d's cache is behind on the row;
-  T: steps left in the stage, at most the steps the request may still take (its room over its tokens
-  per step: a catch-up late in a request has few steps to pay off); tau: the row's step time with d. The penalty is exactly the goodput
-  lost by paying s seconds once over T steps: g - T g tau / (T tau + s).
+  g(row, d): the expected goodput of d's next step on the row under the `GoodputModel` posterior
+  (earlier requests, the row's other drafters and its own rewards with d, each weighed by its
+  measured reliability); c_d: seconds per token of catch-up (learned from feedback: draft seconds
+  = f x forwards + t x row tokens + c x catch-up tokens, or `switch_cost`); lag: tokens d's cache
+  is behind on the row; T: steps left in the stage, at most the steps the request may still take
+  (its room over its tokens per step: a catch-up late in a request has few steps to pay off); tau:
+  the row's step time with d. The penalty is exactly the goodput lost by paying s seconds once
+  over T steps: g - T g tau / (T tau + s).
   Exploitation stages grow as 2^e, so exploration costs O(alpha log T) steps: regret is sublinear.
 - Never slower: while exploiting, a row is matched to plain decoding when no drafter's estimate
   beats g_plain, the estimated goodput of a plain step (the verify-cost fit at zero drafts). It is
@@ -93,7 +94,6 @@ class LBSSConfig:
     never_slower: bool = True  # exploiting, decode a row plainly when no drafter's estimated goodput beats plain decoding's
     prefill_margin: float = 0.1  # pre-fill an exploiting row's runner-up drafter when within this fraction of the best
     prefill_min_tokens: int = 8  # ...and only when it lags this many tokens: a forward for 1-2 tokens costs more than it saves
-    prior_weight: float = 1.0  # pseudo-observations of the model's expectation behind each per-row estimate
     prior_spread: float = 0.3  # prior sd over requests of a drafter's log goodput around its mean (0.3: +-35%)
     history: int = 64  # ended requests whose measurements the estimates keep
     shadow: bool = True  # model-free drafters (prompt lookup) draft every row they do not serve, unverified: measured for free
@@ -119,7 +119,6 @@ class LBSSConfig:
             raise ValueError(f"{owner}.never_slower must be True or False, got {self.never_slower!r}")
         check_float(owner, "prefill_margin", self.prefill_margin, 0.0, 1.0, open_high=True)
         check_int(owner, "prefill_min_tokens", self.prefill_min_tokens, 1)
-        check_float(owner, "prior_weight", self.prior_weight, 0.0, 1e9)
         check_float(owner, "prior_spread", self.prior_spread, 0.0, 10.0, open_low=True)
         check_int(owner, "history", self.history, 0)
         if not isinstance(self.shadow, bool):
@@ -139,7 +138,6 @@ class Stage(NamedTuple):
 class Arm:
     """What one row has seen of one drafter."""
 
-    reward: RunningMean = field(default_factory=RunningMean)  # goodput, tokens/s
     seconds: RunningMean = field(default_factory=RunningMean)  # the row's step time with it
     tries: int = 0  # exploration chunks drawn
     synced: int = 0  # committed tokens whose KV the drafter holds for the row (0: none yet)
@@ -259,17 +257,15 @@ class LBSSPolicy(Policy):
         return max(1.0, row.room / per_step)
 
     def estimate(self, row: RowState, drafter: int) -> float:
-        """g(row, d): the row's mean goodput with d, shrunk toward what the `GoodputModel` expects of d
-        on this row (prior_weight pseudo-observations); a drafter no request has measured counts as
-        good as the best measured one, so it gets tried."""
-        prior = self.goodputs.prior_goodput(row.row_id, drafter)
-        if prior is None:
-            known = [self.goodputs.prior_goodput(row.row_id, d) for d in range(len(self.drafters))]
-            prior = max((g for g in known if g is not None), default=0.0)
-        arm, w = row.arms[drafter], self.config.prior_weight
-        if arm.reward.n + w == 0:
-            return prior
-        return (arm.reward.n * arm.reward.mean + w * prior) / (arm.reward.n + w)
+        """g(row, d): the expected goodput of d's next step on the row under the `GoodputModel`
+        posterior, which weighs earlier requests, the row's other drafters and its own steps with d
+        by how reliable each has been (a few noisy steps do not overturn what many requests showed);
+        a drafter no request has measured counts as good as the best measured one, so it gets tried."""
+        g = self.goodputs.expected_goodput(row.row_id, drafter)
+        if g is None:
+            known = [self.goodputs.expected_goodput(row.row_id, d) for d in range(len(self.drafters))]
+            g = max((x for x in known if x is not None), default=0.0)
+        return g
 
     def explore_weights(self, row: RowState, drafters: list[int], age: int) -> list[float]:
         """Exploration value of each drafter for a chunk of the row starting at `age`: least-tried on
@@ -481,7 +477,6 @@ class LBSSPolicy(Policy):
 
     def _observe(self, row: RowState, drafter: int, goodput: float, seconds: float) -> None:
         self.goodputs.add(row.row_id, drafter, goodput)
-        row.arms[drafter].reward.add(goodput)
         for arm in (row.arms[drafter], self.pooled[drafter]):
             arm.seconds.add(seconds)
 
