@@ -13,17 +13,16 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
     epoch e = [ exploration: alpha steps, in chunks of beta ] [ exploitation: 2^e steps ]
 
 - Exploration: at the start of each chunk the row gets a drafter (alpha = beta x drafters steps by
-  default) and keeps it for the chunk: the first step of a chunk pays the catch-up, the others
-  measure steady goodput. Cold (no ended request informs the estimates yet) and in every epoch
-  whose exploitation stage is at least alpha steps long, the row re-measures every drafter:
-  least-tried on the row first, ties at random. Warm epochs shorter than that explore by Thompson
-  sampling: each drafter's value is a draw from the `GoodputModel` posterior of its log goodput on
-  the row (drafters no request has measured first), net of the catch-up trying it would cost,
-  spread over the rest of the epoch. A drafter that earlier requests showed to be
-  clearly worse, with little spread between requests, is then rarely drawn, and a new request
-  starts on the drafter that served earlier requests best: requests too short to amortise a full
-  exploration (tens of steps) still exploit. The draw is one maximum-weight matching of rows to
-  drafter slots (drafter j repeated B_j times), so no drafter serves more than B_j rows.
+  default, drafters measured by shadow drafts not counted) and keeps it for the chunk: the first
+  step of a chunk pays the catch-up, the others measure steady goodput. Each exploration stage
+  re-measures every drafter: least-tried on the row first, ties at random, one maximum-weight
+  matching of rows to drafter slots (drafter j repeated B_j times), so no drafter serves more than
+  B_j rows. Cold (no ended request informs the estimates yet) the row runs every exploration stage;
+  warm (`GoodputModel`: what earlier requests measured), only those of epochs whose exploitation
+  stage is at least alpha steps long (2^e >= alpha), and exploits through the earlier ones. A request
+  too short to amortise re-measuring every drafter (tens of steps) then starts on the drafter the
+  posterior expects best for it (its prompt length included) and leaves it when its own steps pull
+  that drafter's posterior below another's.
 - Exploitation: each step, a maximum-weight matching (`scipy.optimize.linear_sum_assignment`) of the
   rows to the free drafter slots, and to plain decoding (unlimited slots), on
 
@@ -70,7 +69,7 @@ from .goodput_model import GoodputModel
 
 PLAIN = -1  # a row's choice: plain decoding
 NO_PLAIN = -1e18  # weight of a plain slot when plain decoding is not an option (taken only if no drafter slot is left)
-UNMEASURED = 1e6  # exploration weight of a drafter no request has measured (minus its tries): tried first
+SHADOWED = -1e6  # exploration weight of a drafter measured by shadow drafts: taken only when no other slot is left
 PRIOR_ROWS = 2.0  # pseudo-requests behind prior_spread in the spread estimate: a few requests override it
 PRIOR_NOISE = 0.5  # prior step-to-step sd of log goodput (accepted + 1 in 1..k+1: logs spread ~0.5)
 PREFILL_KINDS = frozenset({"model", "translation"})  # drafters that keep a per-row cache to pre-fill
@@ -242,12 +241,11 @@ class LBSSPolicy(Policy):
             return Stage(epoch, True, offset % self.config.beta == 0, end, start + self.alpha + 2**epoch)
         return Stage(epoch, False, False, start + self.alpha + 2**epoch, start + self.alpha + 2**epoch)
 
-    def full_exploration(self, age: int) -> bool:
-        """Whether the epoch at this age re-measures every drafter on the row: always until an ended
-        request informs the estimates (cold start); after that (warm start) once the exploitation
-        stage after it is at least as long as a full exploration stage (2^e >= alpha). Warm epochs
-        before that explore by posterior draws."""
-        return not self.goodputs.warm or 2 ** self.stage(age).epoch >= self.alpha
+    def explores(self, age: int) -> bool:
+        """Whether a row of this age explores: in an exploration stage, and cold, or warm in an epoch
+        whose exploitation stage is at least as long as a full exploration (2^e >= alpha)."""
+        st = self.stage(age)
+        return st.explore and (not self.goodputs.warm or 2**st.epoch >= self.alpha)
 
     def steps_left(self, row: RowState) -> float:
         """Steps the row may still take: its room over the tokens it has committed per step (inf: no limit known)."""
@@ -267,25 +265,10 @@ class LBSSPolicy(Policy):
             g = max((x for x in known if x is not None), default=0.0)
         return g
 
-    def explore_weights(self, row: RowState, drafters: list[int], age: int) -> list[float]:
-        """Exploration value of each drafter for a chunk of the row starting at `age`: least-tried on
-        the row first in a full exploration; else drafters no request has measured first, then a
-        draw from each one's posterior goodput (Thompson sampling), net of the catch-up that trying
-        it costs, spread over the rest of the epoch (as the exploitation matching charges it)."""
-        full = self.full_exploration(age)
-        horizon = min(self.stage(age).epoch_end - age, self.steps_left(row))
-        values = []
-        for d in range(len(self.drafters)):
-            if full and self.shadowed[d]:
-                values.append(-UNMEASURED)  # measured by its shadow drafts: a slot of last resort
-                continue
-            p = None if full else self.goodputs.predict(row.row_id, d)
-            if p is None:
-                values.append(UNMEASURED - row.arms[d].tries)
-                continue
-            g = float(np.exp(self.rng.normal(p[0], p[1])))
-            values.append(float(np.log(max(g - self.switch_penalty(row, d, g, horizon), 1e-12))))
-        return [values[d] for d in drafters]
+    def explore_weights(self, row: RowState, drafters: list[int]) -> list[float]:
+        """Exploration value of each drafter for the row's next chunk: least-tried on the row first;
+        a drafter measured by its shadow drafts only as a slot of last resort."""
+        return [SHADOWED if self.shadowed[d] else -row.arms[d].tries for d in drafters]
 
     def catch_up_seconds(self, drafter: int) -> float:
         """Seconds per token of catch-up for `drafter` (configured, or learned from feedback)."""
@@ -322,14 +305,15 @@ class LBSSPolicy(Policy):
             cap[d] -= 1
 
         # 1. Exploration chunks in progress keep their drafter.
+        explore = [self.explores(r.age) for r in rows]
         for b, r in enumerate(rows):
             d = r.chunk_drafter
-            if stages[b].explore and d is not None and r.age < r.chunk_end and cap[d] > 0:
+            if explore[b] and d is not None and r.age < r.chunk_end and cap[d] > 0:
                 take(b, d)
             else:
                 r.chunk_drafter = None
         # 2. New exploration chunks: the drafter drawn a step ahead, else a fresh random draw.
-        exploring = [b for b in range(B) if choice[b] is None and stages[b].explore]
+        exploring = [b for b in range(B) if choice[b] is None and explore[b]]
         to_draw = []
         for b in exploring:
             p = rows[b].pending
@@ -337,7 +321,7 @@ class LBSSPolicy(Policy):
                 take(b, p)
             else:
                 to_draw.append(b)
-        for b, d in zip(to_draw, self._draw([rows[b] for b in to_draw], cap, ahead=0)):
+        for b, d in zip(to_draw, self._draw([rows[b] for b in to_draw], cap)):
             if d is None:
                 choice[b] = PLAIN  # no drafter slot left this step
             else:
@@ -359,14 +343,14 @@ class LBSSPolicy(Policy):
             r.age += 1
         return [() if d == PLAIN else (d,) for d in choice]
 
-    def _draw(self, rows: list[RowState], cap: list[int], ahead: int) -> list[int | None]:
-        """Rows -> free drafter slots for chunks starting `ahead` steps from now, maximising the
-        exploration weights (ties broken at random)."""
+    def _draw(self, rows: list[RowState], cap: list[int]) -> list[int | None]:
+        """Rows -> free drafter slots for their next exploration chunks, maximising the exploration
+        weights (ties broken at random)."""
         slots = [d for d in range(len(cap)) for _ in range(min(max(cap[d], 0), len(rows)))]
         out: list[int | None] = [None] * len(rows)
         if not rows or not slots:
             return out
-        weights = np.array([self.explore_weights(r, slots, r.age + ahead) for r in rows])  # [R, S]
+        weights = np.array([self.explore_weights(r, slots) for r in rows], dtype=float)  # [R, S]
         weights += 1e-6 * self.rng.random(weights.shape)  # breaks ties only
         for i, j in zip(*linear_sum_assignment(weights)):
             out[i] = slots[j]
@@ -382,7 +366,7 @@ class LBSSPolicy(Policy):
         weights = np.full((R, len(slots)), NO_PLAIN if g_plain is None else g_plain)  # [R, S]
         goodputs = np.zeros((R, len(cap)))  # [R, num_drafters]
         for i, (r, st) in enumerate(zip(rows, stages)):
-            horizon = min(st.end - r.age, self.steps_left(r))
+            horizon = min(st.epoch_end - r.age, self.steps_left(r))
             for d in range(len(cap)):
                 goodputs[i, d] = self.estimate(r, d)
             for j, d in enumerate(slots):
@@ -400,12 +384,12 @@ class LBSSPolicy(Policy):
     def _draw_ahead(self, view: BatchView, rows: list[RowState], choice: list[int]) -> None:
         """Rows whose next step starts an exploration chunk get that chunk's drafter now."""
         B = view.batch_size
-        nxt = [r for r in rows if self.stage(r.age + 1).chunk_start]
+        nxt = [r for r in rows if self.stage(r.age + 1).chunk_start and self.explores(r.age + 1)]
         cap = [self.capacity(d, B) if view.usable[d] else 0 for d in range(len(self.drafters))]
         for r, d in zip(rows, choice):  # rows still inside a chunk next step keep their slot
             if d != PLAIN and r.chunk_drafter == d and r.chunk_end > r.age + 1:
                 cap[d] -= 1
-        for r, d in zip(nxt, self._draw(nxt, cap, ahead=1)):
+        for r, d in zip(nxt, self._draw(nxt, cap)):
             r.pending = d
 
     def _prefill_plan(self, view: BatchView, rows: list[RowState], choice: list[int]) -> dict[int, list[int]]:
