@@ -52,7 +52,8 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   censored geometric) over the row's verify share rescaled by the verify fit to that draft length.
 - Fast switching: `Plan.prefill` names, for each idle model drafter, the rows it is likely to serve
   next (the next exploration chunk, drawn a step ahead; an exploiting row's runner-up within
-  `prefill_margin`), when it lags by at least `prefill_min_tokens` and the request has a step left.
+  `prefill_margin`, when catching it up costs at most one of the row's steps), when it lags by at
+  least `prefill_min_tokens` and the request has a step left.
 """
 
 from __future__ import annotations
@@ -241,11 +242,14 @@ class LBSSPolicy(Policy):
             return Stage(epoch, True, offset % self.config.beta == 0, end, start + self.alpha + 2**epoch)
         return Stage(epoch, False, False, start + self.alpha + 2**epoch, start + self.alpha + 2**epoch)
 
-    def explores(self, age: int) -> bool:
-        """Whether a row of this age explores: in an exploration stage, and cold, or warm in an epoch
-        whose exploitation stage is at least as long as a full exploration (2^e >= alpha)."""
+    def explores(self, row: RowState, age: int) -> bool:
+        """Whether the row explores at this age: in an exploration stage, and cold, or warm in an
+        epoch whose exploitation stage is at least as long as a full exploration (2^e >= alpha) and
+        that the request may still finish (what it measures must have steps left to pay off)."""
         st = self.stage(age)
-        return st.explore and (not self.goodputs.warm or 2**st.epoch >= self.alpha)
+        if not st.explore:
+            return False
+        return not self.goodputs.warm or (2**st.epoch >= self.alpha and self.steps_left(row) >= st.epoch_end - age)
 
     def steps_left(self, row: RowState) -> float:
         """Steps the row may still take: its room over the tokens it has committed per step (inf: no limit known)."""
@@ -305,7 +309,7 @@ class LBSSPolicy(Policy):
             cap[d] -= 1
 
         # 1. Exploration chunks in progress keep their drafter.
-        explore = [self.explores(r.age) for r in rows]
+        explore = [self.explores(r, r.age) for r in rows]
         for b, r in enumerate(rows):
             d = r.chunk_drafter
             if explore[b] and d is not None and r.age < r.chunk_end and cap[d] > 0:
@@ -384,7 +388,7 @@ class LBSSPolicy(Policy):
     def _draw_ahead(self, view: BatchView, rows: list[RowState], choice: list[int]) -> None:
         """Rows whose next step starts an exploration chunk get that chunk's drafter now."""
         B = view.batch_size
-        nxt = [r for r in rows if self.stage(r.age + 1).chunk_start and self.explores(r.age + 1)]
+        nxt = [r for r in rows if self.stage(r.age + 1).chunk_start and self.explores(r, r.age + 1)]
         cap = [self.capacity(d, B) if view.usable[d] else 0 for d in range(len(self.drafters))]
         for r, d in zip(rows, choice):  # rows still inside a chunk next step keep their slot
             if d != PLAIN and r.chunk_drafter == d and r.chunk_end > r.age + 1:
@@ -401,9 +405,18 @@ class LBSSPolicy(Policy):
             if self.steps_left(r) < 2:  # no later step to switch in
                 continue
             for d in {r.pending, r.runner_up}:
-                if d in idle and self.lag(r, d) >= self.config.prefill_min_tokens:
+                if d not in idle or (d != r.pending and not self._cheap_prefill(r, d)):
+                    continue
+                if self.lag(r, d) >= self.config.prefill_min_tokens:
                     plan.setdefault(d, []).append(b)
         return plan
+
+    def _cheap_prefill(self, row: RowState, drafter: int) -> bool:
+        """A runner-up may never be switched to: pre-fill it only when that costs at most a step of
+        the row (an idle drafter is not free where drafters and the target share the device)."""
+        arm, pooled = row.arms[drafter], self.pooled[drafter]
+        tau = arm.seconds.mean if arm.seconds.n else pooled.seconds.mean if pooled.seconds.n else 0.0
+        return self.catch_up_seconds(drafter) * self.lag(row, drafter) <= tau
 
     def plan(self, view: BatchView) -> Plan:
         plan = super().plan(view)
