@@ -296,8 +296,8 @@ def test_shadow_tokens_hand_built(accepted, proposed, matched, expected):
 
 @pytest.mark.parametrize("capacities", [(2, 2, 2), (1, 2, 3), (4, None, 1)])
 def test_lbss_respects_capacities(capacities):
-    s = sim(seed=3)
-    policy = s.start(lbss(seed=3, capacities=capacities))
+    s = sim(seed=1)
+    policy = s.start(lbss(seed=1, capacities=capacities))
     s.run(policy, 200)
     for plan in s.trace.plans:
         served = collections.Counter(d for ds in plan.drafters for d in ds)
@@ -352,6 +352,42 @@ def test_lbss_learns_the_catch_up_cost_and_prefills_idle_model_drafters():
                 prefills += 1
                 useful += s.trace.plans[step + 1].drafters[b] == (d,)  # it serves the row next step
     assert prefills >= 10 and useful >= 10, (prefills, useful)
+
+
+def test_lbss_warm_rows_skip_explorations_they_cannot_amortise():
+    """Warm (an ended request informs the model), a row re-measures every drafter only in an epoch
+    whose exploitation stage is at least alpha steps long and that the request may still finish;
+    cold, it explores every stage whatever its room."""
+    policy = lbss(seed=0, alpha=2, beta=1)
+    policy.bind([DrafterInfo(str(i), "model", i + 1, True) for i in range(2)])
+    epoch2 = policy.alpha + 2  # age at which epoch 2's exploration starts (2^2 >= alpha = 2)
+    assert policy.stage(epoch2).explore and policy.stage(epoch2).epoch == 2
+
+    def explores(room: int, warm: bool) -> bool:
+        if warm:
+            policy.goodputs.start(100)
+            policy.goodputs.add(100, 0, 10.0)
+            policy.goodputs.end(100)
+        view = BatchView([1], [20], [epoch2], [True, True], 0, [room])
+        policy.start_rows(view, [0])
+        return policy.explores(policy._row(view, 0), epoch2)
+
+    assert explores(room=1, warm=False)  # cold: explores even with one token left
+    assert explores(room=100, warm=True)
+    assert not explores(room=2, warm=True)  # one or two steps left: the epoch's 6 steps do not fit
+
+
+def test_lbss_prefills_a_runner_up_only_when_cheap():
+    policy = LBSSPolicy(FixedLength(K), LBSSConfig(switch_cost=1e-3))
+    policy.bind([DrafterInfo("a", "model", 1, True), DrafterInfo("b", "model", 2, True)])
+    view = BatchView([0], [4000], [0], [True, True], 0)
+    policy.start_rows(view, [0])
+    row = policy.rows[0]
+    row.arms[1].seconds.add(0.01)  # a step of the row takes 10 ms
+    row.arms[1].synced = 4000 - 6  # 5 tokens behind: 5 ms to catch up
+    assert policy._cheap_prefill(row, 1)
+    row.arms[1].synced = 0  # 3999 tokens behind: 4 s
+    assert not policy._cheap_prefill(row, 1)
 
 
 def test_lbss_switching_cost_keeps_a_row_on_its_drafter():

@@ -18,8 +18,10 @@ goodput learned across requests, so a new request starts from what earlier reque
   requests still explore).
 - sigma_d: step-to-step noise within a row.
 
-The prediction for (row, d) is the Gaussian posterior of a_row + b_d + e_row,d given the row's
-own n steps with d: mean and standard deviation, in log goodput. `None` for a drafter no request
+The prediction for (row, d) is the Gaussian posterior of a_row + b_d + c_d (x_row - x_d) + e_row,d:
+a_row from the row's *other* drafters (each weighed by how much it varies between requests and how
+often the row measured it) and the spread of a over requests; then the row's own n steps with d.
+Mean and standard deviation, in log goodput. `None` for a drafter no request
 has measured yet. Rows are kept after they end (the last `history` of them): they are the evidence.
 """
 
@@ -32,6 +34,9 @@ from .estimates import RunningMean
 
 # Alternating least-squares sweeps for a and b: the fit starts from the last one, so a few suffice.
 SWEEPS = 4
+# Prior sd of the request effect a_row in log goodput: requests differ ~2.7x in speed (prompt length
+# sets the verify cost) before any is measured.
+PRIOR_REQUEST_SPREAD = 1.0
 
 
 class GoodputModel:
@@ -45,6 +50,7 @@ class GoodputModel:
         self.c = [0.0] * num_drafters  # slope of log goodput in x_row, per drafter
         self.x: dict[int, float] = {}  # row id -> log(prompt length), for rows that gave one
         self.x_mean: list[float] = [0.0] * num_drafters  # x_d
+        self.a_mean, self.a_var = 0.0, PRIOR_REQUEST_SPREAD**2  # a over requests
         self.tau2 = [prior_spread**2] * num_drafters
         self.sigma2 = [prior_noise**2] * num_drafters
         self.stale = True
@@ -107,6 +113,10 @@ class GoodputModel:
             for r, ds in seen.items():
                 a[r] = sum(self.rows[r][d].mean - self._expected(d, x[r]) for d in ds) / len(ds)
         self.a = a
+        # The spread of a over requests, around their mean (PRIOR_REQUEST_SPREAD behind prior_rows pseudo-rows).
+        self.a_mean = sum(a.values()) / len(a) if a else 0.0
+        sq = sum((v - self.a_mean) ** 2 for v in a.values())
+        self.a_var = (sq + self.prior_rows * PRIOR_REQUEST_SPREAD**2) / (len(a) + self.prior_rows)
         # tau_d: spread of e over rows that measured d and at least one other drafter. A row's m
         # residuals sum to zero, which shrinks each by (m - 1) / m on average: scaled back up.
         w0 = self.prior_rows
@@ -127,14 +137,6 @@ class GoodputModel:
         b = self.b[drafter]
         return b + (self.c[drafter] * (x - self.x_mean[drafter]) if x is not None else 0.0)
 
-    def _prior(self, row_id: int, drafter: int) -> float | None:
-        """a_row + b_d + c_d (x_row - x_d), the log goodput expected before the row's own steps with d;
-        None if never measured."""
-        self.fit()
-        if self.b[drafter] is None:
-            return None
-        return self.row_effect(row_id) + self._expected(drafter, self.x.get(row_id))
-
     def expected_goodput(self, row_id: int, drafter: int) -> float | None:
         """Expected goodput (tokens/s) of the next step of `drafter` on `row_id`: the log-normal mean
         exp(m + (s^2 + sigma_d^2) / 2) of the posterior (m, s) (`predict`) and the step noise. Before
@@ -143,19 +145,33 @@ class GoodputModel:
         p = self.predict(row_id, drafter)
         return None if p is None else math.exp(p[0] + (p[1] ** 2 + self.sigma2[drafter]) / 2)
 
-    def row_effect(self, row_id: int) -> float:
-        """a_row; for a row with no measurement yet, the mean over rows (an average request)."""
-        if row_id in self.a:
-            return self.a[row_id]
-        return sum(self.a.values()) / len(self.a) if self.a else 0.0
+    def row_effect(self, row_id: int, exclude: int | None = None) -> tuple[float, float]:
+        """Posterior (mean, variance) of a_row from the row's drafters other than `exclude`: drafter
+        d measured n times says a_row = mean - b_d - c_d (x_row - x_d), give or take
+        tau_d^2 + sigma_d^2 / n; combined with the spread of a over requests around their mean (an
+        average request when nothing else is known). Leaving the predicted drafter out keeps its own
+        steps from counting twice (in a_row and again as data), and a drafter whose effect varies
+        a lot between requests (prompt lookup) says little about a_row."""
+        self.fit()
+        precision, total = 1.0 / self.a_var, self.a_mean / self.a_var
+        x = self.x.get(row_id)
+        for d, stats in enumerate(self.rows.get(row_id, [])):
+            if d != exclude and stats.n and self.b[d] is not None:
+                v = self.tau2[d] + self.sigma2[d] / stats.n
+                precision += 1.0 / v
+                total += (stats.mean - self._expected(d, x)) / v
+        return total / precision, 1.0 / precision
 
     def predict(self, row_id: int, drafter: int) -> tuple[float, float] | None:
-        """Posterior (mean, sd) of log goodput of `drafter` on `row_id`; None if never measured."""
-        prior = self._prior(row_id, drafter)
-        if prior is None:
+        """Posterior (mean, sd) of log goodput of `drafter` on `row_id`: the prior a_row + b_d +
+        c_d (x_row - x_d), a_row from the row's other drafters (`row_effect`), with variance
+        var(a_row) + tau_d^2, updated by the row's own n steps with d. None if never measured."""
+        self.fit()
+        if self.b[drafter] is None:
             return None
-        tau2, sigma2 = self.tau2[drafter], self.sigma2[drafter]
+        a, a_var = self.row_effect(row_id, exclude=drafter)
+        prior, prior_var = a + self._expected(drafter, self.x.get(row_id)), a_var + self.tau2[drafter]
         stats = self.rows.get(row_id)
         n, mean = (stats[drafter].n, stats[drafter].mean) if stats is not None else (0, 0.0)
-        precision = 1.0 / tau2 + n / sigma2
-        return (prior / tau2 + n * mean / sigma2) / precision, precision**-0.5
+        precision = 1.0 / prior_var + n / self.sigma2[drafter]
+        return (prior / prior_var + n * mean / self.sigma2[drafter]) / precision, precision**-0.5
