@@ -289,9 +289,13 @@ class LBSSPolicy(Policy):
         s = self.catch_up_seconds(drafter) * self.lag(row, drafter)
         if s <= 0 or goodput <= 0:
             return 0.0
-        arm, pooled = row.arms[drafter], self.pooled[drafter]
-        tau = arm.seconds.mean if arm.seconds.n else pooled.seconds.mean if pooled.seconds.n else 1.0 / goodput
+        tau = self.step_seconds(row, drafter) or 1.0 / goodput
         return goodput * s / (s + max(horizon, 1) * tau)
+
+    def step_seconds(self, row: RowState, drafter: int) -> float | None:
+        """The row's step time with `drafter`: its own mean, else the mean over rows; None before any."""
+        arm, pooled = row.arms[drafter], self.pooled[drafter]
+        return arm.seconds.mean if arm.seconds.n else pooled.seconds.mean if pooled.seconds.n else None
 
     # --- selection -----------------------------------------------------------------------------
 
@@ -414,9 +418,7 @@ class LBSSPolicy(Policy):
     def _cheap_prefill(self, row: RowState, drafter: int) -> bool:
         """A runner-up may never be switched to: pre-fill it only when that costs at most a step of
         the row (an idle drafter is not free where drafters and the target share the device)."""
-        arm, pooled = row.arms[drafter], self.pooled[drafter]
-        tau = arm.seconds.mean if arm.seconds.n else pooled.seconds.mean if pooled.seconds.n else 0.0
-        return self.catch_up_seconds(drafter) * self.lag(row, drafter) <= tau
+        return self.catch_up_seconds(drafter) * self.lag(row, drafter) <= (self.step_seconds(row, drafter) or 0.0)
 
     def plan(self, view: BatchView) -> Plan:
         plan = super().plan(view)
