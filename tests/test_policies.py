@@ -290,8 +290,9 @@ def test_lbss_measures_model_free_drafters_by_shadow_drafts():
     ],
 )
 def test_shadow_tokens_hand_built(accepted, proposed, matched, expected):
-    feedback = StepFeedback([0], Plan([(0,)], [5]), [5], [accepted], [{0: 5}], [{0: accepted}], [0.0, 0.0], 0.1, [{1: proposed}], [{1: matched}])
-    assert LBSSPolicy.shadow_tokens(feedback, 0, Arm(), proposed, matched) == pytest.approx(expected)
+    arm = Arm()
+    arm.count(matched, proposed, accepted + 1)  # the step's own evidence, as `update` records it first
+    assert LBSSPolicy.shadow_tokens(arm, accepted + 1, proposed, matched) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("capacities", [(2, 2, 2), (1, 2, 3), (4, None, 1)])

@@ -140,7 +140,7 @@ class GoodputModel:
     def expected_goodput(self, row_id: int, drafter: int) -> float | None:
         """Expected goodput (tokens/s) of the next step of `drafter` on `row_id`: the log-normal mean
         exp(m + (s^2 + sigma_d^2) / 2) of the posterior (m, s) (`predict`) and the step noise. Before
-        the row's own steps with d: exp(a_row + b_d + c_d (x_row - x_d) + (tau_d^2 + sigma_d^2) / 2).
+        the row's own steps with d: exp(a_row + b_d + c_d (x_row - x_d) + (var(a_row) + tau_d^2 + sigma_d^2) / 2).
         None if never measured."""
         p = self.predict(row_id, drafter)
         return None if p is None else math.exp(p[0] + (p[1] ** 2 + self.sigma2[drafter]) / 2)

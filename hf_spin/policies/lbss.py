@@ -42,8 +42,9 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   beats g_plain, the estimated goodput of a plain step (the verify-cost fit at zero drafts). It is
   probed again in the next exploration stage, which comes after an exploitation stage twice as
   long as the last: when drafting never pays, the row decodes plainly in all but O(alpha log T)
-  of T steps. Exploration stages are never skipped and the long ones re-measure every drafter, so
-  one unlucky early estimate cannot lock a row out of a drafter.
+  of T steps. Cold, exploration stages are never skipped and each re-measures every drafter, so
+  one unlucky early estimate cannot lock a row out of a drafter; warm, a request skips the stages
+  it is too short to amortise, so a short request decoding plainly is not probed again.
 - Shadow drafts (`shadow`): a drafter without parameters (prompt lookup) costs next to nothing to
   run, so it drafts every row it does not serve (`Plan.shadow`), unverified, and is never given an
   exploration chunk. Its would-be reward on the row: the tokens the step would have committed
@@ -141,8 +142,14 @@ class Arm:
     seconds: RunningMean = field(default_factory=RunningMean)  # the row's step time with it
     tries: int = 0  # exploration chunks drawn
     synced: int = 0  # committed tokens whose KV the drafter holds for the row (0: none yet)
-    hits: int = 0  # shadow-draft tokens that matched the committed ones
-    misses: int = 0  # shadow drafts that stopped matching within the committed tokens
+    hits: int = 0  # draft tokens that matched the committed ones (served or shadow)
+    misses: int = 0  # drafts that stopped matching within the committed tokens
+
+    def count(self, matched: int, proposed: int, committed: int) -> None:
+        """Per-token acceptance evidence of one draft: its matched tokens are hits; it missed when it
+        stopped matching before its own end and before the committed tokens ran out (else censored)."""
+        self.hits += matched
+        self.misses += matched < min(proposed, committed)
 
 
 @dataclass
@@ -461,18 +468,20 @@ class LBSSPolicy(Policy):
             if t <= 0:
                 continue
             self._observe(r, d, (feedback.accepted[b] + 1) / t, t)
-            r.arms[d].hits += feedback.accepted[b]
-            r.arms[d].misses += feedback.accepted[b] < feedback.drafted[b]
+            r.arms[d].count(feedback.accepted[b], feedback.drafted[b], feedback.accepted[b] + 1)
         # 3. Shadow drafts: what a model-free drafter would have got on the rows it did not serve.
         for b, r in enumerate(rows):
             if r is None:
                 continue
-            r.tokens.add(feedback.accepted[b] + 1)
-            self.tokens_per_step.add(feedback.accepted[b] + 1)
+            committed = feedback.accepted[b] + 1
+            r.tokens.add(committed)
+            self.tokens_per_step.add(committed)
             for d, proposed in (feedback.shadow_proposed[b] if feedback.shadow_proposed else {}).items():
+                matched = feedback.shadow_matched[b][d]
+                r.arms[d].count(matched, proposed, committed)
                 t = self.shadow_seconds(feedback, b, d, proposed)
                 if t > 0:
-                    self._observe(r, d, self.shadow_tokens(feedback, b, r.arms[d], proposed, feedback.shadow_matched[b][d]) / t, t)
+                    self._observe(r, d, self.shadow_tokens(r.arms[d], committed, proposed, matched) / t, t)
 
     def _observe(self, row: RowState, drafter: int, goodput: float, seconds: float) -> None:
         self.goodputs.add(row.row_id, drafter, goodput)
@@ -480,16 +489,12 @@ class LBSSPolicy(Policy):
             arm.seconds.add(seconds)
 
     @staticmethod
-    def shadow_tokens(feedback: StepFeedback, b: int, arm: Arm, proposed: int, matched: int) -> float:
+    def shadow_tokens(arm: Arm, committed: int, proposed: int, matched: int) -> float:
         """Tokens a step would have committed had the shadow draft been verified (greedy: exact unless
         censored). Censored (every committed token matched, more were proposed): the rest follows the
         row's per-token acceptance for the drafter, hits / (hits + misses), the censored geometric's
         estimate (Laplace-smoothed)."""
-        committed = feedback.accepted[b] + 1
-        censored = matched == committed < proposed
-        arm.hits += matched
-        arm.misses += matched < proposed and not censored
-        if not censored:
+        if not matched == committed < proposed:
             return matched + 1.0
         alpha = (arm.hits + 1) / (arm.hits + arm.misses + 2)
         more = proposed - matched
