@@ -513,6 +513,7 @@ class SpinEngine:
                     shadow_matched=shadow_matched,
                     draft_seconds=p.draft_seconds,
                     verify_seconds=verify_seconds,
+                    padded=not isinstance(self.cache, PackedCache),
                 )
             )
         self.steps += 1

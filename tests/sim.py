@@ -11,7 +11,7 @@ It runs generation.py's steps 3-7 on made-up numbers: plan -> drafts (and shadow
 - Time: draft seconds of drafter d = forward_seconds x (largest k it serves) + token_seconds x
   (sum of k over its rows) + catch_up_seconds x (tokens fed to its cache: the new tail of each row
   it serves, or everything since it last served the row); verify seconds = base + per_token x
-  (tokens verified). Every time is multiplied by a seeded log-normal noise.
+  (tokens verified)^power. Every time is multiplied by a seeded log-normal noise.
 - Caches: per (row, drafter) the number of committed tokens the drafter holds, rolled back to the
   accepted prefix after each draft, as `ModelDrafter._catch_up` does.
 """
@@ -46,10 +46,11 @@ class SimDrafter:
 @dataclass(frozen=True)
 class SimVerify:
     base: float  # seconds of a verify forward with no tokens
-    per_token: float  # seconds per token verified
+    per_token: float  # seconds per token verified (per token^power)
+    power: float = 1.0  # < 1: concave in the tokens verified, as measured on a CPU
 
     def seconds(self, n_tokens: float) -> float:
-        return self.base + self.per_token * n_tokens
+        return self.base + self.per_token * n_tokens**self.power
 
 
 @dataclass

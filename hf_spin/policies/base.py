@@ -84,10 +84,18 @@ class StepFeedback:
     # a cheap drafter. Matched == committed tokens < proposed means the rest is unknown (censored).
     shadow_proposed: list[dict[int, int]] = field(default_factory=list)  # [B] drafter -> tokens it shadow-proposed
     shadow_matched: list[dict[int, int]] = field(default_factory=list)  # [B] drafter -> how many match the committed tokens
+    padded: bool = False  # the verify forward pads every row to the longest draft (rectangular cache), else packs them
 
     @property
     def batch_size(self) -> int:
         return len(self.row_ids)
+
+    def verified_tokens(self, drafted: list[int] | None = None) -> int:
+        """Token positions the verify forward ran over with these draft lengths ([B], default: the
+        step's): B x (1 + longest draft) when rows are padded to the longest, else B + the drafts."""
+        drafted = self.drafted if drafted is None else drafted
+        B = len(drafted)
+        return B * (1 + max(drafted, default=0)) if self.padded else B + sum(drafted)
 
     def row_seconds(self, b: int) -> float:
         """Row b's share of the step: its drafters' time split over the rows they served, plus 1/B of verification."""

@@ -10,6 +10,7 @@ ones before it were), E(k) = (1 - alpha^(k+1)) / (1 - alpha) = expected tokens p
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -24,9 +25,13 @@ COST_DECAY = 0.98
 # Prior elasticity of verify time in tokens verified (d log t / d log N), used while N has barely
 # varied and the slope cannot be measured. GPUs verify a few tokens per row at nearly the cost of
 # one (memory-bound, elasticity ~0.1 on the packaged models), CPUs closer to proportionally (~0.8);
-# 0.2 leans to the GPU, and errs toward *under*-estimating plain decoding's speed on a CPU, so the
-# never-slower guard then keeps drafting rather than dropping a drafter that pays.
+# 0.2 leans to the GPU. Plain decoding's speed is not taken from this fit once a plain step has been
+# measured (`CostModel.plain_goodput`): extrapolated to N = B it can be far off either way.
 VERIFY_ELASTICITY_PRIOR = 0.2
+# How far (in log seconds) the verify fit at N = B may sit from measured plain steps before the
+# measurement replaces it: about twice the step-to-step timing noise of one measured step (~7% on a
+# CPU), so a lone noisy plain step does not override the fit, but a fit off by 40% is not trusted.
+PLAIN_FIT_TOLERANCE = 0.15
 # Weight of that prior, in squared units of the mean N (scale-free): a few steps at other N
 # (rows finishing, rows decoding plainly, adaptive k) override it.
 VERIFY_PRIOR_WEIGHT = 0.02
@@ -146,7 +151,10 @@ class DraftObservation:
 class CostModel:
     """Step costs learned from `StepFeedback`.
 
-    verify: per batch-size bucket and overall, t_verify(N) (see `VerifyFit`).
+    verify: per batch-size bucket and overall, t_verify(N) (see `VerifyFit`; N = the token positions
+    the forward ran, `StepFeedback.verified_tokens`); and, per bucket, the measured seconds of steps
+    that drafted nothing (N = B): plain decoding measured, for when the fit extrapolated to N = B is
+    off (at batch 4 on a CPU it made plain decoding ~40% slower than measured).
     draft: per drafter, seconds = f * forwards + t * row_tokens + c * switch_tokens (decayed least
     squares, clamped >= 0); c is the per-token catch-up cost that a drafter switch pays.
     """
@@ -154,13 +162,20 @@ class CostModel:
     def __init__(self, num_drafters: int):
         self.verify_by_bucket: dict[int, VerifyFit] = defaultdict(VerifyFit)
         self.verify_all = VerifyFit()
+        self.plain: dict[int, DecayedMean] = defaultdict(DecayedMean)  # bucket -> seconds of its plain steps (flat in B on the packaged models)
+        self.plain_age: dict[int, float] = {}  # bucket -> its steps since the last plain one (inf: none yet)
         self.draft = [DecayedLeastSquares(3) for _ in range(num_drafters)]
 
     def update(self, feedback: StepFeedback, switch_tokens: list[float] | None = None) -> None:
         B = feedback.batch_size
-        n_tokens = B + sum(feedback.drafted)
+        n_tokens = feedback.verified_tokens()
         self.verify_by_bucket[bucket(B)].add(n_tokens, feedback.verify_seconds)
         self.verify_all.add(n_tokens, feedback.verify_seconds)
+        if n_tokens == B:
+            self.plain[bucket(B)].add(feedback.verify_seconds)
+            self.plain_age[bucket(B)] = 0
+        else:
+            self.plain_age[bucket(B)] = self.plain_age.get(bucket(B), float("inf")) + 1
         for d, seconds in enumerate(feedback.draft_seconds[: len(self.draft)]):
             ks = [k for ds, k in zip(feedback.plan.drafters, feedback.plan.k) if d in ds and k > 0]
             extra = switch_tokens[d] if switch_tokens else 0.0
@@ -175,9 +190,25 @@ class CostModel:
         return fit.predict(n_tokens)
 
     def plain_goodput(self, batch_size: int) -> float | None:
-        """Tokens per second of one row under plain decoding: 1 / (t_verify(N = B) / B)."""
+        """Tokens per second of one row under plain decoding: B / (seconds of a plain step). The step
+        from the verify fit at N = B (it averages every step), unless plain steps measured at this
+        batch-size bucket put it off by more than PLAIN_FIT_TOLERANCE (then it is extrapolating
+        wrongly, and the measurement is taken); None before any step."""
         t = self.verify_seconds(batch_size, batch_size)
+        measured = self.plain.get(bucket(batch_size))
+        if measured is not None and measured.weight > 0 and measured.mean > 0:
+            if t is None or t <= 0 or abs(math.log(t / measured.mean)) > PLAIN_FIT_TOLERANCE:
+                t = measured.mean
         return batch_size / t if t and t > 0 else None
+
+    def steps_without_plain(self, batch_size: int) -> float:
+        """Steps at this batch-size bucket since the last plain one (inf: none yet)."""
+        return self.plain_age.get(bucket(batch_size), float("inf"))
+
+    def knows_catch_up(self, drafter: int) -> bool:
+        """Whether `drafter`'s draft cost fit has had as many observations as it has terms (3), so
+        its catch-up cost is identified."""
+        return self.draft[drafter].count >= 3
 
     def catch_up_seconds(self, drafter: int) -> float:
         """Seconds per token that `drafter` spends catching up a row it did not serve."""

@@ -22,7 +22,12 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   stage is at least alpha steps long (2^e >= alpha), and exploits through the earlier ones. A request
   too short to amortise re-measuring every drafter (tens of steps) then starts on the drafter the
   posterior expects best for it (its prompt length included) and leaves it when its own steps pull
-  that drafter's posterior below another's.
+  that drafter's posterior below another's. Warm, a drafter whose catch-up on the row cannot pay
+  for itself in the steps left (`pays_off`: a long prompt late in a request) is explored only as a
+  last resort, and a row with no other drafter to explore exploits instead.
+- Rewards leave out a step whose catch-up share cannot be taken out yet (the drafter's cost fit has
+  fewer observations than terms): a first step that paid a whole prompt's catch-up would otherwise
+  stay in the row's mean as a goodput ten times too low.
 - Exploitation: each step, a maximum-weight matching (`scipy.optimize.linear_sum_assignment`) of the
   rows to the free drafter slots, and to plain decoding (unlimited slots), on
 
@@ -39,12 +44,18 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   over T steps: g - T g tau / (T tau + s).
   Exploitation stages grow as 2^e, so exploration costs O(alpha log T) steps: regret is sublinear.
 - Never slower: while exploiting, a row is matched to plain decoding when no drafter's estimate
-  beats g_plain, the estimated goodput of a plain step (the verify-cost fit at zero drafts). It is
-  probed again in the next exploration stage, which comes after an exploitation stage twice as
-  long as the last: when drafting never pays, the row decodes plainly in all but O(alpha log T)
-  of T steps. Cold, exploration stages are never skipped and each re-measures every drafter, so
-  one unlucky early estimate cannot lock a row out of a drafter; warm, a request skips the stages
-  it is too short to amortise, so a short request decoding plainly is not probed again.
+  beats g_plain, the goodput of a plain step: measured on steps that drafted nothing, else the
+  verify-cost fit at zero drafts. That fit, extrapolated from steps that verified several tokens
+  a row, can be far off (on a CPU it made plain decoding look ~40% slower than it was at batch
+  4), so a plain probe (`plain_probe`) decodes a whole step plainly when its batch-size bucket
+  has gone that many steps without a plain one and no row is exploring: always the bucket's first,
+  later ones only when every row's best drafter is within PROBE_MARGIN of the measured g_plain
+  (the decision is close and the probe costs little). A probe takes a step of each row's schedule. A row decoding plainly tries the drafters again in the next
+  exploration stage, which comes after an exploitation stage twice as long as the last: when
+  drafting never pays, the row decodes plainly in all but O(alpha log T) of T steps. Cold,
+  exploration stages are never skipped and each re-measures every drafter, so one unlucky early
+  estimate cannot lock a row out of a drafter; warm, a request skips the stages it is too short
+  to amortise, so a short request decoding plainly is not probed again.
 - Shadow drafts (`shadow`): a drafter without parameters (prompt lookup) costs next to nothing to
   run, so it drafts every row it does not serve (`Plan.shadow`), unverified, and is never given an
   exploration chunk. Its would-be reward on the row: the tokens the step would have committed
@@ -53,12 +64,13 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   censored geometric) over the row's verify share rescaled by the verify fit to that draft length.
 - Fast switching: `Plan.prefill` names, for each idle model drafter, the rows it is likely to serve
   next (the next exploration chunk, drawn a step ahead; an exploiting row's runner-up within
-  `prefill_margin`, when catching it up costs at most one of the row's steps), when it lags by at
+  `prefill_margin`, when catching it up costs at most that fraction of a step), when it lags by at
   least `prefill_min_tokens` and the request has a step left.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -74,6 +86,10 @@ NO_PLAIN = -1e18  # weight of a plain slot when plain decoding is not an option 
 SHADOWED = -1e6  # exploration weight of a drafter measured by shadow drafts: taken only when no other slot is left
 PRIOR_ROWS = 2.0  # pseudo-requests behind prior_spread in the spread estimate: a few requests override it
 PRIOR_NOISE = 0.5  # prior step-to-step sd of log goodput (accepted + 1 in 1..k+1: logs spread ~0.5)
+# A repeat plain probe is worth a step only where a new measurement could overturn the rows' choices
+# and costs them little: a batch with a row whose best drafter leads the measured plain goodput by
+# more than half is not probed again (the measurement drifts with context length by far less).
+PROBE_MARGIN = 0.5
 PREFILL_KINDS = frozenset({"model", "translation"})  # drafters that keep a per-row cache to pre-fill
 
 
@@ -93,7 +109,8 @@ class LBSSConfig:
     capacities: tuple[int | None, ...] | None = None  # B_j: most rows drafter j serves in one step (memory, latency); None: unlimited
     switch_cost: float | tuple[float, ...] | None = None  # seconds per token a drafter spends catching up a row; None: learned
     never_slower: bool = True  # exploiting, decode a row plainly when no drafter's estimated goodput beats plain decoding's
-    prefill_margin: float = 0.1  # pre-fill an exploiting row's runner-up drafter when within this fraction of the best
+    plain_probe: int | None = 32  # never_slower: a whole plain step once a batch-size bucket went this many steps without one (None: never)
+    prefill_margin: float = 0.1  # pre-fill an exploiting row's runner-up drafter when within this fraction of the best (and its catch-up within this fraction of a step)
     prefill_min_tokens: int = 8  # ...and only when it lags this many tokens: a forward for 1-2 tokens costs more than it saves
     prior_spread: float = 0.3  # prior sd over requests of a drafter's log goodput around its mean (0.3: +-35%)
     history: int = 64  # ended requests whose measurements the estimates keep
@@ -118,6 +135,8 @@ class LBSSConfig:
             check_float(owner, "switch_cost", c, 0.0, float("inf"), open_high=True)
         if not isinstance(self.never_slower, bool):
             raise ValueError(f"{owner}.never_slower must be True or False, got {self.never_slower!r}")
+        if self.plain_probe is not None:
+            check_int(owner, "plain_probe", self.plain_probe, 1)
         check_float(owner, "prefill_margin", self.prefill_margin, 0.0, 1.0, open_high=True)
         check_int(owner, "prefill_min_tokens", self.prefill_min_tokens, 1)
         check_float(owner, "prior_spread", self.prior_spread, 0.0, 10.0, open_low=True)
@@ -251,12 +270,29 @@ class LBSSPolicy(Policy):
 
     def explores(self, row: RowState, age: int) -> bool:
         """Whether the row explores at this age: in an exploration stage, and cold, or warm in an
-        epoch whose exploitation stage is at least as long as a full exploration (2^e >= alpha) and
-        that the request may still finish (what it measures must have steps left to pay off)."""
+        epoch whose exploitation stage is at least as long as a full exploration (2^e >= alpha),
+        that the request may still finish (what it measures must have steps left to pay off), and
+        with a drafter to explore whose catch-up can pay off (`pays_off`)."""
         st = self.stage(age)
         if not st.explore:
             return False
-        return not self.goodputs.warm or (2**st.epoch >= self.alpha and self.steps_left(row) >= st.epoch_end - age)
+        if not self.goodputs.warm:
+            return True
+        if 2**st.epoch < self.alpha or self.steps_left(row) < st.epoch_end - age:
+            return False
+        return any(self.pays_off(row, d) for d in range(len(self.drafters)) if not self.shadowed[d])
+
+    def pays_off(self, row: RowState, drafter: int) -> bool:
+        """Warm: whether catching `drafter` up on the row (seconds s = c_d x lag) can pay for itself:
+        s at most what a drafter one prior spread faster than expected would save over the steps the
+        row has left, steps_left x tau x (e^spread - 1). A model drafter explored on a long prompt
+        late in a request costs a prefill of the prompt (6.7 s for Qwen2.5-0.5B on a 740-token
+        retrieval prompt, on a CPU) for a few steps of use."""
+        s = self.catch_up_seconds(drafter) * self.lag(row, drafter)
+        tau = self.step_seconds(row, drafter)
+        if s <= 0 or tau is None:
+            return True
+        return s <= self.steps_left(row) * tau * (math.exp(self.config.prior_spread) - 1)
 
     def steps_left(self, row: RowState) -> float:
         """Steps the row may still take: its room over the tokens it has committed per step (inf: no limit known)."""
@@ -278,8 +314,10 @@ class LBSSPolicy(Policy):
 
     def explore_weights(self, row: RowState, drafters: list[int]) -> list[float]:
         """Exploration value of each drafter for the row's next chunk: least-tried on the row first;
-        a drafter measured by its shadow drafts only as a slot of last resort."""
-        return [SHADOWED if self.shadowed[d] else -row.arms[d].tries for d in drafters]
+        a drafter measured by its shadow drafts, or (warm) whose catch-up cannot pay off, only as a
+        slot of last resort."""
+        warm = self.goodputs.warm
+        return [SHADOWED if self.shadowed[d] or (warm and not self.pays_off(row, d)) else -row.arms[d].tries for d in drafters]
 
     def catch_up_seconds(self, drafter: int) -> float:
         """Seconds per token of catch-up for `drafter` (configured, or learned from feedback)."""
@@ -314,6 +352,11 @@ class LBSSPolicy(Policy):
         choice: list[int | None] = [None] * B
         for r in rows:
             r.runner_up = None  # set again if the row is matched this step
+        if self.probes_plain(view, rows):
+            self._prefill = {}
+            for r in rows:
+                r.age += 1  # the probe takes this step of the row's schedule
+            return [()] * B
 
         def take(b: int, d: int) -> None:
             choice[b] = d
@@ -357,6 +400,22 @@ class LBSSPolicy(Policy):
         for r in rows:
             r.age += 1
         return [() if d == PLAIN else (d,) for d in choice]
+
+    def probes_plain(self, view: BatchView, rows: list[RowState]) -> bool:
+        """Whether this step is a plain probe (see `LBSSConfig.plain_probe`): due at the batch-size
+        bucket, no row exploring, and either the bucket's first (plain decoding never measured at
+        this batch size) or every row's best drafter within PROBE_MARGIN of the measured plain
+        goodput (a repeat probe then costs each row at most that margin)."""
+        c, B = self.config, view.batch_size
+        if not c.never_slower or c.plain_probe is None or self.costs.steps_without_plain(B) < c.plain_probe:
+            return False
+        if any(self.explores(r, r.age) for r in rows):  # an exploration chunk is not interrupted
+            return False
+        if self.costs.steps_without_plain(B) == float("inf"):
+            return True  # the bucket's first: the fit's g_plain may be off by any amount
+        g_plain = self.costs.plain_goodput(B)
+        usable = [d for d in range(len(self.drafters)) if view.usable[d]]
+        return all(max((self.estimate(r, d) for d in usable), default=0.0) < (1 + PROBE_MARGIN) * g_plain for r in rows)
 
     def _draw(self, rows: list[RowState], cap: list[int]) -> list[int | None]:
         """Rows -> free drafter slots for their next exploration chunks, maximising the exploration
@@ -423,9 +482,12 @@ class LBSSPolicy(Policy):
         return plan
 
     def _cheap_prefill(self, row: RowState, drafter: int) -> bool:
-        """A runner-up may never be switched to: pre-fill it only when that costs at most a step of
-        the row (an idle drafter is not free where drafters and the target share the device)."""
-        return self.catch_up_seconds(drafter) * self.lag(row, drafter) <= (self.step_seconds(row, drafter) or 0.0)
+        """A runner-up may never be switched to: pre-fill it only when that costs at most
+        `prefill_margin` of a step of the row, the most a step on it could gain (an idle drafter is
+        not free where drafters and the target share the device: on a CPU at batch 4, pre-fills of
+        runner-ups cost 0.3-0.6 s each, a step or more of the whole batch, and were rarely used)."""
+        step = self.step_seconds(row, drafter) or 0.0
+        return self.catch_up_seconds(drafter) * self.lag(row, drafter) <= self.config.prefill_margin * step
 
     def plan(self, view: BatchView) -> Plan:
         plan = super().plan(view)
@@ -463,12 +525,14 @@ class LBSSPolicy(Policy):
             if r is None or len(plan.drafters[b]) != 1 or plan.k[b] == 0:
                 continue
             d = plan.drafters[b][0]
+            r.arms[d].count(feedback.accepted[b], feedback.drafted[b], feedback.accepted[b] + 1)
+            if switch[d] > 0 and self.config.switch_cost is None and not self.costs.knows_catch_up(d):
+                continue  # its catch-up share cannot be taken out yet: one such reward skewed a row for good
             t = feedback.row_seconds(b) - self.catch_up_seconds(d) * switch[d] / max(served[d], 1)
             t = max(t, feedback.verify_seconds / max(feedback.batch_size, 1))
             if t <= 0:
                 continue
             self._observe(r, d, (feedback.accepted[b] + 1) / t, t)
-            r.arms[d].count(feedback.accepted[b], feedback.drafted[b], feedback.accepted[b] + 1)
         # 3. Shadow drafts: what a model-free drafter would have got on the rows it did not serve.
         for b, r in enumerate(rows):
             if r is None:
@@ -504,9 +568,8 @@ class LBSSPolicy(Policy):
         """The row's share of the step had it verified `proposed` shadow tokens instead of its draft:
         the measured verify share scaled by the verify fit, plus the drafter's time per row it drafted for."""
         B = feedback.batch_size
-        n_tokens = B + sum(feedback.drafted)
-        actual = self.costs.verify_seconds(B, n_tokens)
-        would = self.costs.verify_seconds(B, n_tokens - feedback.drafted[b] + proposed)
+        actual = self.costs.verify_seconds(B, feedback.verified_tokens())
+        would = self.costs.verify_seconds(B, feedback.verified_tokens([proposed if i == b else k for i, k in enumerate(feedback.drafted)]))
         scale = would / actual if actual and would and actual > 0 else 1.0
         drafted_for = sum(1 for ds in feedback.plan.drafters if drafter in ds) + sum(1 for sp in feedback.shadow_proposed if drafter in sp)
         return feedback.verify_seconds / max(B, 1) * scale + feedback.draft_seconds[drafter] / max(drafted_for, 1)
