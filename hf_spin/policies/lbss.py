@@ -201,6 +201,7 @@ class LBSSPolicy(Policy):
         self.shadowed: list[bool] = []  # [num_drafters] measured by shadow drafts, never explored
         self.tokens_per_step = DecayedMean()  # over all rows: a new row's steps_left until it has its own
         self.alpha = self.config.alpha or self.config.beta
+        self.batch_size = 1  # of the step being planned
         self._prefill: dict[int, list[int]] = {}
 
     # --- set-up --------------------------------------------------------------------------------
@@ -284,15 +285,16 @@ class LBSSPolicy(Policy):
 
     def pays_off(self, row: RowState, drafter: int) -> bool:
         """Warm: whether catching `drafter` up on the row (seconds s = c_d x lag) can pay for itself:
-        s at most what a drafter one prior spread faster than expected would save over the steps the
-        row has left, steps_left x tau x (e^spread - 1). A model drafter explored on a long prompt
-        late in a request costs a prefill of the prompt (6.7 s for Qwen2.5-0.5B on a 740-token
-        retrieval prompt, on a CPU) for a few steps of use."""
+        s at most the time a drafter one prior spread faster than plain decoding would save over the
+        steps the row has left, steps_left x t x (1 - e^-spread), t = the row's share of a plain
+        step at this batch size (1 / g_plain). A model drafter explored on a long prompt late in a
+        request costs a prefill of the prompt (3-7 s for Qwen2.5-0.5B on a 740-token retrieval
+        prompt, on a CPU) for a few steps of use."""
         s = self.catch_up_seconds(drafter) * self.lag(row, drafter)
-        tau = self.step_seconds(row, drafter)
-        if s <= 0 or tau is None:
+        g_plain = self.costs.plain_goodput(self.batch_size)
+        if s <= 0 or not g_plain:
             return True
-        return s <= self.steps_left(row) * tau * (math.exp(self.config.prior_spread) - 1)
+        return s <= self.steps_left(row) / g_plain * (1 - math.exp(-self.config.prior_spread))
 
     def steps_left(self, row: RowState) -> float:
         """Steps the row may still take: its room over the tokens it has committed per step (inf: no limit known)."""
@@ -345,7 +347,7 @@ class LBSSPolicy(Policy):
     # --- selection -----------------------------------------------------------------------------
 
     def select(self, view: BatchView) -> list[tuple[int, ...]]:
-        B = view.batch_size
+        B = self.batch_size = view.batch_size
         rows = [self._row(view, b) for b in range(B)]
         stages = [self.stage(r.age) for r in rows]
         cap = [self.capacity(d, B) if view.usable[d] else 0 for d in range(len(self.drafters))]
