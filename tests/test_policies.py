@@ -628,8 +628,8 @@ def test_verified_tokens_count_the_padding_of_a_rectangular_verify():
 
 def test_plain_goodput_is_measured_where_the_fit_extrapolates_wrongly():
     """Concave verify cost (t = 0.2 s plain at N = 4, 0.5 s at N = 24, as at batch 4 on a CPU): the
-    line through drafted steps alone overestimates a plain step; a measured plain step replaces it
-    when they disagree by more than PLAIN_FIT_TOLERANCE, and not when they agree."""
+    line through drafted steps alone overestimates a plain step; a measured plain step corrects it
+    by the error the line cannot absorb when that exceeds PLAIN_FIT_TOLERANCE, and not otherwise."""
     from hf_spin.policies.estimates import CostModel
 
     concave = CostModel(1)

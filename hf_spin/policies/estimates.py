@@ -28,8 +28,8 @@ COST_DECAY = 0.98
 # 0.2 leans to the GPU. Plain decoding's speed is not taken from this fit once a plain step has been
 # measured (`CostModel.plain_goodput`): extrapolated to N = B it can be far off either way.
 VERIFY_ELASTICITY_PRIOR = 0.2
-# How far (in log seconds) the verify fit at N = B may sit from measured plain steps before the
-# measurement replaces it: about twice the step-to-step timing noise of one measured step (~7% on a
+# How far (in log seconds) the verify fit at N = B may sit from measured plain steps before it is
+# corrected by that bias: about twice the step-to-step timing noise of one measured step (~7% on a
 # CPU), so a lone noisy plain step does not override the fit, but a fit off by 40% is not trusted.
 PLAIN_FIT_TOLERANCE = 0.15
 # Weight of that prior, in squared units of the mean N (scale-free): a few steps at other N
@@ -152,9 +152,9 @@ class CostModel:
     """Step costs learned from `StepFeedback`.
 
     verify: per batch-size bucket and overall, t_verify(N) (see `VerifyFit`; N = the token positions
-    the forward ran, `StepFeedback.verified_tokens`); and, per bucket, the measured seconds of steps
-    that drafted nothing (N = B): plain decoding measured, for when the fit extrapolated to N = B is
-    off (at batch 4 on a CPU it made plain decoding ~40% slower than measured).
+    the forward ran, `StepFeedback.verified_tokens`); and, per bucket, how far steps that drafted
+    nothing (N = B) sat from the fit: its extrapolation error at N = B (at batch 4 on a CPU it made
+    plain decoding ~40% slower than measured).
     draft: per drafter, seconds = f * forwards + t * row_tokens + c * switch_tokens (decayed least
     squares, clamped >= 0); c is the per-token catch-up cost that a drafter switch pays.
     """
@@ -162,7 +162,7 @@ class CostModel:
     def __init__(self, num_drafters: int):
         self.verify_by_bucket: dict[int, VerifyFit] = defaultdict(VerifyFit)
         self.verify_all = VerifyFit()
-        self.plain: dict[int, DecayedMean] = defaultdict(DecayedMean)  # bucket -> seconds of its plain steps (flat in B on the packaged models)
+        self.plain_bias: dict[int, DecayedMean] = defaultdict(DecayedMean)  # bucket -> log(measured / fitted) of its plain steps
         self.plain_age: dict[int, float] = {}  # bucket -> its steps since the last plain one (inf: none yet)
         self.draft = [DecayedLeastSquares(3) for _ in range(num_drafters)]
 
@@ -172,7 +172,9 @@ class CostModel:
         self.verify_by_bucket[bucket(B)].add(n_tokens, feedback.verify_seconds)
         self.verify_all.add(n_tokens, feedback.verify_seconds)
         if n_tokens == B:
-            self.plain[bucket(B)].add(feedback.verify_seconds)
+            fitted = self.verify_seconds(B, B)  # with this step in the fit: the error its line cannot absorb
+            if fitted and fitted > 0 and feedback.verify_seconds > 0:
+                self.plain_bias[bucket(B)].add(math.log(feedback.verify_seconds / fitted))
             self.plain_age[bucket(B)] = 0
         else:
             self.plain_age[bucket(B)] = self.plain_age.get(bucket(B), float("inf")) + 1
@@ -190,16 +192,18 @@ class CostModel:
         return fit.predict(n_tokens)
 
     def plain_goodput(self, batch_size: int) -> float | None:
-        """Tokens per second of one row under plain decoding: B / (seconds of a plain step). The step
-        from the verify fit at N = B (it averages every step), unless plain steps measured at this
-        batch-size bucket put it off by more than PLAIN_FIT_TOLERANCE (then it is extrapolating
-        wrongly, and the measurement is taken); None before any step."""
+        """Tokens per second of one row under plain decoding: B / t_verify(N = B) from the fit (it
+        follows the current requests' context lengths), corrected by how far measured plain steps
+        at this batch-size bucket sat from it (log measured / fitted, decayed mean) when that bias
+        exceeds PLAIN_FIT_TOLERANCE: the probe measures the fit's extrapolation error, not an
+        absolute time that would go stale when the context changes. None before any step."""
         t = self.verify_seconds(batch_size, batch_size)
-        measured = self.plain.get(bucket(batch_size))
-        if measured is not None and measured.weight > 0 and measured.mean > 0:
-            if t is None or t <= 0 or abs(math.log(t / measured.mean)) > PLAIN_FIT_TOLERANCE:
-                t = measured.mean
-        return batch_size / t if t and t > 0 else None
+        if t is None or t <= 0:
+            return None
+        bias = self.plain_bias.get(bucket(batch_size))
+        if bias is not None and bias.weight > 0 and abs(bias.mean) > PLAIN_FIT_TOLERANCE:
+            t *= math.exp(bias.mean)
+        return batch_size / t
 
     def steps_without_plain(self, batch_size: int) -> float:
         """Steps at this batch-size bucket since the last plain one (inf: none yet)."""

@@ -44,8 +44,8 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   over T steps: g - T g tau / (T tau + s).
   Exploitation stages grow as 2^e, so exploration costs O(alpha log T) steps: regret is sublinear.
 - Never slower: while exploiting, a row is matched to plain decoding when no drafter's estimate
-  beats g_plain, the goodput of a plain step: measured on steps that drafted nothing, else the
-  verify-cost fit at zero drafts. That fit, extrapolated from steps that verified several tokens
+  beats g_plain, the goodput of a plain step: the verify-cost fit at zero drafts, corrected by how
+  far steps that drafted nothing sat from it. That fit, extrapolated from steps that verified several tokens
   a row, can be far off (on a CPU it made plain decoding look ~40% slower than it was at batch
   4), so a plain probe (`plain_probe`) decodes a whole step plainly when its batch-size bucket
   has gone that many steps without a plain one and no row is exploring: always the bucket's first,
