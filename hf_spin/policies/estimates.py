@@ -25,8 +25,8 @@ COST_DECAY = 0.98
 # Prior elasticity of verify time in tokens verified (d log t / d log N), used while N has barely
 # varied and the slope cannot be measured. GPUs verify a few tokens per row at nearly the cost of
 # one (memory-bound, elasticity ~0.1 on the packaged models), CPUs closer to proportionally (~0.8);
-# 0.2 leans to the GPU. Plain decoding's speed is not taken from this fit once a plain step has been
-# measured (`CostModel.plain_goodput`): extrapolated to N = B it can be far off either way.
+# 0.2 leans to the GPU. Extrapolated to N = B the fit can be far off either way, so measured plain
+# steps correct it there (`CostModel.plain_goodput`).
 VERIFY_ELASTICITY_PRIOR = 0.2
 # How far (in log seconds) the verify fit at N = B may sit from measured plain steps before it is
 # corrected by that bias: about twice the step-to-step timing noise of one measured step (~7% on a
@@ -210,9 +210,10 @@ class CostModel:
         return self.plain_age.get(bucket(batch_size), float("inf"))
 
     def knows_catch_up(self, drafter: int) -> bool:
-        """Whether `drafter`'s draft cost fit has had as many observations as it has terms (3), so
-        its catch-up cost is identified."""
-        return self.draft[drafter].count >= 3
+        """Whether `drafter`'s draft cost fit has had as many observations as it has terms, so its
+        catch-up cost is identified."""
+        fit = self.draft[drafter]
+        return fit.count >= len(fit.xty)
 
     def catch_up_seconds(self, drafter: int) -> float:
         """Seconds per token that `drafter` spends catching up a row it did not serve."""

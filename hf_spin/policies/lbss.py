@@ -319,7 +319,8 @@ class LBSSPolicy(Policy):
         a drafter measured by its shadow drafts, or (warm) whose catch-up cannot pay off, only as a
         slot of last resort."""
         warm = self.goodputs.warm
-        return [SHADOWED if self.shadowed[d] or (warm and not self.pays_off(row, d)) else -row.arms[d].tries for d in drafters]
+        last_resort = {d: self.shadowed[d] or (warm and not self.pays_off(row, d)) for d in set(drafters)}  # drafters repeat once per slot
+        return [SHADOWED if last_resort[d] else -row.arms[d].tries for d in drafters]
 
     def catch_up_seconds(self, drafter: int) -> float:
         """Seconds per token of catch-up for `drafter` (configured, or learned from feedback)."""
@@ -409,11 +410,12 @@ class LBSSPolicy(Policy):
         this batch size) or every row's best drafter within PROBE_MARGIN of the measured plain
         goodput (a repeat probe then costs each row at most that margin)."""
         c, B = self.config, view.batch_size
-        if not c.never_slower or c.plain_probe is None or self.costs.steps_without_plain(B) < c.plain_probe:
+        age = self.costs.steps_without_plain(B)
+        if not c.never_slower or c.plain_probe is None or age < c.plain_probe:
             return False
         if any(self.explores(r, r.age) for r in rows):  # an exploration chunk is not interrupted
             return False
-        if self.costs.steps_without_plain(B) == float("inf"):
+        if age == float("inf"):
             return True  # the bucket's first: the fit's g_plain may be off by any amount
         g_plain = self.costs.plain_goodput(B)
         usable = [d for d in range(len(self.drafters)) if view.usable[d]]
