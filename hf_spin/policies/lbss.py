@@ -15,9 +15,12 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
 - Exploration: at the start of each chunk the row gets a drafter (alpha = beta x drafters steps by
   default, drafters measured by shadow drafts not counted) and keeps it for the chunk: the first
   step of a chunk pays the catch-up, the others measure steady goodput. Each exploration stage
-  re-measures every drafter: least-tried on the row first, ties at random, one maximum-weight
-  matching of rows to drafter slots (drafter j repeated B_j times), so no drafter serves more than
-  B_j rows. Cold (no ended request informs the estimates yet) the row runs every exploration stage;
+  re-measures every drafter: least-tried on the row first, one maximum-weight matching of rows to
+  drafter slots (drafter j repeated B_j times), so no drafter serves more than B_j rows; ties go
+  by one random order of the drafters shared by the rows, so rows starting a chunk together
+  explore the same drafter and share its forwards. Past the first epoch, a row skips an
+  exploration stage when the request cannot finish the epoch (`steps_left`). Cold (no ended
+  request informs the estimates yet) the row runs every other exploration stage;
   warm (`GoodputModel`: what earlier requests measured), only those of epochs whose exploitation
   stage is at least alpha steps long (2^e >= alpha), and exploits through the earlier ones. A request
   too short to amortise re-measuring every drafter (tens of steps) then starts on the drafter the
@@ -52,10 +55,10 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   later ones only when every row's best drafter is within PROBE_MARGIN of the measured g_plain
   (the decision is close and the probe costs little). A probe takes a step of each row's schedule. A row decoding plainly tries the drafters again in the next
   exploration stage, which comes after an exploitation stage twice as long as the last: when
-  drafting never pays, the row decodes plainly in all but O(alpha log T) of T steps. Cold,
-  exploration stages are never skipped and each re-measures every drafter, so one unlucky early
-  estimate cannot lock a row out of a drafter; warm, a request skips the stages it is too short
-  to amortise, so a short request decoding plainly is not probed again.
+  drafting never pays, the row decodes plainly in all but O(alpha log T) of T steps. Cold, the
+  exploration stages a request can finish are never skipped and each re-measures every drafter,
+  so one unlucky early estimate cannot lock a row out of a drafter; warm, a request skips the
+  stages it is too short to amortise, so a short request decoding plainly is not probed again.
 - Shadow drafts (`shadow`): a drafter without parameters (prompt lookup) costs next to nothing to
   run, so it drafts every row it does not serve (`Plan.shadow`), unverified, and is never given an
   exploration chunk. Its would-be reward on the row: the tokens the step would have committed
@@ -270,16 +273,19 @@ class LBSSPolicy(Policy):
         return Stage(epoch, False, False, start + self.alpha + 2**epoch, start + self.alpha + 2**epoch)
 
     def explores(self, row: RowState, age: int) -> bool:
-        """Whether the row explores at this age: in an exploration stage, and cold, or warm in an
-        epoch whose exploitation stage is at least as long as a full exploration (2^e >= alpha),
-        that the request may still finish (what it measures must have steps left to pay off), and
-        with a drafter to explore whose catch-up can pay off (`pays_off`)."""
+        """Whether the row explores at this age: in an exploration stage; past the first epoch, only
+        in one that the request may still finish (what it measures must have steps left to pay off;
+        the first always runs, or a short request would never measure anything); cold, then; warm,
+        only in an epoch whose exploitation stage is at least as long as a full exploration
+        (2^e >= alpha) and with a drafter to explore whose catch-up can pay off (`pays_off`)."""
         st = self.stage(age)
         if not st.explore:
             return False
+        if st.epoch > 1 and self.steps_left(row) < st.epoch_end - age:
+            return False
         if not self.goodputs.warm:
             return True
-        if 2**st.epoch < self.alpha or self.steps_left(row) < st.epoch_end - age:
+        if 2**st.epoch < self.alpha:
             return False
         return any(self.pays_off(row, d) for d in range(len(self.drafters)) if not self.shadowed[d])
 
@@ -423,13 +429,17 @@ class LBSSPolicy(Policy):
 
     def _draw(self, rows: list[RowState], cap: list[int]) -> list[int | None]:
         """Rows -> free drafter slots for their next exploration chunks, maximising the exploration
-        weights (ties broken at random)."""
+        weights. Ties are broken by one random order of the drafters, shared by the rows, so rows
+        that start a chunk together explore the same drafter as far as its capacity allows: the
+        drafters of a step run one after another on one device, and a step exploring three model
+        drafters pays three draft passes where one would serve every row."""
         slots = [d for d in range(len(cap)) for _ in range(min(max(cap[d], 0), len(rows)))]
         out: list[int | None] = [None] * len(rows)
         if not rows or not slots:
             return out
         weights = np.array([self.explore_weights(r, slots) for r in rows], dtype=float)  # [R, S]
-        weights += 1e-6 * self.rng.random(weights.shape)  # breaks ties only
+        order = self.rng.random(len(cap))  # [num_drafters] the shared tie-break
+        weights += 1e-6 * order[slots][None, :] + 1e-9 * self.rng.random(weights.shape)  # ties only; the last, between rows
         for i, j in zip(*linear_sum_assignment(weights)):
             out[i] = slots[j]
         return out
