@@ -13,6 +13,7 @@ A policy is two decisions composed: *selection* (`Policy.select`: who drafts for
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Draft length when none is given: on the packaged models (bf16, CPU) verifying 8 tokens costs about
@@ -97,13 +98,53 @@ class StepFeedback:
         B = len(drafted)
         return B * (1 + max(drafted, default=0)) if self.padded else B + sum(drafted)
 
-    def row_seconds(self, b: int) -> float:
-        """Row b's share of the step: its drafters' time split over the rows they served, plus 1/B of verification."""
-        share = self.verify_seconds / max(self.batch_size, 1)
+    def verify_shares(self, cost: Callable[[int], float | None] | None = None, drafted: list[int] | None = None) -> list[float]:
+        """[B] each row's share of the verify time, summing to it. Every row pays an equal part of a
+        plain step (N = B positions); the positions drafts add are charged to the rows that caused
+        them: packed, each row its own tokens; padded to the longest draft, the j-th position of every
+        row is shared by the rows drafting at least j tokens (the airport game's Shapley split: one
+        row drafting 5 tokens among 4 plain ones pays for the 20 positions it made the batch verify).
+
+        cost: t_verify(N), the cost of a forward over N positions (the cost fit; only its increments
+        matter), None: a flat cost, every row 1/B. drafted: other draft lengths ([B]): the shares of
+        that step had it run, the measured time scaled by cost(N') / cost(N)."""
+        B = self.batch_size
+        ks = self.drafted if drafted is None else drafted
+        even = [self.verify_seconds / max(B, 1)] * B
+        if cost is None or not B:
+            return even
+
+        def t(n: int) -> float:
+            return max(cost(n) or 0.0, 0.0)
+
+        actual = t(self.verified_tokens())
+        if actual <= 0:
+            return even
+        shares = [t(B) / B] * B  # the plain step's
+        if self.padded:
+            for j in range(1, max(ks, default=0) + 1):
+                deeper = [b for b in range(B) if ks[b] >= j]
+                layer = max(t(B * (j + 1)) - t(B * j), 0.0)
+                for b in deeper:
+                    shares[b] += layer / len(deeper)
+        elif sum(ks):
+            extra = max(t(B + sum(ks)) - t(B), 0.0)
+            shares = [s + extra * k / sum(ks) for s, k in zip(shares, ks)]
+        scale = self.verify_seconds / actual
+        return [s * scale for s in shares]
+
+    def draft_share(self, b: int) -> float:
+        """Row b's share of the drafting: each of its drafters' time split over the rows it served."""
+        share = 0.0
         for d in self.plan.drafters[b]:
             served = sum(1 for ds in self.plan.drafters if d in ds)
             share += self.draft_seconds[d] / max(served, 1)
         return share
+
+    def row_seconds(self, b: int, cost: Callable[[int], float | None] | None = None) -> float:
+        """Row b's share of the step: its share of drafting and of verification (`verify_shares`;
+        cost None: 1/B of it)."""
+        return self.verify_shares(cost)[b] + self.draft_share(b)
 
 
 class DraftLength(ABC):

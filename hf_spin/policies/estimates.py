@@ -191,19 +191,24 @@ class CostModel:
             fit = self.verify_all
         return fit.predict(n_tokens)
 
-    def plain_goodput(self, batch_size: int) -> float | None:
-        """Tokens per second of one row under plain decoding: B / t_verify(N = B) from the fit (it
-        follows the current requests' context lengths), corrected by how far measured plain steps
-        at this batch-size bucket sat from it (log measured / fitted, decayed mean) when that bias
-        exceeds PLAIN_FIT_TOLERANCE: the probe measures the fit's extrapolation error, not an
-        absolute time that would go stale when the context changes. None before any step."""
+    def plain_seconds(self, batch_size: int) -> float | None:
+        """Seconds of a plain step (N = B): see `plain_goodput`."""
         t = self.verify_seconds(batch_size, batch_size)
         if t is None or t <= 0:
             return None
         bias = self.plain_bias.get(bucket(batch_size))
         if bias is not None and bias.weight > 0 and abs(bias.mean) > PLAIN_FIT_TOLERANCE:
             t *= math.exp(bias.mean)
-        return batch_size / t
+        return t
+
+    def plain_goodput(self, batch_size: int) -> float | None:
+        """Tokens per second of one row under plain decoding: B / t_verify(N = B) from the fit (it
+        follows the current requests' context lengths), corrected by how far measured plain steps
+        at this batch-size bucket sat from it (log measured / fitted, decayed mean) when that bias
+        exceeds PLAIN_FIT_TOLERANCE: the probe measures the fit's extrapolation error, not an
+        absolute time that would go stale when the context changes. None before any step."""
+        t = self.plain_seconds(batch_size)
+        return None if t is None else batch_size / t
 
     def steps_without_plain(self, batch_size: int) -> float:
         """Steps at this batch-size bucket since the last plain one (inf: none yet)."""

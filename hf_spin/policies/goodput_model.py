@@ -137,13 +137,14 @@ class GoodputModel:
         b = self.b[drafter]
         return b + (self.c[drafter] * (x - self.x_mean[drafter]) if x is not None else 0.0)
 
-    def expected_goodput(self, row_id: int, drafter: int) -> float | None:
-        """Expected goodput (tokens/s) of the next step of `drafter` on `row_id`: the log-normal mean
+    def expected_goodput(self, row_id: int, drafter: int, optimism: float = 0.0) -> float | None:
+        """Expected goodput of the next step of `drafter` on `row_id`: the log-normal mean
         exp(m + (s^2 + sigma_d^2) / 2) of the posterior (m, s) (`predict`) and the step noise. Before
         the row's own steps with d: exp(a_row + b_d + c_d (x_row - x_d) + (var(a_row) + tau_d^2 + sigma_d^2) / 2).
-        None if never measured."""
+        optimism z: with m + z s for m (an upper confidence bound, z posterior sds up). None if never
+        measured."""
         p = self.predict(row_id, drafter)
-        return None if p is None else math.exp(p[0] + (p[1] ** 2 + self.sigma2[drafter]) / 2)
+        return None if p is None else math.exp(p[0] + optimism * p[1] + (p[1] ** 2 + self.sigma2[drafter]) / 2)
 
     def row_effect(self, row_id: int, exclude: int | None = None) -> tuple[float, float]:
         """Posterior (mean, variance) of a_row from the row's drafters other than `exclude`: drafter

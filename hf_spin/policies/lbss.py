@@ -1,9 +1,17 @@
 """Spin's learning-based drafter selection (LBSS): an online bandit that learns, per request, which
 drafter gives the most goodput, under per-drafter batch capacities.
 
-Reward of a row served by drafter d in one step (its goodput):
+Reward of a row served by drafter d in one step (its goodput, as a speed-up over plain decoding at
+the step's batch size B, so that rewards measured at batch 4 and at batch 1, when the batch has
+shrunk, are comparable; the estimates are turned back into goodput at the B being planned):
 
-    r = (accepted + 1) / t_row,   t_row = row_seconds(b) - (catch-up seconds of d) / (rows d served)
+    r = (accepted + 1) / t_row / g_plain(B),   t_row = row_seconds(b) - (catch-up seconds of d) / (rows d served)
+
+row_seconds charges verification by the verify-cost fit (`StepFeedback.verify_shares`): an equal
+part of a plain step to every row, and the positions a draft adds to the row that drafted it. On a
+rectangular cache, one row's 5-token prompt-lookup draft makes four rows verify 6 positions each
+(0.38 s against 0.21 s plain at batch 4 on a CPU); split evenly, the drafting row paid a quarter of
+that and kept drafting where plain decoding was faster.
 
 The catch-up a switch causes is taken out of the reward (it is not a property of the drafter on that
 request) and charged once, in the matching, as a switching cost (below).
@@ -37,9 +45,10 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
       W[row, d]     = g(row, d) - g(row, d) s / (s + T tau)     s = c_d x lag(row, d)
       W[row, plain] = g_plain = B / t_verify(N = B)              (never-slower; see below)
 
-  g(row, d): the expected goodput of d's next step on the row under the `GoodputModel` posterior
-  (earlier requests, the row's other drafters and its own rewards with d, each weighed by its
-  measured reliability); c_d: seconds per token of catch-up (learned from feedback: draft seconds
+  g(row, d): the goodput of d's next step on the row under the `GoodputModel` posterior (earlier
+  requests, the row's other drafters and its own rewards with d, each weighed by its measured
+  reliability), taken `optimism` posterior sds up (an upper confidence bound: a row that skips
+  its exploration stages is not sent to plain decoding by one step that accepted nothing); c_d: seconds per token of catch-up (learned from feedback: draft seconds
   = f x forwards + t x row tokens + c x catch-up tokens, or `switch_cost`); lag: tokens d's cache
   is behind on the row; T: steps left in the stage, at most the steps the request may still take
   (its room over its tokens per step: a catch-up late in a request has few steps to pay off); tau:
@@ -74,7 +83,9 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -115,6 +126,7 @@ class LBSSConfig:
     plain_probe: int | None = 32  # never_slower: a whole plain step once a batch-size bucket went this many steps without one (None: never)
     prefill_margin: float = 0.1  # pre-fill an exploiting row's runner-up drafter when within this fraction of the best (and its catch-up within this fraction of a step)
     prefill_min_tokens: int = 8  # ...and only when it lags this many tokens: a forward for 1-2 tokens costs more than it saves
+    optimism: float = 1.0  # exploiting, a drafter counts at its posterior log goodput this many sds up (an upper confidence bound)
     prior_spread: float = 0.3  # prior sd over requests of a drafter's log goodput around its mean (0.3: +-35%)
     history: int = 64  # ended requests whose measurements the estimates keep
     shadow: bool = True  # model-free drafters (prompt lookup) draft every row they do not serve, unverified: measured for free
@@ -142,6 +154,7 @@ class LBSSConfig:
             check_int(owner, "plain_probe", self.plain_probe, 1)
         check_float(owner, "prefill_margin", self.prefill_margin, 0.0, 1.0, open_high=True)
         check_int(owner, "prefill_min_tokens", self.prefill_min_tokens, 1)
+        check_float(owner, "optimism", self.optimism, 0.0, 10.0)
         check_float(owner, "prior_spread", self.prior_spread, 0.0, 10.0, open_low=True)
         check_int(owner, "history", self.history, 0)
         if not isinstance(self.shadow, bool):
@@ -310,15 +323,20 @@ class LBSSPolicy(Policy):
         return max(1.0, row.room / per_step)
 
     def estimate(self, row: RowState, drafter: int) -> float:
-        """g(row, d): the expected goodput of d's next step on the row under the `GoodputModel`
-        posterior, which weighs earlier requests, the row's other drafters and its own steps with d
-        by how reliable each has been (a few noisy steps do not overturn what many requests showed);
-        a drafter no request has measured counts as good as the best measured one, so it gets tried."""
-        g = self.goodputs.expected_goodput(row.row_id, drafter)
+        """g(row, d): the goodput of d's next step on the row at the batch size being planned: the
+        `GoodputModel` posterior of its speed-up over plain decoding (rewards are measured as such,
+        so a row whose batch shrinks keeps comparable estimates), `optimism` posterior sds up, times
+        g_plain(B). The posterior weighs earlier requests, the row's other drafters and its own steps
+        with d by how reliable each has been (a few noisy steps do not overturn what many requests
+        showed); the optimism keeps one unlucky step (no token accepted) from sending a row to
+        plain decoding for the rest of a request that skips its exploration stages. A drafter no
+        request has measured counts as good as the best measured one, so it gets tried."""
+        z = self.config.optimism
+        g = self.goodputs.expected_goodput(row.row_id, drafter, z)
         if g is None:
-            known = [self.goodputs.expected_goodput(row.row_id, d) for d in range(len(self.drafters))]
+            known = [self.goodputs.expected_goodput(row.row_id, d, z) for d in range(len(self.drafters))]
             g = max((x for x in known if x is not None), default=0.0)
-        return g
+        return g * (self.costs.plain_goodput(self.batch_size) or 1.0)  # before any step: speed-ups, for ranking
 
     def explore_weights(self, row: RowState, drafters: list[int]) -> list[float]:
         """Exploration value of each drafter for the row's next chunk: least-tried on the row first;
@@ -535,6 +553,8 @@ class LBSSPolicy(Policy):
         self.costs.update(feedback, switch)
         # 2. Rewards: goodput of each single-drafter row, its catch-up share taken out.
         served = [sum(1 for ds in plan.drafters if d in ds) for d in range(n)]
+        shares = feedback.verify_shares(self.verify_cost(feedback))  # [B]
+        g_plain = self.costs.plain_goodput(feedback.batch_size)  # rewards are speed-ups over plain decoding at this B
         for b, r in enumerate(rows):
             if r is None or len(plan.drafters[b]) != 1 or plan.k[b] == 0:
                 continue
@@ -542,11 +562,11 @@ class LBSSPolicy(Policy):
             r.arms[d].count(feedback.accepted[b], feedback.drafted[b], feedback.accepted[b] + 1)
             if switch[d] > 0 and self.config.switch_cost is None and not self.costs.knows_catch_up(d):
                 continue  # its catch-up share cannot be taken out yet: one such reward skewed a row for good
-            t = feedback.row_seconds(b) - self.catch_up_seconds(d) * switch[d] / max(served[d], 1)
-            t = max(t, feedback.verify_seconds / max(feedback.batch_size, 1))
-            if t <= 0:
+            t = shares[b] + feedback.draft_share(b) - self.catch_up_seconds(d) * switch[d] / max(served[d], 1)
+            t = max(t, shares[b])
+            if t <= 0 or not g_plain:
                 continue
-            self._observe(r, d, (feedback.accepted[b] + 1) / t, t)
+            self._observe(r, d, (feedback.accepted[b] + 1) / t / g_plain, t)
         # 3. Shadow drafts: what a model-free drafter would have got on the rows it did not serve.
         for b, r in enumerate(rows):
             if r is None:
@@ -558,8 +578,8 @@ class LBSSPolicy(Policy):
                 matched = feedback.shadow_matched[b][d]
                 r.arms[d].count(matched, proposed, committed)
                 t = self.shadow_seconds(feedback, b, d, proposed)
-                if t > 0:
-                    self._observe(r, d, self.shadow_tokens(r.arms[d], committed, proposed, matched) / t, t)
+                if t > 0 and g_plain:
+                    self._observe(r, d, self.shadow_tokens(r.arms[d], committed, proposed, matched) / t / g_plain, t)
 
     def _observe(self, row: RowState, drafter: int, goodput: float, seconds: float) -> None:
         self.goodputs.add(row.row_id, drafter, goodput)
@@ -578,12 +598,14 @@ class LBSSPolicy(Policy):
         more = proposed - matched
         return matched + 1.0 + alpha * (1 - alpha**more) / (1 - alpha)
 
+    def verify_cost(self, feedback: StepFeedback) -> Callable[[int], float | None]:
+        """t_verify(N) at the step's batch size, from the cost fit: how `StepFeedback.verify_shares`
+        charges the positions a draft adds to its row."""
+        return partial(self.costs.verify_seconds, feedback.batch_size)
+
     def shadow_seconds(self, feedback: StepFeedback, b: int, drafter: int, proposed: int) -> float:
-        """The row's share of the step had it verified `proposed` shadow tokens instead of its draft:
-        the measured verify share scaled by the verify fit, plus the drafter's time per row it drafted for."""
-        B = feedback.batch_size
-        actual = self.costs.verify_seconds(B, feedback.verified_tokens())
-        would = self.costs.verify_seconds(B, feedback.verified_tokens([proposed if i == b else k for i, k in enumerate(feedback.drafted)]))
-        scale = would / actual if actual and would and actual > 0 else 1.0
+        """The row's share of the step had it verified `proposed` shadow tokens instead of its draft
+        (`StepFeedback.verify_shares` of that step), plus the drafter's time per row it drafted for."""
+        would = [proposed if i == b else k for i, k in enumerate(feedback.drafted)]
         drafted_for = sum(1 for ds in feedback.plan.drafters if drafter in ds) + sum(1 for sp in feedback.shadow_proposed if drafter in sp)
-        return feedback.verify_seconds / max(B, 1) * scale + feedback.draft_seconds[drafter] / max(drafted_for, 1)
+        return feedback.verify_shares(self.verify_cost(feedback), would)[b] + feedback.draft_seconds[drafter] / max(drafted_for, 1)
