@@ -28,7 +28,7 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   by one random order of the drafters shared by the rows, so rows starting a chunk together
   explore the same drafter and share its forwards. Past the first epoch, a row skips an
   exploration stage when the request cannot finish the epoch (`steps_left`). Cold (no ended
-  request informs the estimates yet) the row runs every other exploration stage;
+  request informs the estimates yet) the row runs all the others;
   warm (`GoodputModel`: what earlier requests measured), only those of epochs whose exploitation
   stage is at least alpha steps long (2^e >= alpha), and exploits through the earlier ones. A request
   too short to amortise re-measuring every drafter (tens of steps) then starts on the drafter the
@@ -48,7 +48,9 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   g(row, d): the goodput of d's next step on the row under the `GoodputModel` posterior (earlier
   requests, the row's other drafters and its own rewards with d, each weighed by its measured
   reliability), taken `optimism` posterior sds up (an upper confidence bound: a row that skips
-  its exploration stages is not sent to plain decoding by one step that accepted nothing); c_d: seconds per token of catch-up (learned from feedback: draft seconds
+  its exploration stages is not sent to plain decoding by one step that accepted nothing); a
+  drafter no request has measured yet gets one slot, so its first catch-up is paid on one row;
+  c_d: seconds per token of catch-up (learned from feedback: draft seconds
   = f x forwards + t x row tokens + c x catch-up tokens, or `switch_cost`); lag: tokens d's cache
   is behind on the row; T: steps left in the stage, at most the steps the request may still take
   (its room over its tokens per step: a catch-up late in a request has few steps to pay off); tau:
