@@ -304,30 +304,6 @@ def test_shadow_tokens_hand_built(accepted, proposed, matched, expected):
     assert LBSSPolicy.shadow_tokens(arm, accepted + 1, proposed, matched) == pytest.approx(expected)
 
 
-def test_lbss_tries_an_unmeasured_drafter_on_one_row_at_a_time():
-    """Warm (an ended request measured drafter 0 only, which serves one row at most), four rows
-    exploiting: drafters 1 and 2 count as good as drafter 0 but each takes one row, so its first
-    catch-up is paid once, not on every row; the fourth row decodes plainly. Once measured, they
-    take as many rows as the matching gives them."""
-
-    def plan(measured: list[int]) -> collections.Counter:
-        policy = lbss(seed=0, plain_probe=None, capacities=(1, None, None))  # no plain probe: nothing measures plain decoding here
-        policy.bind([DrafterInfo(str(i), "model", i + 1, True) for i in range(3)])
-        policy.goodputs.start(100)
-        for d in measured:
-            policy.goodputs.add(100, d, 1.5)
-        policy.goodputs.end(100)
-        view = BatchView([1, 2, 3, 4], [50] * 4, [0] * 4, [True] * 3, 0, [32] * 4)
-        policy.start_rows(view, list(range(4)))
-        assert not any(policy.explores(policy._row(view, b), 0) for b in range(4))  # warm, epoch 1: exploits
-        return collections.Counter(d for ds in policy.select(view) for d in ds)
-
-    first = plan([0])
-    assert first == {0: 1, 1: 1, 2: 1}, first
-    later = plan([0, 1, 2])
-    assert max(later.values()) > 1, later  # control: measured drafters are not limited
-
-
 @pytest.mark.parametrize("capacities", [(2, 2, 2), (1, 2, 3), (4, None, 1)])
 def test_lbss_respects_capacities(capacities):
     s = sim(seed=1)

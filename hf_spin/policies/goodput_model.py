@@ -78,11 +78,6 @@ class GoodputModel:
         self.rows[row_id][drafter].add(math.log(goodput))
         self.stale = True
 
-    def measured(self, drafter: int) -> bool:
-        """Whether any request (live or ended) has a reward of `drafter`."""
-        self.fit()
-        return self.b[drafter] is not None
-
     @property
     def warm(self) -> bool:
         """Whether an ended request informs the estimates."""

@@ -48,8 +48,7 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   g(row, d): the goodput of d's next step on the row under the `GoodputModel` posterior (earlier
   requests, the row's other drafters and its own rewards with d, each weighed by its measured
   reliability), taken `optimism` posterior sds up (an upper confidence bound: a row that skips
-  its exploration stages is not sent to plain decoding by one step that accepted nothing); a
-  drafter no request has measured yet gets one slot, so its first catch-up is paid on one row;
+  its exploration stages is not sent to plain decoding by one step that accepted nothing);
   c_d: seconds per token of catch-up (learned from feedback: draft seconds
   = f x forwards + t x row tokens + c x catch-up tokens, or `switch_cost`); lag: tokens d's cache
   is behind on the row; T: steps left in the stage, at most the steps the request may still take
@@ -465,15 +464,11 @@ class LBSSPolicy(Policy):
         return out
 
     def _match(self, view: BatchView, rows: list[RowState], stages: list[Stage], cap: list[int]) -> list[int]:
-        """Exploitation: rows -> drafter slots or plain, maximising estimated goodput net of switching.
-        A drafter no request has measured yet (valued as the best measured one, `estimate`) gets one
-        slot: its first use costs a catch-up, paid on one row rather than on every row of the batch
-        (the first batch-4 batch after a pool's first request caught three model drafters up on all
-        four rows: ~3.4 s of a 9.3 s plain batch)."""
+        """Exploitation: rows -> drafter slots or plain, maximising estimated goodput net of switching."""
         c, R = self.config, len(rows)
         if not R:
             return []
-        slots = [d for d in range(len(cap)) for _ in range(min(max(cap[d], 0), R if self.goodputs.measured(d) else 1))] + [PLAIN] * R
+        slots = [d for d in range(len(cap)) for _ in range(min(max(cap[d], 0), R))] + [PLAIN] * R
         g_plain = self.costs.plain_goodput(view.batch_size) if c.never_slower else None
         weights = np.full((R, len(slots)), NO_PLAIN if g_plain is None else g_plain)  # [R, S]
         goodputs = np.zeros((R, len(cap)))  # [R, num_drafters]
