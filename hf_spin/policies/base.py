@@ -127,9 +127,9 @@ class StepFeedback:
                 layer = max(t(B * (j + 1)) - t(B * j), 0.0)
                 for b in deeper:
                     shares[b] += layer / len(deeper)
-        elif sum(ks):
-            extra = max(t(B + sum(ks)) - t(B), 0.0)
-            shares = [s + extra * k / sum(ks) for s, k in zip(shares, ks)]
+        elif total := sum(ks):
+            extra = max(t(B + total) - t(B), 0.0)
+            shares = [s + extra * k / total for s, k in zip(shares, ks)]
         scale = self.verify_seconds / actual
         return [s * scale for s in shares]
 
@@ -141,10 +141,10 @@ class StepFeedback:
             share += self.draft_seconds[d] / max(served, 1)
         return share
 
-    def row_seconds(self, b: int, cost: Callable[[int], float | None] | None = None) -> float:
-        """Row b's share of the step: its share of drafting and of verification (`verify_shares`;
-        cost None: 1/B of it)."""
-        return self.verify_shares(cost)[b] + self.draft_share(b)
+    def row_seconds(self, b: int) -> float:
+        """Row b's share of the step: its share of drafting, plus 1/B of verification (for the
+        charge by the cost fit, `verify_shares`)."""
+        return self.verify_seconds / max(self.batch_size, 1) + self.draft_share(b)
 
 
 class DraftLength(ABC):

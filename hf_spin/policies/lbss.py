@@ -5,9 +5,9 @@ Reward of a row served by drafter d in one step (its goodput, as a speed-up over
 the step's batch size B, so that rewards measured at batch 4 and at batch 1, when the batch has
 shrunk, are comparable; the estimates are turned back into goodput at the B being planned):
 
-    r = (accepted + 1) / t_row / g_plain(B),   t_row = row_seconds(b) - (catch-up seconds of d) / (rows d served)
+    r = (accepted + 1) / t_row / g_plain(B),   t_row = verify share + draft share - (catch-up seconds of d) / (rows d served)
 
-row_seconds charges verification by the verify-cost fit (`StepFeedback.verify_shares`): an equal
+The verify share is charged by the verify-cost fit (`StepFeedback.verify_shares`): an equal
 part of a plain step to every row, and the positions a draft adds to the row that drafted it. On a
 rectangular cache, one row's 5-token prompt-lookup draft makes four rows verify 6 positions each
 (0.38 s against 0.21 s plain at batch 4 on a CPU); split evenly, the drafting row paid a quarter of
