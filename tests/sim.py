@@ -11,7 +11,8 @@ It runs generation.py's steps 3-7 on made-up numbers: plan -> drafts (and shadow
 - Time: draft seconds of drafter d = forward_seconds x (largest k it serves) + token_seconds x
   (sum of k over its rows) + catch_up_seconds x (tokens fed to its cache: the new tail of each row
   it serves, or everything since it last served the row); verify seconds = base + per_token x
-  (tokens verified)^power. Every time is multiplied by a seeded log-normal noise.
+  (tokens verified)^power, the tokens packed (B + drafts) or, `padded`, B x (1 + longest draft) as
+  on a rectangular cache. Every time is multiplied by a seeded log-normal noise.
 - Caches: per (row, drafter) the number of committed tokens the drafter holds, rolled back to the
   accepted prefix after each draft, as `ModelDrafter._catch_up` does.
 """
@@ -72,8 +73,9 @@ class Simulator:
         noise: float = 0.05,
         seed: int = 0,
         max_new_tokens: int | list[int] | None = None,
+        padded: bool = False,
     ):
-        self.drafters, self.verify, self.noise = drafters, verify, noise
+        self.drafters, self.verify, self.noise, self.padded = drafters, verify, noise, padded
         self.rng = np.random.default_rng(seed)
         B = len(row_types)
         self.row_ids = list(range(B))
@@ -168,7 +170,8 @@ class Simulator:
             a = next((i for i, (x, y) in enumerate(zip(drafts[b], truth)) if x != y), len(drafts[b]))
             accepted.append(a)
             new_tokens.append(drafts[b][:a] + [truth[a]])
-        verify_seconds = self._noisy(self.verify.seconds(B + sum(len(x) for x in drafts)))
+        verified = B * (1 + max(map(len, drafts), default=0)) if self.padded else B + sum(map(len, drafts))
+        verify_seconds = self._noisy(self.verify.seconds(verified))
         # 6. Commit; each serving drafter's cache keeps the prefix its draft shares with the new tokens.
         matched = [{d: _common_prefix(p, new_tokens[b]) for d, p in proposals[b].items()} for b in range(B)]
         for b in range(B):
@@ -196,6 +199,7 @@ class Simulator:
             shadow_matched=[{d: _common_prefix(t, new_tokens[b]) for d, t in shadows[b].items()} for b in range(B)],
             draft_seconds=draft_seconds,
             verify_seconds=verify_seconds,
+            padded=self.padded,
         )
         self.trace.plans.append(plan)
         self.trace.feedback.append(feedback)

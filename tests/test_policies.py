@@ -40,8 +40,8 @@ from hf_spin.policies import (
     make_draft_length,
     make_policy,
 )
-from hf_spin.policies.estimates import expected_tokens
-from hf_spin.policies.lbss import Arm
+from hf_spin.policies.estimates import DecayedMean, expected_tokens
+from hf_spin.policies.lbss import PLAIN, Arm
 from hf_spin.vote_tree import heaviest_path
 
 from .sim import SimDrafter, Simulator, SimVerify
@@ -162,14 +162,14 @@ def test_lbss_regret_grows_sublinearly():
     assert sum(worst[-epochs[-1] :]) / epochs[-1] > 0.8 * sum(worst[: epochs[0]]) / epochs[0]
 
 
-def test_goodput_model_carries_one_drafters_measurement_to_the_others():
+def test_tokens_model_carries_one_drafters_measurement_to_the_others():
     """Rows differ in speed (a_row) and drafter 1 is always 2x drafter 0 (b_1 - b_0 = log 2): a new
     row that measured only drafter 0 is predicted 2x as fast with drafter 1, with a small spread."""
     import math
 
-    from hf_spin.policies.goodput_model import GoodputModel
+    from hf_spin.policies.tokens_model import TokensModel
 
-    model = GoodputModel(2, prior_spread=0.3, prior_rows=2.0, prior_noise=0.5, history=64)
+    model = TokensModel(2, prior_spread=0.3, prior_rows=2.0, prior_noise=0.5, history=64)
     for row, speed in enumerate([10.0, 40.0, 20.0, 80.0, 5.0, 30.0]):
         model.start(row)
         for _ in range(5):
@@ -184,17 +184,17 @@ def test_goodput_model_carries_one_drafters_measurement_to_the_others():
     assert math.exp(mean) == pytest.approx(100.0, rel=0.05)
     assert sd < 0.3  # the spread over requests of drafter 1's effect was measured near 0
     assert model.predict(99, 0)[0] == pytest.approx(math.log(50.0), abs=0.05)
-    assert GoodputModel(2, 0.3, 2.0, 0.5, 64).predict(0, 1) is None  # never measured
+    assert TokensModel(2, 0.3, 2.0, 0.5, 64).predict(0, 1) is None  # never measured
 
 
-def test_goodput_model_expects_by_prompt_length():
+def test_tokens_model_expects_by_prompt_length():
     """Drafter 1 (prompt lookup, say) is 2x drafter 0 on long prompts and 0.5x on short ones: a new
     request is expected to be faster with drafter 1 when its prompt is long, with drafter 0 when it
     is short, before it drafts anything. Control: without prompt lengths the model cannot tell."""
-    from hf_spin.policies.goodput_model import GoodputModel
+    from hf_spin.policies.tokens_model import TokensModel
 
-    def fitted(with_lengths: bool) -> GoodputModel:
-        model = GoodputModel(2, prior_spread=0.3, prior_rows=2.0, prior_noise=0.5, history=64)
+    def fitted(with_lengths: bool) -> TokensModel:
+        model = TokensModel(2, prior_spread=0.3, prior_rows=2.0, prior_noise=0.5, history=64)
         for row, (length, speed) in enumerate([(30, 10.0), (1000, 40.0), (60, 20.0), (800, 8.0), (40, 5.0), (900, 30.0)]):
             model.start(row, length if with_lengths else None)
             for _ in range(3):
@@ -234,7 +234,7 @@ def test_lbss_warm_start_lowers_regret_on_later_requests():
     requests measured (history) lets later ones start on the drafter the posterior expects best and
     leave it when their own steps pull it below another, optimistically (`LBSSConfig.optimism`).
     The control forgets every ended request (history=0: each request starts cold and explores).
-    Measured on these 3 seeds: 58 against 103 (over 8 seeds 58 against 102; without the optimism
+    Measured on these 3 seeds: 51 against 96 (over 8 seeds 49 against 101; without the optimism
     the warm rows were at 84: one step with nothing accepted sent a row to plain decoding for the
     rest of its request)."""
     warm = sum(late_regret(64, seed) for seed in range(3))
@@ -363,25 +363,27 @@ def test_lbss_probes_plain_decoding_where_the_verify_fit_misleads():
     """Verification concave in the tokens verified (t = base + c N^0.5, as measured on a CPU): the
     line through drafted steps puts a plain step at ~1.8x its true cost, so without a measurement
     the one drafter (0.83x plain in truth) looks 1.5x better than plain decoding. Plain probes
-    measure a plain step: rows decode plainly far more often and the regret is less than 0.6 of
-    the control's (plain_probe=None), on every seed."""
+    measure a plain step (the batch-size bucket's first comes at once): every seed's rows decode
+    plainly most of the time, and the regret over 5 seeds is less than 0.6 of the control's
+    (plain_probe=None; measured: 4 of its 5 seeds never decode plainly, 20200 against 232600)."""
 
     def one_drafter(seed: int) -> Simulator:
         drafter = SimDrafter("only", {"A": 0.95}, token_seconds=3e-3)
         return Simulator([drafter], ["A"] * 6, SimVerify(0.002, 0.008, power=0.5), seed=seed)
 
+    def late_plain(sim: Simulator) -> float:
+        return sum(ds == () for plan in sim.trace.plans[100:] for ds in plan.drafters) / (6 * 100)
+
     s = one_drafter(0)
     assert s.row_goodput("A", 0, K, 6) < 0.85 * s.row_goodput("A", None, K, 6)
-    for seed in range(3):
+    regret = control = 0.0
+    for seed in range(5):
         s, off = one_drafter(seed), one_drafter(seed)
         s.run(s.start(lbss(seed=seed)), 200)
         off.run(off.start(lbss(seed=seed, plain_probe=None)), 200)
-
-        def late_plain(sim: Simulator) -> float:
-            return sum(ds == () for plan in sim.trace.plans[100:] for ds in plan.drafters) / (6 * 100)
-
-        assert late_plain(s) > 0.5 and late_plain(s) > late_plain(off) + 0.3, (late_plain(s), late_plain(off))
-        assert total_regret(s, [None, 0]) < 0.6 * total_regret(off, [None, 0])
+        assert late_plain(s) > 0.9, late_plain(s)
+        regret, control = regret + total_regret(s, [None, 0]), control + total_regret(off, [None, 0])
+    assert regret < 0.6 * control, (regret, control)
 
 
 def test_lbss_learns_the_catch_up_cost_and_prefills_idle_model_drafters():
@@ -421,9 +423,9 @@ def test_lbss_warm_rows_skip_explorations_they_cannot_amortise():
 
     def explores(room: int, warm: bool, age: int = epoch2) -> bool:
         if warm:
-            policy.goodputs.start(100)
-            policy.goodputs.add(100, 0, 10.0)
-            policy.goodputs.end(100)
+            policy.tokens_model.start(100)
+            policy.tokens_model.add(100, 0, 10.0)
+            policy.tokens_model.end(100)
         view = BatchView([1], [20], [age], [True, True], 0, [room])
         policy.start_rows(view, [0])
         return policy.explores(policy._row(view, 0), age)
@@ -441,13 +443,13 @@ def test_lbss_prefills_a_runner_up_only_when_cheap():
     view = BatchView([0], [4000], [0], [True, True], 0)
     policy.start_rows(view, [0])
     row = policy.rows[0]
-    row.arms[1].seconds.add(0.01)  # a step of the row takes 10 ms: a runner-up within 10% gains at most 1 ms a step
+    policy.row_seconds = lambda *args: 0.01  # a step of the row takes 10 ms: a runner-up within 10% gains at most 1 ms a step
     row.arms[1].synced = 4000 - 2  # 1 token behind: 1 ms to catch up
-    assert policy._cheap_prefill(row, 1)
+    assert policy._cheap_prefill(row, 1, K)
     row.arms[1].synced = 4000 - 6  # 5 tokens behind: 5 ms, half a step
-    assert not policy._cheap_prefill(row, 1)
+    assert not policy._cheap_prefill(row, 1, K)
     row.arms[1].synced = 0  # 3999 tokens behind: 4 s
-    assert not policy._cheap_prefill(row, 1)
+    assert not policy._cheap_prefill(row, 1, K)
 
 
 def test_lbss_switching_cost_keeps_a_row_on_its_drafter():
@@ -461,10 +463,10 @@ def test_lbss_switching_cost_keeps_a_row_on_its_drafter():
         policy.start_rows(view, [0])
         row = policy.rows[0]
         row.age = 1  # first exploitation step (epoch 1: 1 exploration step, then 2 exploiting)
-        for d, reward in ((0, 100.0), (1, 105.0)):
+        policy.row_seconds = lambda *args: 0.01  # either drafter's step takes 10 ms
+        for d, tokens in ((0, 4.0), (1, 4.2)):
             for _ in range(50):
-                policy.goodputs.add(0, d, reward)
-                row.arms[d].seconds.add(0.01)
+                policy.tokens_model.add(0, d, tokens)
         row.arms[0].synced = 3999
         return policy.select(view)[0]
 
@@ -655,31 +657,35 @@ def test_verified_tokens_count_the_padding_of_a_rectangular_verify():
     assert step_feedback([0, 0], 0.1, padded=True).verified_tokens() == 2
 
 
-def test_verify_shares_charge_the_positions_a_draft_adds_to_its_row():
-    """Hand-built: cost(N) = 0.1 + 0.01 N, so a plain step of 4 rows costs 0.14 s (0.035 a row)."""
-
-    def cost(n: int) -> float:
-        return 0.1 + 0.01 * n
-
-    def shares(drafted, padded, measured=None, would=None):
-        fb = step_feedback(drafted, measured if measured is not None else cost(4 * (1 + max(drafted)) if padded else 4 + sum(drafted)), padded=padded)
-        return fb.verify_shares(cost, would)
-
-    # Padded, one row drafting 5: the 20 positions it adds (0.2 s) are its own.
-    assert shares([5, 0, 0, 0], True) == pytest.approx([0.035 + 0.2, 0.035, 0.035, 0.035])
-    # Padded, rows drafting 5 and 2: depths 1-2 (4 positions each) shared by both, depths 3-5 by the first.
-    assert shares([5, 2, 0, 0], True) == pytest.approx([0.035 + 0.04 + 0.12, 0.035 + 0.04, 0.035, 0.035])
-    # Packed: each row its own tokens.
-    assert shares([5, 2, 0, 0], False) == pytest.approx([0.035 + 0.05, 0.035 + 0.02, 0.035, 0.035])
-    # The measured time sets the scale: a step that took twice the fit's time doubles every share.
-    assert shares([5, 0, 0, 0], True, measured=2 * 0.34) == pytest.approx([0.47, 0.07, 0.07, 0.07])
-    # Another step's draft lengths: that step's shares at the measured / fitted scale.
-    assert shares([5, 0, 0, 0], True, would=[0, 0, 0, 0]) == pytest.approx([0.035] * 4)
-    # No cost fit (or a flat one): 1/B each, as before any fit.
-    fb = step_feedback([5, 0, 0, 0], 0.34, padded=True)
-    assert fb.verify_shares() == pytest.approx([0.085] * 4)
-    assert fb.verify_shares(lambda n: 0.2) == pytest.approx([0.085] * 4)
-    assert sum(shares([3, 1, 4, 0], True)) == pytest.approx(cost(4 * 5))  # they add up to the step
+def test_lbss_row_seconds_share_the_positions_a_draft_adds():
+    """Hand-built: verify cost(N) = 0.1 + 0.01 N at batch 4 (a plain step: 0.14 s, 0.035 a row);
+    drafter 0 costs 0.02 s a forward and 0.001 s a token per row, and has served 2 rows a step."""
+    policy = LBSSPolicy(FixedLength(5), LBSSConfig())
+    policy.bind([DrafterInfo("a", "model", 1, True)])
+    policy.batch_size = 4
+    for drafted in ([0, 0, 0, 0], [5, 5, 5, 5], [5, 0, 0, 0], [2, 2, 0, 0]):
+        for padded in (True, False):
+            fb = step_feedback(drafted, 0.0, padded=padded)
+            fb = replace(fb, verify_seconds=0.1 + 0.01 * fb.verified_tokens(), draft_seconds=[0.02 * max(drafted) + 0.001 * sum(drafted)])
+            for _ in range(20):
+                policy.costs.update(fb)
+    assert policy.costs.draft_seconds(0, 5, 20) == pytest.approx(0.12, rel=0.01)
+    assert policy.row_seconds(PLAIN, 0, 1) == pytest.approx(0.035, rel=0.01)
+    policy.fill[0].add(1.0)
+    policy.served[0].add(2)
+    draft = (0.1 + 0.01) / 2  # its 5 forwards and 10 row tokens, over the 2 rows it serves
+    policy.padded = True
+    # Padded, every row drafting 5: the 20 added positions (0.2 s) shared by 4.
+    assert policy.row_seconds(0, 5, 4) == pytest.approx(0.035 + 0.05 + draft, rel=0.01)
+    # Padded, a lone drafting row: all 20 positions are its own.
+    assert policy.row_seconds(0, 5, 1) == pytest.approx(0.035 + 0.2 + draft, rel=0.01)
+    # Packed, a lone drafting row: its own 5 positions.
+    policy.padded = False
+    assert policy.row_seconds(0, 5, 1) == pytest.approx(0.035 + 0.05 + draft, rel=0.01)
+    # Drafts that stop at half of k on average (a confidence stop) add half the positions.
+    policy.fill[0] = DecayedMean()
+    policy.fill[0].add(0.5)
+    assert policy.row_seconds(0, 4, 1) == pytest.approx(0.035 + 0.02 + (0.08 + 0.008) / 2, rel=0.01)
 
 
 def test_plain_goodput_is_measured_where_the_fit_extrapolates_wrongly():

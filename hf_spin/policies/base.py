@@ -98,41 +98,6 @@ class StepFeedback:
         B = len(drafted)
         return B * (1 + max(drafted, default=0)) if self.padded else B + sum(drafted)
 
-    def verify_shares(self, cost: Callable[[int], float | None] | None = None, drafted: list[int] | None = None) -> list[float]:
-        """[B] each row's share of the verify time, summing to it. Every row pays an equal part of a
-        plain step (N = B positions); the positions drafts add are charged to the rows that caused
-        them: packed, each row its own tokens; padded to the longest draft, the j-th position of every
-        row is shared by the rows drafting at least j tokens (the airport game's Shapley split: one
-        row drafting 5 tokens among 4 plain ones pays for the 20 positions it made the batch verify).
-
-        cost: t_verify(N), the cost of a forward over N positions (the cost fit; only its increments
-        matter), None: a flat cost, every row 1/B. drafted: other draft lengths ([B]): the shares of
-        that step had it run, the measured time scaled by cost(N') / cost(N)."""
-        B = self.batch_size
-        ks = self.drafted if drafted is None else drafted
-        even = [self.verify_seconds / max(B, 1)] * B
-        if cost is None or not B:
-            return even
-
-        def t(n: int) -> float:
-            return max(cost(n) or 0.0, 0.0)
-
-        actual = t(self.verified_tokens())
-        if actual <= 0:
-            return even
-        shares = [t(B) / B] * B  # the plain step's
-        if self.padded:
-            for j in range(1, max(ks, default=0) + 1):
-                deeper = [b for b in range(B) if ks[b] >= j]
-                layer = max(t(B * (j + 1)) - t(B * j), 0.0)
-                for b in deeper:
-                    shares[b] += layer / len(deeper)
-        elif total := sum(ks):
-            extra = max(t(B + total) - t(B), 0.0)
-            shares = [s + extra * k / total for s, k in zip(shares, ks)]
-        scale = self.verify_seconds / actual
-        return [s * scale for s in shares]
-
     def draft_share(self, b: int) -> float:
         """Row b's share of the drafting: each of its drafters' time split over the rows it served."""
         share = 0.0
@@ -142,8 +107,7 @@ class StepFeedback:
         return share
 
     def row_seconds(self, b: int) -> float:
-        """Row b's share of the step: its share of drafting, plus 1/B of verification (for the
-        charge by the cost fit, `verify_shares`)."""
+        """Row b's share of the step: its share of drafting, plus 1/B of verification."""
         return self.verify_seconds / max(self.batch_size, 1) + self.draft_share(b)
 
 

@@ -214,11 +214,13 @@ class CostModel:
         """Steps at this batch-size bucket since the last plain one (inf: none yet)."""
         return self.plain_age.get(bucket(batch_size), float("inf"))
 
-    def knows_catch_up(self, drafter: int) -> bool:
-        """Whether `drafter`'s draft cost fit has had as many observations as it has terms, so its
-        catch-up cost is identified."""
-        fit = self.draft[drafter]
-        return fit.count >= len(fit.xty)
+    def draft_seconds(self, drafter: int, forwards: int, row_tokens: int) -> float:
+        """Predicted seconds of `drafter` drafting `row_tokens` tokens over its rows in `forwards`
+        sequential forwards, catch-up aside (0 before it has drafted: an unmeasured drafter looks free)."""
+        if self.draft[drafter].count <= 0:
+            return 0.0
+        f, t, _ = self.draft[drafter].coefficients()
+        return float(f * forwards + t * row_tokens)
 
     def catch_up_seconds(self, drafter: int) -> float:
         """Seconds per token that `drafter` spends catching up a row it did not serve."""

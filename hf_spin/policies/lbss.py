@@ -1,20 +1,21 @@
 """Spin's learning-based drafter selection (LBSS): an online bandit that learns, per request, which
 drafter gives the most goodput, under per-drafter batch capacities.
 
-Reward of a row served by drafter d in one step (its goodput, as a speed-up over plain decoding at
-the step's batch size B, so that rewards measured at batch 4 and at batch 1, when the batch has
-shrunk, are comparable; the estimates are turned back into goodput at the B being planned):
+The reward is goodput, factored into what the request decides and what the machine decides:
 
-    r = (accepted + 1) / t_row / g_plain(B),   t_row = verify share + draft share - (catch-up seconds of d) / (rows d served)
+    g(row, d) = E[tokens | row, d] / t_row(B, d, k)
 
-The verify share is charged by the verify-cost fit (`StepFeedback.verify_shares`): an equal
-part of a plain step to every row, and the positions a draft adds to the row that drafted it. On a
-rectangular cache, one row's 5-token prompt-lookup draft makes four rows verify 6 positions each
-(0.38 s against 0.21 s plain at batch 4 on a CPU); split evenly, the drafting row paid a quarter of
-that and kept drafting where plain decoding was faster.
-
-The catch-up a switch causes is taken out of the reward (it is not a property of the drafter on that
-request) and charged once, in the matching, as a switching cost (below).
+- tokens = accepted + 1, what a step of d commits on the row: a property of the request and the
+  drafter, the same at any batch size. It is the only per-request quantity learned (`TokensModel`,
+  a posterior shared across requests).
+- t_row: the row's share of a step at the batch size B being planned (`row_seconds`), from the
+  step-cost fits (`CostModel`): an equal part of a plain step, its part of the positions the drafts
+  add and of d's forwards. It depends on B and the device, not on the request. Learned as one
+  number per (request, drafter), goodput did not carry across batch sizes: on a CPU, 4 rows
+  verifying 6 positions take 2x a plain step at batch 4, so a drafter 1.36x faster than plain
+  decoding at batch 1 is ~0.85x at batch 4, and rewards measured at batch 1 (a warm-up, a batch
+  that shrank) sent batch-4 rows to drafters slower than plain decoding.
+- A switch's catch-up is neither: it is charged once, in the matching, as a switching cost (below).
 
 Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it has been in the batch:
 
@@ -29,31 +30,30 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   explore the same drafter and share its forwards. Past the first epoch, a row skips an
   exploration stage when the request cannot finish the epoch (`steps_left`). Cold (no ended
   request informs the estimates yet) the row runs all the others;
-  warm (`GoodputModel`: what earlier requests measured), only those of epochs whose exploitation
+  warm (`TokensModel`: what earlier requests measured), only those of epochs whose exploitation
   stage is at least alpha steps long (2^e >= alpha), and exploits through the earlier ones. A request
   too short to amortise re-measuring every drafter (tens of steps) then starts on the drafter the
   posterior expects best for it (its prompt length included) and leaves it when its own steps pull
   that drafter's posterior below another's. Warm, a drafter whose catch-up on the row cannot pay
   for itself in the steps left (`pays_off`: a long prompt late in a request) is explored only as a
   last resort, and a row with no other drafter to explore exploits instead.
-- Rewards leave out a step whose catch-up share cannot be taken out yet (the drafter's cost fit has
-  fewer observations than terms): a first step that paid a whole prompt's catch-up would otherwise
-  stay in the row's mean as a goodput ten times too low.
 - Exploitation: each step, a maximum-weight matching (`scipy.optimize.linear_sum_assignment`) of the
   rows to the free drafter slots, and to plain decoding (unlimited slots), on
 
       W[row, d]     = g(row, d) - g(row, d) s / (s + T tau)     s = c_d x lag(row, d)
       W[row, plain] = g_plain = B / t_verify(N = B)              (never-slower; see below)
 
-  g(row, d): the goodput of d's next step on the row under the `GoodputModel` posterior (earlier
-  requests, the row's other drafters and its own rewards with d, each weighed by its measured
+  g(row, d): the tokens of d's next step on the row under the `TokensModel` posterior (earlier
+  requests, the row's other drafters and its own steps with d, each weighed by its measured
   reliability), taken `optimism` posterior sds up (an upper confidence bound: a row that skips
-  its exploration stages is not sent to plain decoding by one step that accepted nothing);
+  its exploration stages is not sent to plain decoding by one step that accepted nothing), over
+  tau = t_row. A row's t_row depends on the others' choices (the drafting rows share the padded
+  positions): the first matching assumes every row drafts, the next ones split the positions
+  as the previous matching did, until one repeats;
   c_d: seconds per token of catch-up (learned from feedback: draft seconds
   = f x forwards + t x row tokens + c x catch-up tokens, or `switch_cost`); lag: tokens d's cache
   is behind on the row; T: steps left in the stage, at most the steps the request may still take
-  (its room over its tokens per step: a catch-up late in a request has few steps to pay off); tau:
-  the row's step time with d. The penalty is exactly the goodput lost by paying s seconds once
+  (its room over its tokens per step: a catch-up late in a request has few steps to pay off). The penalty is exactly the goodput lost by paying s seconds once
   over T steps: g - T g tau / (T tau + s).
   Exploitation stages grow as 2^e, so exploration costs O(alpha log T) steps: regret is sublinear.
 - Never slower: while exploiting, a row is matched to plain decoding when no drafter's estimate
@@ -74,7 +74,7 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   exploration chunk. Its would-be reward on the row: the tokens the step would have committed
   (matches with the committed tokens + 1; when every committed token matched and more were
   proposed, the rest at the row's per-token acceptance hits / (hits + misses), the estimate of a
-  censored geometric) over the row's verify share rescaled by the verify fit to that draft length.
+  censored geometric).
 - Fast switching: `Plan.prefill` names, for each idle model drafter, the rows it is likely to serve
   next (the next exploration chunk, drawn a step ahead; an exploiting row's runner-up within
   `prefill_margin`, when catching it up costs at most that fraction of a step), when it lags by at
@@ -84,9 +84,7 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -94,7 +92,7 @@ import numpy as np
 from .base import BatchView, DrafterInfo, DraftLength, Plan, Policy, StepFeedback
 from .checks import check_float, check_int, check_per_drafter
 from .estimates import CostModel, DecayedMean, RunningMean
-from .goodput_model import GoodputModel
+from .tokens_model import TokensModel
 
 PLAIN = -1  # a row's choice: plain decoding
 NO_PLAIN = -1e18  # weight of a plain slot when plain decoding is not an option (taken only if no drafter slot is left)
@@ -175,7 +173,6 @@ class Stage(NamedTuple):
 class Arm:
     """What one row has seen of one drafter."""
 
-    seconds: RunningMean = field(default_factory=RunningMean)  # the row's step time with it
     tries: int = 0  # exploration chunks drawn
     synced: int = 0  # committed tokens whose KV the drafter holds for the row (0: none yet)
     hits: int = 0  # draft tokens that matched the committed ones (served or shadow)
@@ -212,11 +209,13 @@ class LBSSPolicy(Policy):
         self.config = config or LBSSConfig()
         self.rng = np.random.default_rng(self.config.seed)
         self.rows: dict[int, RowState] = {}
-        self.pooled: list[Arm] = []  # [num_drafters] step seconds over all rows (their rewards: self.goodputs)
-        self.goodputs = self._new_model(0)
+        self.tokens_model = self._new_model(0)
         self.costs = CostModel(0)
         self.shadowed: list[bool] = []  # [num_drafters] measured by shadow drafts, never explored
         self.tokens_per_step = DecayedMean()  # over all rows: a new row's steps_left until it has its own
+        self.fill: list[DecayedMean] = []  # [num_drafters] tokens drafted / k (a confidence stop, a prompt lookup without a match end drafts early)
+        self.served: list[DecayedMean] = []  # [num_drafters] rows each drafter served per step it drafted
+        self.padded = True  # the verify pads rows to the longest draft (from the latest feedback)
         self.alpha = self.config.alpha or self.config.beta
         self.batch_size = 1  # of the step being planned
         self._prefill: dict[int, list[int]] = {}
@@ -228,15 +227,16 @@ class LBSSPolicy(Policy):
         n = len(drafters)
         check_per_drafter("LBSSConfig", "capacities", self.config.capacities, n)
         check_per_drafter("LBSSConfig", "switch_cost", self.config.switch_cost, n)
-        self.pooled = [Arm() for _ in range(n)]
-        self.goodputs = self._new_model(n)
+        self.fill = [DecayedMean() for _ in range(n)]
+        self.served = [DecayedMean() for _ in range(n)]
+        self.tokens_model = self._new_model(n)
         self.costs = CostModel(n)
         self.shadowed = [self.config.shadow and info.num_parameters == 0 for info in drafters]
         self.alpha = self.config.alpha or self.config.beta * max(1, n - sum(self.shadowed))
 
-    def _new_model(self, num_drafters: int) -> GoodputModel:
+    def _new_model(self, num_drafters: int) -> TokensModel:
         c = self.config
-        return GoodputModel(num_drafters, c.prior_spread, PRIOR_ROWS, PRIOR_NOISE, c.history)
+        return TokensModel(num_drafters, c.prior_spread, PRIOR_ROWS, PRIOR_NOISE, c.history)
 
     def capacity(self, drafter: int, batch_size: int) -> int:
         caps = self.config.capacities
@@ -257,10 +257,10 @@ class LBSSPolicy(Policy):
     def end_rows(self, row_ids: list[int]) -> None:
         for rid in row_ids:
             self.rows.pop(rid, None)
-            self.goodputs.end(rid)
+            self.tokens_model.end(rid)
 
     def _new_row(self, view: BatchView, b: int) -> RowState:
-        self.goodputs.start(view.row_ids[b], view.prompt_lengths[b])
+        self.tokens_model.start(view.row_ids[b], view.prompt_lengths[b])
         return RowState(row_id=view.row_ids[b], length=view.prompt_lengths[b] + view.generated[b], arms=[Arm() for _ in self.drafters])
 
     def _row(self, view: BatchView, b: int) -> RowState:
@@ -297,7 +297,7 @@ class LBSSPolicy(Policy):
             return False
         if st.epoch > 1 and self.steps_left(row) < st.epoch_end - age:
             return False
-        if not self.goodputs.warm:
+        if not self.tokens_model.warm:
             return True
         if 2**st.epoch < self.alpha:
             return False
@@ -323,27 +323,60 @@ class LBSSPolicy(Policy):
         per_step = row.tokens.mean if row.tokens.n else self.tokens_per_step.mean or 1.0
         return max(1.0, row.room / per_step)
 
-    def estimate(self, row: RowState, drafter: int) -> float:
-        """g(row, d): the goodput of d's next step on the row at the batch size being planned: the
-        `GoodputModel` posterior of its speed-up over plain decoding (rewards are measured as such,
-        so a row whose batch shrinks keeps comparable estimates), `optimism` posterior sds up, times
-        g_plain(B). The posterior weighs earlier requests, the row's other drafters and its own steps
-        with d by how reliable each has been (a few noisy steps do not overturn what many requests
-        showed); the optimism keeps one unlucky step (no token accepted) from sending a row to
-        plain decoding for the rest of a request that skips its exploration stages. A drafter no
-        request has measured counts as good as the best measured one, so it gets tried."""
+    def estimate(self, row: RowState, drafter: int, k: int, drafting: int) -> float:
+        """g(row, d): the expected goodput of d's next step on the row at the batch size being
+        planned: the `TokensModel` posterior of the tokens it commits, `optimism` posterior sds up,
+        over the row's predicted share of the step (`row_seconds`, with `drafting` rows drafting).
+        The posterior weighs earlier requests, the row's other drafters and its
+        own steps with d by how reliable each has been (a few noisy steps do not overturn what many
+        requests showed); the optimism keeps one unlucky step (no token accepted) from sending a
+        row to plain decoding for the rest of a request that skips its exploration stages. A
+        drafter no request has measured counts as good as the best measured one, so it gets tried.
+        The tokens are capped at what d's drafts can commit, k x fill_d + 1: the log-normal
+        posterior's mean, optimism included, ran to 12 tokens for k = 5 on a request measured
+        once. Before any step (no costs): the tokens alone, for ranking."""
         z = self.config.optimism
-        g = self.goodputs.expected_goodput(row.row_id, drafter, z)
-        if g is None:
-            known = [self.goodputs.expected_goodput(row.row_id, d, z) for d in range(len(self.drafters))]
-            g = max((x for x in known if x is not None), default=0.0)
-        return g * (self.costs.plain_goodput(self.batch_size) or 1.0)  # before any step: speed-ups, for ranking
+        tokens = self.tokens_model.expected_tokens(row.row_id, drafter, z)
+        if tokens is None:
+            known = [self.tokens_model.expected_tokens(row.row_id, d, z) for d in range(len(self.drafters))]
+            tokens = max((x for x in known if x is not None), default=0.0)
+        fill = self.fill[drafter].mean
+        tokens = min(tokens, k * (1.0 if fill is None else fill) + 1)  # a step commits at most its draft + 1
+        t = self.row_seconds(drafter, k, drafting)
+        return tokens / t if t else tokens
+
+    def row_seconds(self, drafter: int, k: int, drafting: int) -> float | None:
+        """t_row: a row's predicted share of a step at the batch size B being planned, with drafter
+        d drafting k tokens for it (PLAIN: none) and `drafting` rows of the batch drafting (this one
+        included). From the cost fits (`CostModel`):
+
+            t_row = t_verify(B, B) / B                                   an equal part of a plain step
+                  + [t_verify(B, B + n) - t_verify(B, B)] / drafting      n = (B if padded else drafting) x k x fill_d
+                  + (f_d k + t_d k s_d) / s_d                             d's forwards, shared by its rows
+
+        fill_d: the fraction of k that d's drafts reach. Padded to the longest draft, the drafting
+        rows share the B k positions every row verifies (a lone drafting row pays them all). s_d: the
+        rows d has served per step (decayed mean; B before any): the draft fit separates forwards
+        from row tokens only as far as s_d has varied, so it is read where it was measured (on the
+        simulated drafters, read at one row where it had served two, it made a drafter look twice
+        its cost). None before any step."""
+        B, costs = self.batch_size, self.costs
+        plain = costs.plain_seconds(B)
+        if plain is None:
+            return None
+        if drafter == PLAIN or k <= 0:
+            return plain / B
+        fill = self.fill[drafter].mean
+        added = (B if self.padded else drafting) * k * (1.0 if fill is None else fill)
+        verify = max(costs.verify_seconds(B, B + added) - costs.verify_seconds(B, B), 0.0) / drafting
+        served = self.served[drafter].mean or B
+        return plain / B + verify + costs.draft_seconds(drafter, k, k * served) / served
 
     def explore_weights(self, row: RowState, drafters: list[int]) -> list[float]:
         """Exploration value of each drafter for the row's next chunk: least-tried on the row first;
         a drafter measured by its shadow drafts, or (warm) whose catch-up cannot pay off, only as a
         slot of last resort."""
-        warm = self.goodputs.warm
+        warm = self.tokens_model.warm
         last_resort = {d: self.shadowed[d] or (warm and not self.pays_off(row, d)) for d in set(drafters)}  # drafters repeat once per slot
         return [SHADOWED if last_resort[d] else -row.arms[d].tries for d in drafters]
 
@@ -358,17 +391,13 @@ class LBSSPolicy(Policy):
         """Tokens `drafter` must catch up before it can draft for `row` (beyond the usual one)."""
         return max(0, row.length - row.arms[drafter].synced - 1)
 
-    def switch_penalty(self, row: RowState, drafter: int, goodput: float, horizon: int) -> float:
+    def switch_penalty(self, row: RowState, drafter: int, goodput: float, horizon: float, tau: float | None) -> float:
+        """The goodput lost by paying d's catch-up on the row once over `horizon` steps of `tau` seconds."""
         s = self.catch_up_seconds(drafter) * self.lag(row, drafter)
         if s <= 0 or goodput <= 0:
             return 0.0
-        tau = self.step_seconds(row, drafter) or 1.0 / goodput
+        tau = tau or 1.0 / goodput
         return goodput * s / (s + max(horizon, 1) * tau)
-
-    def step_seconds(self, row: RowState, drafter: int) -> float | None:
-        """The row's step time with `drafter`: its own mean, else the mean over rows; None before any."""
-        arm, pooled = row.arms[drafter], self.pooled[drafter]
-        return arm.seconds.mean if arm.seconds.n else pooled.seconds.mean if pooled.seconds.n else None
 
     # --- selection -----------------------------------------------------------------------------
 
@@ -419,9 +448,7 @@ class LBSSPolicy(Policy):
                 r.chunk_drafter, r.chunk_end = choice[b], stages[b].end
             r.pending = None
         # 3. Exploitation: maximum-weight matching, plain decoding included.
-        matching = [b for b in range(B) if choice[b] is None]
-        for b, d in zip(matching, self._match(view, [rows[b] for b in matching], [stages[b] for b in matching], cap)):
-            choice[b] = d
+        self._match(view, rows, stages, cap, choice)
         # 4. Draw the next exploration chunks a step ahead (their drafters are pre-filled meanwhile).
         self._draw_ahead(view, rows, choice)
         self._prefill = self._prefill_plan(view, rows, choice)
@@ -444,7 +471,8 @@ class LBSSPolicy(Policy):
             return True  # the bucket's first: the fit's g_plain may be off by any amount
         g_plain = self.costs.plain_goodput(B)
         usable = [d for d in range(len(self.drafters)) if view.usable[d]]
-        return all(max((self.estimate(r, d) for d in usable), default=0.0) < (1 + PROBE_MARGIN) * g_plain for r in rows)
+        best = [max((self.estimate(r, d, self.draft_length.k(d, b, view), B) for d in usable), default=0.0) for b, r in enumerate(rows)]
+        return all(g < (1 + PROBE_MARGIN) * g_plain for g in best)
 
     def _draw(self, rows: list[RowState], cap: list[int]) -> list[int | None]:
         """Rows -> free drafter slots for their next exploration chunks, maximising the exploration
@@ -463,30 +491,44 @@ class LBSSPolicy(Policy):
             out[i] = slots[j]
         return out
 
-    def _match(self, view: BatchView, rows: list[RowState], stages: list[Stage], cap: list[int]) -> list[int]:
-        """Exploitation: rows -> drafter slots or plain, maximising estimated goodput net of switching."""
-        c, R = self.config, len(rows)
-        if not R:
-            return []
-        slots = [d for d in range(len(cap)) for _ in range(min(max(cap[d], 0), R))] + [PLAIN] * R
-        g_plain = self.costs.plain_goodput(view.batch_size) if c.never_slower else None
-        weights = np.full((R, len(slots)), NO_PLAIN if g_plain is None else g_plain)  # [R, S]
-        goodputs = np.zeros((R, len(cap)))  # [R, num_drafters]
-        for i, (r, st) in enumerate(zip(rows, stages)):
-            horizon = min(st.epoch_end - r.age, self.steps_left(r))
-            for d in range(len(cap)):
-                goodputs[i, d] = self.estimate(r, d)
-            for j, d in enumerate(slots):
-                if d != PLAIN:
-                    weights[i, j] = goodputs[i, d] - self.switch_penalty(r, d, goodputs[i, d], horizon)
-        out = [PLAIN] * R
-        for i, j in zip(*linear_sum_assignment(weights)):
-            r, d = rows[i], slots[j]
-            out[i] = d
+    def _match(self, view: BatchView, rows: list[RowState], stages: list[Stage], cap: list[int], choice: list[int | None]) -> None:
+        """Exploitation: the rows without a choice yet -> drafter slots or plain, maximising estimated
+        goodput net of switching (fills `choice`). A row's step time depends on what the others do
+        (the drafting rows share the padded positions): the first matching assumes every row
+        drafts; each next one splits the positions as the previous one (and the rows already
+        decided: exploring) did, until a matching repeats. From that optimistic start, a row left alone drafting on a padded batch
+        pays the positions it makes every row verify, and goes plain where that does not pay."""
+        c, B = self.config, view.batch_size
+        todo = [b for b in range(B) if choice[b] is None]
+        if not todo:
+            return
+        slots = [d for d in range(len(cap)) for _ in range(min(max(cap[d], 0), len(todo)))] + [PLAIN] * len(todo)
+        g_plain = self.costs.plain_goodput(B) if c.never_slower else None
+        ks = [[self.draft_length.k(d, b, view) for d in range(len(cap))] for b in todo]  # [R][num_drafters]
+        horizons = [min(stages[b].epoch_end - rows[b].age, self.steps_left(rows[b])) for b in todo]
+        guess: list[int] | None = None  # the previous matching ([R]); None: every row drafts with every drafter
+        for _ in range(len(todo) + 1):
+            weights = np.full((len(todo), len(slots)), NO_PLAIN if g_plain is None else g_plain)  # [R, S]
+            goodputs = np.zeros((len(todo), len(cap)))  # [R, num_drafters]
+            for i, b in enumerate(todo):
+                others = [choice[x] for x in range(B) if choice[x] is not None] + (guess[:i] + guess[i + 1 :] if guess else [])
+                drafting = B if guess is None else 1 + sum(e != PLAIN for e in others)
+                for d in range(len(cap)):
+                    goodputs[i, d] = self.estimate(rows[b], d, ks[i][d], drafting)
+                    tau = self.row_seconds(d, ks[i][d], drafting)
+                    penalty = self.switch_penalty(rows[b], d, goodputs[i, d], horizons[i], tau)
+                    weights[i, [j for j, e in enumerate(slots) if e == d]] = goodputs[i, d] - penalty
+            out = [PLAIN] * len(todo)
+            for i, j in zip(*linear_sum_assignment(weights)):
+                out[i] = slots[j]
+            if out == guess:
+                break
+            guess = out
+        for i, (b, d) in enumerate(zip(todo, out)):
+            choice[b] = d
             if d != PLAIN:
                 others = [e for e in range(len(cap)) if e != d and goodputs[i, e] >= (1 - c.prefill_margin) * goodputs[i, d]]
-                r.runner_up = max(others, key=lambda e: goodputs[i, e], default=None)
-        return out
+                rows[b].runner_up = max(others, key=lambda e: goodputs[i, e], default=None)
 
     def _draw_ahead(self, view: BatchView, rows: list[RowState], choice: list[int]) -> None:
         """Rows whose next step starts an exploration chunk get that chunk's drafter now."""
@@ -508,18 +550,19 @@ class LBSSPolicy(Policy):
             if self.steps_left(r) < 2:  # no later step to switch in
                 continue
             for d in {r.pending, r.runner_up}:
-                if d not in idle or (d != r.pending and not self._cheap_prefill(r, d)):
+                if d not in idle or (d != r.pending and not self._cheap_prefill(r, d, self.draft_length.k(d, b, view))):
                     continue
                 if self.lag(r, d) >= self.config.prefill_min_tokens:
                     plan.setdefault(d, []).append(b)
         return plan
 
-    def _cheap_prefill(self, row: RowState, drafter: int) -> bool:
+    def _cheap_prefill(self, row: RowState, drafter: int, k: int) -> bool:
         """A runner-up may never be switched to: pre-fill it only when that costs at most
         `prefill_margin` of a step of the row, the most a step on it could gain (an idle drafter is
         not free where drafters and the target share the device: on a CPU at batch 4, pre-fills of
         runner-ups cost 0.3-0.6 s each, a step or more of the whole batch, and were rarely used)."""
-        step = self.step_seconds(row, drafter) or 0.0
+        B = self.batch_size
+        step = self.row_seconds(drafter, k, B) or 0.0
         return self.catch_up_seconds(drafter) * self.lag(row, drafter) <= self.config.prefill_margin * step
 
     def plan(self, view: BatchView) -> Plan:
@@ -552,23 +595,19 @@ class LBSSPolicy(Policy):
                     switch[d] += max(0, new_length[b] - 1 - r.arms[d].synced)
                     r.arms[d].synced = new_length[b] - 1
         self.costs.update(feedback, switch)
-        # 2. Rewards: goodput of each single-drafter row, its catch-up share taken out.
-        served = [sum(1 for ds in plan.drafters if d in ds) for d in range(n)]
-        shares = feedback.verify_shares(self.verify_cost(feedback))  # [B]
-        g_plain = self.costs.plain_goodput(feedback.batch_size)  # rewards are speed-ups over plain decoding at this B
+        for d in range(n):
+            if rows_served := sum(1 for ds, k in zip(plan.drafters, plan.k) if d in ds and k > 0):
+                self.served[d].add(rows_served)
+        self.padded = feedback.padded
+        # 2. Rewards: the tokens each single-drafter row committed (its step time is the cost fits').
         for b, r in enumerate(rows):
             if r is None or len(plan.drafters[b]) != 1 or plan.k[b] == 0:
                 continue
             d = plan.drafters[b][0]
             r.arms[d].count(feedback.accepted[b], feedback.drafted[b], feedback.accepted[b] + 1)
-            if switch[d] > 0 and self.config.switch_cost is None and not self.costs.knows_catch_up(d):
-                continue  # its catch-up share cannot be taken out yet: one such reward skewed a row for good
-            t = shares[b] + feedback.draft_share(b) - self.catch_up_seconds(d) * switch[d] / max(served[d], 1)
-            t = max(t, shares[b])
-            if t <= 0 or not g_plain:
-                continue
-            self._observe(r, d, (feedback.accepted[b] + 1) / t / g_plain, t)
-        # 3. Shadow drafts: what a model-free drafter would have got on the rows it did not serve.
+            self.fill[d].add(feedback.drafted[b] / plan.k[b])
+            self.tokens_model.add(r.row_id, d, feedback.accepted[b] + 1)
+        # 3. Shadow drafts: what a model-free drafter would have committed on the rows it did not serve.
         for b, r in enumerate(rows):
             if r is None:
                 continue
@@ -578,14 +617,9 @@ class LBSSPolicy(Policy):
             for d, proposed in (feedback.shadow_proposed[b] if feedback.shadow_proposed else {}).items():
                 matched = feedback.shadow_matched[b][d]
                 r.arms[d].count(matched, proposed, committed)
-                t = self.shadow_seconds(feedback, b, d, proposed)
-                if t > 0 and g_plain:
-                    self._observe(r, d, self.shadow_tokens(r.arms[d], committed, proposed, matched) / t / g_plain, t)
-
-    def _observe(self, row: RowState, drafter: int, goodput: float, seconds: float) -> None:
-        self.goodputs.add(row.row_id, drafter, goodput)
-        for arm in (row.arms[drafter], self.pooled[drafter]):
-            arm.seconds.add(seconds)
+                if plan.shadow.get(d, {}).get(b):
+                    self.fill[d].add(proposed / plan.shadow[d][b])
+                self.tokens_model.add(r.row_id, d, self.shadow_tokens(r.arms[d], committed, proposed, matched))
 
     @staticmethod
     def shadow_tokens(arm: Arm, committed: int, proposed: int, matched: int) -> float:
@@ -598,15 +632,3 @@ class LBSSPolicy(Policy):
         alpha = (arm.hits + 1) / (arm.hits + arm.misses + 2)
         more = proposed - matched
         return matched + 1.0 + alpha * (1 - alpha**more) / (1 - alpha)
-
-    def verify_cost(self, feedback: StepFeedback) -> Callable[[int], float | None]:
-        """t_verify(N) at the step's batch size, from the cost fit: how `StepFeedback.verify_shares`
-        charges the positions a draft adds to its row."""
-        return partial(self.costs.verify_seconds, feedback.batch_size)
-
-    def shadow_seconds(self, feedback: StepFeedback, b: int, drafter: int, proposed: int) -> float:
-        """The row's share of the step had it verified `proposed` shadow tokens instead of its draft
-        (`StepFeedback.verify_shares` of that step), plus the drafter's time per row it drafted for."""
-        would = [proposed if i == b else k for i, k in enumerate(feedback.drafted)]
-        drafted_for = sum(1 for ds in feedback.plan.drafters if drafter in ds) + sum(1 for sp in feedback.shadow_proposed if drafter in sp)
-        return feedback.verify_shares(self.verify_cost(feedback), would)[b] + feedback.draft_seconds[drafter] / max(drafted_for, 1)

@@ -1,16 +1,18 @@
-"""What LBSS knows of a drafter on a request it has not (or barely) tried: a two-way model of log
-goodput learned across requests, so a new request starts from what earlier requests showed.
+"""What LBSS knows of a drafter on a request it has not (or barely) tried: a two-way model of the
+log tokens a step commits (accepted + 1), learned across requests, so a new request starts from
+what earlier requests showed. Tokens, not goodput: they depend on the request and the drafter
+only; the seconds a step takes depend on the batch size and the device and come from the cost
+fits (`lbss.LBSSPolicy.row_seconds`).
 
-    log g(row, d) = a_row + b_d + c_d (x_row - x_d) + e_row,d + noise,
+    log n(row, d) = a_row + b_d + c_d (x_row - x_d) + e_row,d + noise,
     e_row,d ~ N(0, tau_d^2),   noise ~ N(0, sigma_d^2),   x_row = log(prompt length)
 
-- a_row: the request's own speed (its prompt length sets the verify cost, which every drafter
-  shares). It cancels when drafters are compared on one row, so one drafter's measurement on a row
+- a_row: how predictable the request's text is, for every drafter (code and summaries commit
+  several tokens a step, open chat one or two). It cancels when drafters are compared on one row, so one drafter's measurement on a row
   says how fast the others would be there.
 - b_d: how good drafter d is on the average request (that measured it: x_d is their mean x).
 - c_d: how that changes with the prompt's length, known before the request drafts anything:
-  prompt lookup gains on long prompts it can copy from (summaries, retrieval), a catch-up-free
-  drafter starts them without a prefill. A ridge regression over rows, shrunk toward 0 by
+  prompt lookup gains on long prompts it can copy from (summaries, retrieval). A ridge regression over rows, shrunk toward 0 by
   `prior_rows` pseudo-rows at unit spread of x, so a few requests do not make a slope.
 - e_row,d: how much this request departs from that for d (prompt lookup on summarization: large;
   two chat models of one family: small). tau_d is its spread over requests, estimated from rows
@@ -21,7 +23,7 @@ goodput learned across requests, so a new request starts from what earlier reque
 The prediction for (row, d) is the Gaussian posterior of a_row + b_d + c_d (x_row - x_d) + e_row,d:
 a_row from the row's *other* drafters (each weighed by how much it varies between requests and how
 often the row measured it) and the spread of a over requests; then the row's own n steps with d.
-Mean and standard deviation, in log goodput. `None` for a drafter no request
+Mean and standard deviation, in log tokens. `None` for a drafter no request
 has measured yet. Rows are kept after they end (the last `history` of them): they are the evidence.
 """
 
@@ -34,20 +36,20 @@ from .estimates import RunningMean
 
 # Alternating least-squares sweeps for a and b: the fit starts from the last one, so a few suffice.
 SWEEPS = 4
-# Prior sd of the request effect a_row in log goodput: requests differ ~2.7x in speed (prompt length
-# sets the verify cost) before any is measured.
+# Prior sd of the request effect a_row in log tokens, before any request is measured: a request
+# commits from ~1 token a step (open chat) to ~4-6 (code, a copied summary), e^+-1 around ~2.
 PRIOR_REQUEST_SPREAD = 1.0
 
 
-class GoodputModel:
+class TokensModel:
     def __init__(self, num_drafters: int, prior_spread: float, prior_rows: float, prior_noise: float, history: int):
         self.num_drafters = num_drafters
         self.prior_spread, self.prior_rows, self.prior_noise, self.history = prior_spread, prior_rows, prior_noise, history
-        self.rows: OrderedDict[int, list[RunningMean]] = OrderedDict()  # row id -> [num_drafters] log goodputs, oldest first
+        self.rows: OrderedDict[int, list[RunningMean]] = OrderedDict()  # row id -> [num_drafters] log tokens, oldest first
         self.live: set[int] = set()
         self.a: dict[int, float] = {}  # row effects of the latest fit
         self.b: list[float | None] = [None] * num_drafters
-        self.c = [0.0] * num_drafters  # slope of log goodput in x_row, per drafter
+        self.c = [0.0] * num_drafters  # slope of log tokens in x_row, per drafter
         self.x: dict[int, float] = {}  # row id -> log(prompt length), for rows that gave one
         self.x_mean: list[float] = [0.0] * num_drafters  # x_d
         self.a_mean, self.a_var = 0.0, PRIOR_REQUEST_SPREAD**2  # a over requests
@@ -72,10 +74,10 @@ class GoodputModel:
             self.x.pop(r, None)
         self.stale = True
 
-    def add(self, row_id: int, drafter: int, goodput: float) -> None:
+    def add(self, row_id: int, drafter: int, tokens: float) -> None:
         if row_id not in self.rows:
             self.start(row_id)
-        self.rows[row_id][drafter].add(math.log(goodput))
+        self.rows[row_id][drafter].add(math.log(tokens))
         self.stale = True
 
     @property
@@ -137,8 +139,8 @@ class GoodputModel:
         b = self.b[drafter]
         return b + (self.c[drafter] * (x - self.x_mean[drafter]) if x is not None else 0.0)
 
-    def expected_goodput(self, row_id: int, drafter: int, optimism: float = 0.0) -> float | None:
-        """Expected goodput of the next step of `drafter` on `row_id`: the log-normal mean
+    def expected_tokens(self, row_id: int, drafter: int, optimism: float = 0.0) -> float | None:
+        """Expected tokens of the next step of `drafter` on `row_id`: the log-normal mean
         exp(m + (s^2 + sigma_d^2) / 2) of the posterior (m, s) (`predict`) and the step noise. Before
         the row's own steps with d: exp(a_row + b_d + c_d (x_row - x_d) + (var(a_row) + tau_d^2 + sigma_d^2) / 2).
         optimism z: with m + z s for m (an upper confidence bound, z posterior sds up). None if never
@@ -164,7 +166,7 @@ class GoodputModel:
         return total / precision, 1.0 / precision
 
     def predict(self, row_id: int, drafter: int) -> tuple[float, float] | None:
-        """Posterior (mean, sd) of log goodput of `drafter` on `row_id`: the prior a_row + b_d +
+        """Posterior (mean, sd) of log tokens of `drafter` on `row_id`: the prior a_row + b_d +
         c_d (x_row - x_d), a_row from the row's other drafters (`row_effect`), with variance
         var(a_row) + tau_d^2, updated by the row's own n steps with d. None if never measured."""
         self.fit()
