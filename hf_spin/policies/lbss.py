@@ -50,8 +50,8 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   tau = t_row. A row's t_row depends on the others' choices (the drafting rows share the padded
   positions): the first matching assumes every row drafts, the next ones split the positions
   as the previous matching did, until one repeats;
-  c_d: seconds per token of catch-up (learned from feedback: draft seconds
-  = f x forwards + t x row tokens + c x catch-up tokens, or `switch_cost`); lag: tokens d's cache
+  c_d: seconds per token of catch-up (learned from feedback: what steps with a catch-up took
+  beyond a steady step's f x forwards + t x row tokens, per catch-up token; or `switch_cost`); lag: tokens d's cache
   is behind on the row; T: steps left in the stage, at most the steps the request may still take
   (its room over its tokens per step: a catch-up late in a request has few steps to pay off). The penalty is exactly the goodput lost by paying s seconds once
   over T steps: g - T g tau / (T tau + s).
