@@ -249,14 +249,15 @@ def test_lbss_tokens_carry_across_batch_sizes_and_costs_do_not():
     1.4x plain decoding at batch 1, 0.8x at batch 4. A request at batch 1, then four at batch 4,
     one pool: LBSS drafts on most batch-1 steps (over the seeds) and decodes most batch-4
     row-steps plainly (on every seed): the tokens per step it learned at batch 1 are read against
-    the costs at batch 4 (measured over 8 seeds: drafting on 0.91 of the batch-1 steps, 0.16 of the
-    batch-4 row-steps)."""
+    the costs at batch 4. Measured over these 8 seeds: drafting on 0.91 of the batch-1 steps and
+    0.16 of the batch-4 row-steps (at most 0.27 on one seed); at 9d91c39, whose rewards were
+    speed-ups over plain decoding, 0.86 and 0.31 (0.53 and 0.56 on two seeds)."""
 
     def drafting(plans: list[Plan]) -> float:
         return sum(ds != () for p in plans for ds in p.drafters) / sum(len(p.drafters) for p in plans)
 
-    batch1 = []
-    for seed in range(4):
+    batch1, batch4 = [], []
+    for seed in range(8):
         s = Simulator([SimDrafter("model", {"A": 0.6}, num_parameters=100)], ["A"], SimVerify(0.05, 0.01), seed=seed, max_new_tokens=[100], padded=True)
         assert s.row_goodput("A", 0, K, 1) > 1.3 * s.row_goodput("A", None, K, 1)
         assert s.row_goodput("A", 0, K, 4) < 0.85 * s.row_goodput("A", None, K, 4)
@@ -266,8 +267,8 @@ def test_lbss_tokens_carry_across_batch_sizes_and_costs_do_not():
         s.add_rows(policy, ["A"] * 4, max_new_tokens=100)
         s.run(policy, 1000)
         batch1.append(drafting(s.trace.plans[:first]))
-        assert drafting(s.trace.plans[first:]) < 0.3, (seed, drafting(s.trace.plans[first:]))
-    assert sum(batch1) / len(batch1) > 0.8, batch1
+        batch4.append(drafting(s.trace.plans[first:]))
+    assert sum(batch1) / 8 > 0.8 and max(batch4) < 0.3 and sum(batch4) / 8 < 0.2, (batch1, batch4)
 
 
 def lookup_sim(seed: int) -> Simulator:
