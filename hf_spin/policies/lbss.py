@@ -496,17 +496,19 @@ class LBSSPolicy(Policy):
         goodput net of switching (fills `choice`). A row's step time depends on what the others do
         (the drafting rows share the padded positions): the first matching assumes every row
         drafts; each next one splits the positions as the previous one (and the rows already
-        decided: exploring) did, until a matching repeats. From that optimistic start, a row left alone drafting on a padded batch
-        pays the positions it makes every row verify, and goes plain where that does not pay."""
+        decided: exploring) did, until a matching repeats. From that optimistic start, a row left
+        alone drafting on a padded batch pays the positions it makes every row verify, and goes
+        plain where that does not pay."""
         c, B = self.config, view.batch_size
         todo = [b for b in range(B) if choice[b] is None]
         if not todo:
             return
         slots = [d for d in range(len(cap)) for _ in range(min(max(cap[d], 0), len(todo)))] + [PLAIN] * len(todo)
+        columns = [[j for j, e in enumerate(slots) if e == d] for d in range(len(cap))]  # [num_drafters] its slots
         g_plain = self.costs.plain_goodput(B) if c.never_slower else None
         ks = [[self.draft_length.k(d, b, view) for d in range(len(cap))] for b in todo]  # [R][num_drafters]
         horizons = [min(stages[b].epoch_end - rows[b].age, self.steps_left(rows[b])) for b in todo]
-        guess: list[int] | None = None  # the previous matching ([R]); None: every row drafts with every drafter
+        guess: list[int] | None = None  # the previous matching ([R]); None: every row drafts
         for _ in range(len(todo) + 1):
             weights = np.full((len(todo), len(slots)), NO_PLAIN if g_plain is None else g_plain)  # [R, S]
             goodputs = np.zeros((len(todo), len(cap)))  # [R, num_drafters]
@@ -517,7 +519,7 @@ class LBSSPolicy(Policy):
                     goodputs[i, d] = self.estimate(rows[b], d, ks[i][d], drafting)
                     tau = self.row_seconds(d, ks[i][d], drafting)
                     penalty = self.switch_penalty(rows[b], d, goodputs[i, d], horizons[i], tau)
-                    weights[i, [j for j, e in enumerate(slots) if e == d]] = goodputs[i, d] - penalty
+                    weights[i, columns[d]] = goodputs[i, d] - penalty
             out = [PLAIN] * len(todo)
             for i, j in zip(*linear_sum_assignment(weights)):
                 out[i] = slots[j]
