@@ -51,10 +51,11 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   positions): the first matching assumes every row drafts, the next ones split the positions
   as the previous matching did, until one repeats;
   c_d: seconds per token of catch-up (learned from feedback: what steps with a catch-up took
-  beyond a steady step's f x forwards + t x row tokens, per catch-up token; or `switch_cost`); lag: tokens d's cache
-  is behind on the row; T: steps left in the stage, at most the steps the request may still take
-  (its room over its tokens per step: a catch-up late in a request has few steps to pay off). The penalty is exactly the goodput lost by paying s seconds once
-  over T steps: g - T g tau / (T tau + s).
+  beyond a steady step's f x forwards + t x row tokens, per catch-up token; or `switch_cost`);
+  lag: tokens d's cache is behind on the row; T: steps left in the stage, at most the steps the
+  request may still take (its room over its tokens per step: a catch-up late in a request has few
+  steps to pay off). The penalty is exactly the goodput lost by paying s seconds once over T
+  steps: g - T g tau / (T tau + s).
   Exploitation stages grow as 2^e, so exploration costs O(alpha log T) steps: regret is sublinear.
 - Never slower: while exploiting, a row is matched to plain decoding when no drafter's estimate
   beats g_plain, the goodput of a plain step: the verify-cost fit at zero drafts, corrected by how
