@@ -13,7 +13,6 @@ A policy is two decisions composed: *selection* (`Policy.select`: who drafts for
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Draft length when none is given: on the packaged models (bf16, CPU) verifying 8 tokens costs about

@@ -107,6 +107,11 @@ PROBE_MARGIN = 0.5
 PREFILL_KINDS = frozenset({"model", "translation"})  # drafters that keep a per-row cache to pre-fill
 
 
+def goodput(tokens: float, seconds: float | None) -> float:
+    """Tokens per second; the tokens alone while no step time is known (they still rank drafters)."""
+    return tokens / seconds if seconds else tokens
+
+
 def linear_sum_assignment(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Maximum-weight matching of rows to columns (scipy), with a clear error when scipy is missing."""
     try:
@@ -326,25 +331,30 @@ class LBSSPolicy(Policy):
 
     def estimate(self, row: RowState, drafter: int, k: int, drafting: int) -> float:
         """g(row, d): the expected goodput of d's next step on the row at the batch size being
-        planned: the `TokensModel` posterior of the tokens it commits, `optimism` posterior sds up,
-        over the row's predicted share of the step (`row_seconds`, with `drafting` rows drafting).
-        The posterior weighs earlier requests, the row's other drafters and its
+        planned, `expected_tokens` over the row's predicted share of the step (`row_seconds`, with
+        `drafting` rows drafting). Before any step (no costs): the tokens alone, for ranking."""
+        return goodput(self.expected_tokens(row, drafter, k), self.row_seconds(drafter, k, drafting))
+
+    def expected_tokens(self, row: RowState, drafter: int, k: int) -> float:
+        """The tokens d's next step commits on the row: the `TokensModel` posterior, `optimism`
+        posterior sds up. The posterior weighs earlier requests, the row's other drafters and its
         own steps with d by how reliable each has been (a few noisy steps do not overturn what many
         requests showed); the optimism keeps one unlucky step (no token accepted) from sending a
         row to plain decoding for the rest of a request that skips its exploration stages. A
         drafter no request has measured counts as good as the best measured one, so it gets tried.
-        The tokens are capped at what d's drafts can commit, k x fill_d + 1: the log-normal
-        posterior's mean, optimism included, ran to 12 tokens for k = 5 on a request measured
-        once. Before any step (no costs): the tokens alone, for ranking."""
+        Capped at what d's drafts can commit, k x fill_d + 1: the log-normal posterior's mean,
+        optimism included, ran to 12 tokens for k = 5 on a request measured once."""
         z = self.config.optimism
         tokens = self.tokens_model.expected_tokens(row.row_id, drafter, z)
         if tokens is None:
             known = [self.tokens_model.expected_tokens(row.row_id, d, z) for d in range(len(self.drafters))]
             tokens = max((x for x in known if x is not None), default=0.0)
+        return min(tokens, k * self.fill_fraction(drafter) + 1)
+
+    def fill_fraction(self, drafter: int) -> float:
+        """fill_d: the fraction of k that d's drafts reach (1 before any)."""
         fill = self.fill[drafter].mean
-        tokens = min(tokens, k * (1.0 if fill is None else fill) + 1)  # a step commits at most its draft + 1
-        t = self.row_seconds(drafter, k, drafting)
-        return tokens / t if t else tokens
+        return 1.0 if fill is None else fill
 
     def row_seconds(self, drafter: int, k: int, drafting: int) -> float | None:
         """t_row: a row's predicted share of a step at the batch size B being planned, with drafter
@@ -367,8 +377,7 @@ class LBSSPolicy(Policy):
             return None
         if drafter == PLAIN or k <= 0:
             return plain / B
-        fill = self.fill[drafter].mean
-        added = (B if self.padded else drafting) * k * (1.0 if fill is None else fill)
+        added = (B if self.padded else drafting) * k * self.fill_fraction(drafter)
         verify = max(costs.verify_seconds(B, B + added) - costs.verify_seconds(B, B), 0.0) / drafting
         served = self.served[drafter].mean or B
         return plain / B + verify + costs.draft_seconds(drafter, k, k * served) / served
@@ -509,16 +518,17 @@ class LBSSPolicy(Policy):
         g_plain = self.costs.plain_goodput(B) if c.never_slower else None
         ks = [[self.draft_length.k(d, b, view) for d in range(len(cap))] for b in todo]  # [R][num_drafters]
         horizons = [min(stages[b].epoch_end - rows[b].age, self.steps_left(rows[b])) for b in todo]
+        decided = [d for d in choice if d is not None]  # exploring rows: they draft (or not) whatever the matching does
         guess: list[int] | None = None  # the previous matching ([R]); None: every row drafts
         for _ in range(len(todo) + 1):
             weights = np.full((len(todo), len(slots)), NO_PLAIN if g_plain is None else g_plain)  # [R, S]
             goodputs = np.zeros((len(todo), len(cap)))  # [R, num_drafters]
             for i, b in enumerate(todo):
-                others = [choice[x] for x in range(B) if choice[x] is not None] + (guess[:i] + guess[i + 1 :] if guess else [])
+                others = decided + (guess[:i] + guess[i + 1 :] if guess else [])
                 drafting = B if guess is None else 1 + sum(e != PLAIN for e in others)
                 for d in range(len(cap)):
-                    goodputs[i, d] = self.estimate(rows[b], d, ks[i][d], drafting)
                     tau = self.row_seconds(d, ks[i][d], drafting)
+                    goodputs[i, d] = goodput(self.expected_tokens(rows[b], d, ks[i][d]), tau)
                     penalty = self.switch_penalty(rows[b], d, goodputs[i, d], horizons[i], tau)
                     weights[i, columns[d]] = goodputs[i, d] - penalty
             out = [PLAIN] * len(todo)
@@ -564,8 +574,7 @@ class LBSSPolicy(Policy):
         `prefill_margin` of a step of the row, the most a step on it could gain (an idle drafter is
         not free where drafters and the target share the device: on a CPU at batch 4, pre-fills of
         runner-ups cost 0.3-0.6 s each, a step or more of the whole batch, and were rarely used)."""
-        B = self.batch_size
-        step = self.row_seconds(drafter, k, B) or 0.0
+        step = self.row_seconds(drafter, k, self.batch_size) or 0.0
         return self.catch_up_seconds(drafter) * self.lag(row, drafter) <= self.config.prefill_margin * step
 
     def plan(self, view: BatchView) -> Plan:

@@ -8,12 +8,13 @@ fits (`lbss.LBSSPolicy.row_seconds`).
     e_row,d ~ N(0, tau_d^2),   noise ~ N(0, sigma_d^2),   x_row = log(prompt length)
 
 - a_row: how predictable the request's text is, for every drafter (code and summaries commit
-  several tokens a step, open chat one or two). It cancels when drafters are compared on one row, so one drafter's measurement on a row
-  says how fast the others would be there.
+  several tokens a step, open chat one or two). It cancels when drafters are compared on one row,
+  so one drafter's measurement on a row says how many tokens the others would commit there.
 - b_d: how good drafter d is on the average request (that measured it: x_d is their mean x).
 - c_d: how that changes with the prompt's length, known before the request drafts anything:
-  prompt lookup gains on long prompts it can copy from (summaries, retrieval). A ridge regression over rows, shrunk toward 0 by
-  `prior_rows` pseudo-rows at unit spread of x, so a few requests do not make a slope.
+  prompt lookup gains on long prompts it can copy from (summaries, retrieval). A ridge regression
+  over rows, shrunk toward 0 by `prior_rows` pseudo-rows at unit spread of x, so a few requests do
+  not make a slope.
 - e_row,d: how much this request departs from that for d (prompt lookup on summarization: large;
   two chat models of one family: small). tau_d is its spread over requests, estimated from rows
   that tried several drafters (with `prior_rows` pseudo-rows at `prior_spread`, so the first
