@@ -11,6 +11,10 @@ prompt lookup); hf_spin with each single drafter (policy "fixed"); hf_spin with 
 whole pool. Reported per Spec-Bench task and overall: speed-up over plain, acceptance, mean accepted
 length, goodput, identical outputs, how often each drafter was chosen, and each method's goodput as
 a fraction of the per-request oracle (the best single drafter, or plain decoding, in hindsight).
+
+The pools are made once and keep what they learn across requests, as a server's would. They start
+cold: the first requests pay for learning which drafter serves what (`--policy-warmup N` first runs
+N held-out questions per task through them, unrecorded, to measure a pool that has served requests).
 """
 
 from __future__ import annotations
@@ -57,6 +61,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--resume", type=Path, default=None, help="a partial .jsonl of an interrupted run: its questions are not run again")
     ap.add_argument("--ragged-attention", action="store_true", help="hf_spin on packed rows (AssistantPool(ragged_attention=True))")
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation runs")
+    ap.add_argument(
+        "--policy-warmup", type=int, default=0,
+        help="held-out questions per task (the ones after the measured ones) run through every hf_spin pool at each batch size before it is measured, "
+        "not recorded: the learned state of a pool that has served requests (0: the pools start cold)",
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -90,6 +99,12 @@ class Bench:
         for policy in policies:
             self.pools[f"policy:{policy}"] = hf_spin.AssistantPool(list(self.entries.values()), policy=policy, draft_length=make_draft_length(draft_length), **options)
         self.gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=self.tok.pad_token_id)
+
+    def learn(self, questions: list[dict]) -> None:
+        """Runs `questions` through every hf_spin pool, unrecorded: what a pool learns from serving them."""
+        batch = encode(self.tok, questions)
+        for pool in self.pools.values():
+            self.target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **self.gen)
 
     def run(self, questions: list[dict]) -> list[dict]:
         """One record per question of this batch: each method's time, identity, and per-row stats."""
@@ -193,7 +208,8 @@ def markdown(summary: dict, env: dict) -> str:
 
     lines = [
         f"Spec-Bench pool benchmark: greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, draft_length={env['draft_length']}, "
-        f"ragged_attention={env['ragged_attention']}; "
+        f"ragged_attention={env['ragged_attention']}, "
+        f"pools warmed on {env.get('policy_warmup', 0)} held-out question(s) per task before each batch size; "
         f"target {TARGET}; {env['machine']}, {env['threads']} threads, {env['processes']} process(es); "
         f"torch {env['torch']}, transformers {env['transformers']}, hf_spin {env['hf_spin']}.",
     ]
@@ -233,6 +249,7 @@ def report(args, records: list[dict], num_processes: int) -> None:
         "max_new_tokens": args.max_new_tokens,
         "draft_length": args.draft_length,
         "ragged_attention": args.ragged_attention,
+        "policy_warmup": args.policy_warmup,
     }
     summary = summarize(records)
     table = markdown(summary, env)
@@ -249,6 +266,7 @@ def main() -> None:
     state = PartialState()
     bench = Bench(args)
     questions = load_questions(args.questions, args.per_task, args.limit, group_by="task")
+    held_out = [q for q in load_questions(args.questions, args.per_task + args.policy_warmup, None, group_by="task") if q not in questions]
     # warm-up, 4 tokens: one-off allocation costs would bias whichever method runs first
     bench.gen, full = {**bench.gen, "max_new_tokens": 4}, bench.gen
     bench.run(questions[:1])
@@ -263,6 +281,8 @@ def main() -> None:
         for bs in args.batch_sizes:
             todo = [q for q in shard if (q["question_id"], bs) not in done]
             chunks = [todo[i : i + bs] for i in range(0, len(todo), bs)]
+            for chunk in tqdm([held_out[i : i + bs] for i in range(0, len(held_out), bs)] if todo else [], desc=f"policy warm-up, batch {bs}", disable=not state.is_main_process):
+                bench.learn(chunk)
             for chunk in tqdm(chunks, desc=f"batch {bs}", disable=not state.is_main_process):
                 for record in bench.run(chunk):
                     record["requested_batch_size"] = bs
