@@ -281,7 +281,8 @@ def main() -> None:
         for bs in args.batch_sizes:
             todo = [q for q in shard if (q["question_id"], bs) not in done]
             chunks = [todo[i : i + bs] for i in range(0, len(todo), bs)]
-            for chunk in tqdm([held_out[i : i + bs] for i in range(0, len(held_out), bs)] if todo else [], desc=f"policy warm-up, batch {bs}", disable=not state.is_main_process):
+            learn = [held_out[i : i + bs] for i in range(0, len(held_out), bs)] if todo else []
+            for chunk in tqdm(learn, desc=f"policy warm-up, batch {bs}", disable=not (learn and state.is_main_process)):
                 bench.learn(chunk)
             for chunk in tqdm(chunks, desc=f"batch {bs}", disable=not state.is_main_process):
                 for record in bench.run(chunk):

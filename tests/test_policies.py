@@ -713,6 +713,10 @@ def test_lbss_row_seconds_share_the_positions_a_draft_adds():
     policy.fill[0] = DecayedMean()
     policy.fill[0].add(0.5)
     assert policy.row_seconds(0, 4, 1) == pytest.approx(0.035 + 0.02 + (0.08 + 0.008) / 2, rel=0.01)
+    # Padded, the batch verifies the longest draft: 4 rows drafting 4, each reaching k half the time,
+    # verify 4 x 4 x (1 - 0.5^4) = 15 added positions, not the mean draft's 8.
+    policy.padded = True
+    assert policy.row_seconds(0, 4, 4) == pytest.approx(0.035 + 0.15 / 4 + (0.08 + 0.008) / 2, rel=0.01)
 
 
 def test_plain_goodput_is_measured_where_the_fit_extrapolates_wrongly():

@@ -362,22 +362,31 @@ class LBSSPolicy(Policy):
         included). From the cost fits (`CostModel`):
 
             t_row = t_verify(B, B) / B                                   an equal part of a plain step
-                  + [t_verify(B, B + n) - t_verify(B, B)] / drafting      n = (B if padded else drafting) x k x fill_d
+                  + [t_verify(B, B + n) - t_verify(B, B)] / drafting      the positions the drafts add
                   + (f_d k + t_d k s_d) / s_d                             d's forwards, shared by its rows
 
-        fill_d: the fraction of k that d's drafts reach. Padded to the longest draft, the drafting
-        rows share the B k positions every row verifies (a lone drafting row pays them all). s_d: the
-        rows d has served per step (decayed mean; B before any): the draft fit separates forwards
-        from row tokens only as far as s_d has varied, so it is read where it was measured (on the
-        simulated drafters, read at one row where it had served two, it made a drafter look twice
-        its cost). None before any step."""
+        n: packed, the drafting rows' own drafts, drafting x k x fill_d (fill_d: the fraction of k
+        that d's drafts reach). Padded, every row verifies the longest draft, and the drafting rows
+        share those positions (a lone drafting row pays them all): n = B x k x (1 - (1 - fill_d) ^
+        drafting), the longest of `drafting` drafts that each reach k with probability fill_d. That
+        is exact for drafts that are all or nothing (prompt lookup: a match or none) and an upper
+        bound for drafts that stop part-way. The mean draft (B x k x fill_d) is not: on the bench's
+        first batch-4 batch, prompt lookup matched on 4 of 24 row-steps (fill 0.17) and 4 of those
+        6 steps verified its 5 tokens on every row, 13 added positions a step where the mean
+        predicted 3.3 (this formula: 10.6), so it was chosen where it was slower than plain.
+
+        s_d: the rows d has served per step (decayed mean; B before any): the draft fit separates
+        forwards from row tokens only as far as s_d has varied, so it is read where it was measured
+        (on the simulated drafters, read at one row where it had served two, it made a drafter look
+        twice its cost). None before any step."""
         B, costs = self.batch_size, self.costs
         plain = costs.plain_seconds(B)
         if plain is None:
             return None
         if drafter == PLAIN or k <= 0:
             return plain / B
-        added = (B if self.padded else drafting) * k * self.fill_fraction(drafter)
+        fill = self.fill_fraction(drafter)
+        added = B * k * (1 - (1 - fill) ** drafting) if self.padded else drafting * k * fill
         verify = max(costs.verify_seconds(B, B + added) - costs.verify_seconds(B, B), 0.0) / drafting
         served = self.served[drafter].mean or B
         return plain / B + verify + costs.draft_seconds(drafter, k, k * served) / served
