@@ -170,8 +170,8 @@ class CostModel:
     thirds of the time, a steady step five times its measured cost, and the drafter was never
     chosen again to correct it.
 
-    Before a drafter has a steady step, its steady cost is that of the measured drafter nearest in
-    size (`sizes`: parameters per drafter), times the ratio of their sizes to the power
+    Before a drafter is measured, its costs are those of the measured drafter nearest in size
+    (`sizes`: parameters per drafter), times the ratio of their sizes to the power
     SIZE_COST_EXPONENT. Counted as free, a drafter whose only steps had a catch-up (its prompt)
     was tried again at batch 4 on a CPU, where no drafter beat plain decoding. A drafter without
     parameters, or with none measured yet, costs 0.
@@ -241,29 +241,26 @@ class CostModel:
         """Predicted seconds of `drafter` drafting `row_tokens` tokens over its rows in `forwards`
         sequential forwards, catch-up aside. Before a step without catch-up: the nearest measured
         drafter's, scaled by size (see the class docstring)."""
-        d, scale = self._measured(drafter)
+        d, scale = self._measured(drafter, lambda j: self.draft[j].count > 0)
         if d is None:
             return 0.0
         f, t = self.draft[d].coefficients()
         return scale * float(f * forwards + t * row_tokens)
 
     def catch_up_seconds(self, drafter: int) -> float:
-        """Seconds per token that `drafter` spends catching up a row it did not serve (0 before any:
-        an untried drafter's first catch-up is not charged, so it gets tried). Not scaled from
-        another drafter's: the first catch-up of the bench's warm-up (Qwen2.5-0.5B, 51 tokens, 0.4-1.2 s
-        with the one-off costs of a model's first forward) put SmolLM2's at 4-11 ms a token against
-        the 1-2 ms it takes, and LBSS at batch 1 never tried it (1.19x against 1.35x for SmolLM2
-        alone)."""
-        return self.catch_up[drafter].mean or 0.0
+        """Seconds per token that `drafter` spends catching up a row it did not serve. Before any
+        catch-up: the nearest measured drafter's, scaled by size."""
+        d, scale = self._measured(drafter, lambda j: self.catch_up[j].weight > 0)
+        return 0.0 if d is None else scale * self.catch_up[d].mean
 
-    def _measured(self, drafter: int) -> tuple[int | None, float]:
-        """(drafter whose steady fit stands in for `drafter`, the factor on its costs): itself when
-        measured; else the measured drafter nearest in log size, times the size ratio's power; (None,
-        0) for a model-free drafter or when none is measured."""
-        if self.draft[drafter].count > 0:
+    def _measured(self, drafter: int, measured) -> tuple[int | None, float]:
+        """(drafter whose fit stands in for `drafter`, the factor on its costs): itself when measured;
+        else the measured drafter nearest in log size, times the size ratio's power; (None, 0) for a
+        model-free drafter or when none is measured."""
+        if measured(drafter):
             return drafter, 1.0
         size = self.sizes[drafter]
-        sized = [j for j, s in enumerate(self.sizes) if s > 0 and self.draft[j].count > 0]
+        sized = [j for j, s in enumerate(self.sizes) if s > 0 and measured(j)]
         if size <= 0 or not sized:
             return None, 0.0
         j = min(sized, key=lambda j: abs(math.log(self.sizes[j] / size)))
