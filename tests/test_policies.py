@@ -770,17 +770,6 @@ def test_cost_fits():
     assert model.draft_seconds(0, 5, 5) == pytest.approx(0.045, rel=0.01)
     model.update(first, [50])  # the next catch-up: what it took beyond a steady step, per token
     assert model.catch_up_seconds(0) < 0.25 / 50 and model.draft_seconds(0, 5, 5) == pytest.approx(0.045, rel=0.01)
-    # Unmeasured drafters cost what the measured one nearest in size does, scaled by sqrt(size ratio); model-free ones nothing.
-    sized = CostModel(4, [100, 400, 25, 0])
-    assert sized.draft_seconds(1, 5, 5) == 0.0 and sized.catch_up_seconds(2) == 0.0  # nothing measured yet
-    for drafted in ([5, 5], [5, 0], [3, 3]) * 5:
-        sized.update(replace(step_feedback(drafted, 0.1), draft_seconds=[0.008 * max(drafted) + 0.001 * sum(drafted), 0, 0, 0]), [0] * 4)
-    sized.update(replace(step_feedback([5], 0.1), draft_seconds=[0.045 + 0.2, 0, 0, 0]), [50, 0, 0, 0])
-    assert sized.draft_seconds(1, 5, 5) == pytest.approx(2 * 0.045, rel=0.01) and sized.catch_up_seconds(1) == pytest.approx(2 * 0.2 / 50, rel=0.01)
-    assert sized.draft_seconds(2, 5, 5) == pytest.approx(0.045 / 2, rel=0.01) and sized.draft_seconds(3, 5, 5) == 0.0
-    for _ in range(5):  # a steady step of drafter 2 (25 parameters): now its own fit, and the nearest in size for nobody else
-        sized.update(replace(step_feedback([5], 0.1), plan=Plan([(2,)], [5]), draft_seconds=[0, 0, 0.02, 0]), [0] * 4)
-    assert sized.draft_seconds(2, 5, 5) == pytest.approx(0.02, rel=0.05) and sized.draft_seconds(1, 5, 5) == pytest.approx(2 * 0.045, rel=0.01)
 
 
 def test_draft_length_min_confidence_reaches_the_plan():

@@ -35,13 +35,6 @@ PLAIN_FIT_TOLERANCE = 0.15
 # Weight of that prior, in squared units of the mean N (scale-free): a few steps at other N
 # (rows finishing, rows decoding plainly, adaptive k) override it.
 VERIFY_PRIOR_WEIGHT = 0.02
-# An unmeasured drafter's costs, from a measured one's: times (its size / their size) ** this. Small
-# models cost more per parameter (per-layer and per-call overheads): on the 2-core CPU (bf16, a
-# decode forward at 100 tokens of context, batch 1 and 4), Qwen2.5-0.5B, Gemma-3-270M and
-# SmolLM2-135M took 0.40-0.44, 0.26-0.29 and 0.20-0.23 of a Qwen2.5-1.5B forward at 0.35, 0.15 and
-# 0.076 of its size: exponents 0.32-0.88 between pairs of them (0.41-0.43 from SmolLM2 to
-# Qwen2.5-0.5B). On a GPU, small models at small batches are latency-bound, which lowers it further.
-SIZE_COST_EXPONENT = 0.5
 
 
 def bucket(batch_size: int) -> int:
@@ -169,22 +162,15 @@ class CostModel:
     step (5 draft tokens, 52 catch-up tokens, 0.45 s for SmolLM2-135M on a CPU) gave f and t two
     thirds of the time, a steady step five times its measured cost, and the drafter was never
     chosen again to correct it.
-
-    Before a drafter is measured, its costs are those of the measured drafter nearest in size
-    (`sizes`: parameters per drafter), times the ratio of their sizes to the power
-    SIZE_COST_EXPONENT. Counted as free, a drafter whose only steps had a catch-up (its prompt)
-    was tried again at batch 4 on a CPU, where no drafter beat plain decoding. A drafter without
-    parameters, or with none measured yet, costs 0.
     """
 
-    def __init__(self, num_drafters: int, sizes: list[int] | None = None):
+    def __init__(self, num_drafters: int):
         self.verify_by_bucket: dict[int, VerifyFit] = defaultdict(VerifyFit)
         self.verify_all = VerifyFit()
         self.plain_bias: dict[int, DecayedMean] = defaultdict(DecayedMean)  # bucket -> log(measured / fitted) of its plain steps
         self.plain_age: dict[int, float] = {}  # bucket -> its steps since the last plain one (inf: none yet)
         self.draft = [DecayedLeastSquares(2) for _ in range(num_drafters)]  # f, t
         self.catch_up = [DecayedMean() for _ in range(num_drafters)]  # c
-        self.sizes = list(sizes) if sizes is not None else [0] * num_drafters  # [num_drafters] parameters (0: model-free)
 
     def update(self, feedback: StepFeedback, switch_tokens: list[float] | None = None) -> None:
         B = feedback.batch_size
@@ -239,29 +225,13 @@ class CostModel:
 
     def draft_seconds(self, drafter: int, forwards: int, row_tokens: int) -> float:
         """Predicted seconds of `drafter` drafting `row_tokens` tokens over its rows in `forwards`
-        sequential forwards, catch-up aside. Before a step without catch-up: the nearest measured
-        drafter's, scaled by size (see the class docstring)."""
-        d, scale = self._measured(drafter, lambda j: self.draft[j].count > 0)
-        if d is None:
+        sequential forwards, catch-up aside (0 before a step without catch-up: an unmeasured
+        drafter looks free, so it gets tried)."""
+        if self.draft[drafter].count <= 0:
             return 0.0
-        f, t = self.draft[d].coefficients()
-        return scale * float(f * forwards + t * row_tokens)
+        f, t = self.draft[drafter].coefficients()
+        return float(f * forwards + t * row_tokens)
 
     def catch_up_seconds(self, drafter: int) -> float:
-        """Seconds per token that `drafter` spends catching up a row it did not serve. Before any
-        catch-up: the nearest measured drafter's, scaled by size."""
-        d, scale = self._measured(drafter, lambda j: self.catch_up[j].weight > 0)
-        return 0.0 if d is None else scale * self.catch_up[d].mean
-
-    def _measured(self, drafter: int, measured) -> tuple[int | None, float]:
-        """(drafter whose fit stands in for `drafter`, the factor on its costs): itself when measured;
-        else the measured drafter nearest in log size, times the size ratio's power; (None, 0) for a
-        model-free drafter or when none is measured."""
-        if measured(drafter):
-            return drafter, 1.0
-        size = self.sizes[drafter]
-        sized = [j for j, s in enumerate(self.sizes) if s > 0 and measured(j)]
-        if size <= 0 or not sized:
-            return None, 0.0
-        j = min(sized, key=lambda j: abs(math.log(self.sizes[j] / size)))
-        return j, (size / self.sizes[j]) ** SIZE_COST_EXPONENT
+        """Seconds per token that `drafter` spends catching up a row it did not serve (0 before any)."""
+        return self.catch_up[drafter].mean or 0.0

@@ -236,7 +236,7 @@ class LBSSPolicy(Policy):
         self.fill = [DecayedMean() for _ in range(n)]
         self.served = [DecayedMean() for _ in range(n)]
         self.tokens_model = self._new_model(n)
-        self.costs = CostModel(n, [info.num_parameters for info in drafters])
+        self.costs = CostModel(n)
         self.shadowed = [self.config.shadow and info.num_parameters == 0 for info in drafters]
         self.alpha = self.config.alpha or self.config.beta * max(1, n - sum(self.shadowed))
 
