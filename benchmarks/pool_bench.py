@@ -100,11 +100,15 @@ class Bench:
             self.pools[f"policy:{policy}"] = hf_spin.AssistantPool(list(self.entries.values()), policy=policy, draft_length=make_draft_length(draft_length), **options)
         self.gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=self.tok.pad_token_id)
 
+    def spin(self, batch: dict, pool: hf_spin.AssistantPool):
+        """hf_spin's `generate` on `batch` with `pool`."""
+        return self.target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **self.gen)
+
     def learn(self, questions: list[dict]) -> None:
         """Runs `questions` through every hf_spin pool, unrecorded: what a pool learns from serving them."""
         batch = encode(self.tok, questions)
         for pool in self.pools.values():
-            self.target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **self.gen)
+            self.spin(batch, pool)
 
     def run(self, questions: list[dict]) -> list[dict]:
         """One record per question of this batch: each method's time, identity, and per-row stats."""
@@ -126,7 +130,7 @@ class Bench:
                     continue
                 records[0]["methods"][f"assisted:{label}"] = {"seconds": t, "identical": new_tokens(out, P, pad)[0] == ref[0]}
         for method, pool in self.pools.items():
-            out, t = timed(lambda: self.target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **self.gen))
+            out, t = timed(lambda: self.spin(batch, pool))
             stats = pool.last_stats
             for i, (row, got) in enumerate(zip(stats.rows, new_tokens(out, P, pad))):
                 records[i]["methods"][method] = {
