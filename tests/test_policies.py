@@ -187,6 +187,33 @@ def test_tokens_model_carries_one_drafters_measurement_to_the_others():
     assert TokensModel(2, 0.3, 2.0, 0.5, 64).predict(0, 1) is None  # never measured
 
 
+def test_tokens_model_widens_a_drafter_effect_measured_on_one_step():
+    """b_d, a drafter's mean effect, is an average over the requests that measured it: one step of
+    one request pins it far less than many steps of many. Every row measures drafter 0 three times
+    and drafter 1 is always 1.5x it, but only one row measured drafter 1, once: on a new row,
+    drafter 1's posterior is wider than drafter 0's by b_1's own variance, and an upper confidence
+    bound sees it. The spreads over requests (tau) are estimated from the same single row that
+    measured both, so without var(b_d) the two sds would be equal."""
+    import math
+
+    from hf_spin.policies.tokens_model import TokensModel
+
+    model = TokensModel(2, prior_spread=0.3, prior_rows=2.0, prior_noise=0.5, history=64)
+    for row, speed in enumerate([2.0, 3.0, 1.5, 4.0, 2.5, 2.0, 3.5, 1.8]):
+        model.start(row)
+        for _ in range(3):
+            model.add(row, 0, speed)
+        if row == 0:
+            model.add(row, 1, 1.5 * speed)
+        model.end(row)
+    model.start(99)
+    (m0, sd0), (m1, sd1) = model.predict(99, 0), model.predict(99, 1)
+    assert m1 - m0 == pytest.approx(math.log(1.5), abs=0.05)
+    assert model.tau2[0] == pytest.approx(model.tau2[1])
+    assert model.b_var[1] > 5 * model.b_var[0]
+    assert sd1 > sd0 + 0.1, (sd0, sd1)
+
+
 def test_tokens_model_expects_by_prompt_length():
     """Drafter 1 (prompt lookup, say) is 2x drafter 0 on long prompts and 0.5x on short ones: a new
     request is expected to be faster with drafter 1 when its prompt is long, with drafter 0 when it
@@ -234,8 +261,8 @@ def test_lbss_warm_start_lowers_regret_on_later_requests():
     requests measured (history) lets later ones start on the drafter the posterior expects best and
     leave it when their own steps pull it below another, optimistically (`LBSSConfig.optimism`).
     The control forgets every ended request (history=0: each request starts cold and explores).
-    Measured on these 3 seeds: 51 against 102 (over 8 seeds 50 against 103; without the optimism
-    the warm rows were at 72, over 8 seeds 86: one step with nothing accepted sent a row to plain
+    Measured on these 3 seeds: 55 against 101 (over 8 seeds 50 against 102; without the optimism
+    the warm rows were at 70, over 8 seeds 80: one step with nothing accepted sent a row to plain
     decoding for the rest of its request)."""
     warm = sum(late_regret(64, seed) for seed in range(3))
     cold = sum(late_regret(0, seed) for seed in range(3))
@@ -462,6 +489,27 @@ def test_lbss_warm_rows_skip_explorations_they_cannot_amortise():
     assert not explores(room=2, warm=False)  # one or two steps left: the epoch's 6 steps do not fit
     assert explores(room=100, warm=True)
     assert not explores(room=2, warm=True)
+
+
+def test_lbss_warm_rows_explore_drafters_few_requests_measured():
+    """One request at a time (batch 1), each too short to amortise a full exploration: warm rows
+    skip their exploration stages, so the drafters the first (cold) request tried for a chunk each
+    would be measured on that request alone, and one unlucky chunk there would rank a drafter for
+    good. A warm row explores, once, each drafter that fewer than `settle` ended requests measured;
+    the control (settle=0) leaves the drafters it does not choose measured on the first request
+    only."""
+
+    def requests_measured(settle: int, seed: int) -> list[int]:
+        s = Simulator(three_drafters(), [], SimVerify(0.02, 0.1e-3), seed=seed)
+        policy = s.start(lbss(seed=seed, settle=settle))
+        for _ in range(8):
+            s.add_rows(policy, ["A"], prompt_length=32, max_new_tokens=24)
+            s.run(policy, 1000)
+        return [policy.tokens_model.requests(d) for d in range(3)]
+
+    for seed in range(3):
+        assert min(requests_measured(3, seed)) >= 3
+        assert min(requests_measured(0, seed)) == 1
 
 
 def test_lbss_prefills_a_runner_up_only_when_cheap():

@@ -34,9 +34,13 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   stage is at least alpha steps long (2^e >= alpha), and exploits through the earlier ones. A request
   too short to amortise re-measuring every drafter (tens of steps) then starts on the drafter the
   posterior expects best for it (its prompt length included) and leaves it when its own steps pull
-  that drafter's posterior below another's. Warm, a drafter whose catch-up on the row cannot pay
-  for itself in the steps left (`pays_off`: a long prompt late in a request) is explored only as a
-  last resort, and a row with no other drafter to explore exploits instead.
+  that drafter's posterior below another's. In those earlier stages it still explores, one chunk
+  each, the drafters fewer than `settle` ended requests measured: at batch 1 the cold first
+  request tries each drafter for one chunk, and without later ones that chunk decided a
+  drafter's rank for the rest of the bench (88f1d0d: SmolLM2, the best single drafter, on 1% of
+  the steps). Warm, a drafter whose catch-up on the row cannot pay for itself in the steps left
+  (`pays_off`: a long prompt late in a request) is explored only as a last resort, and a row with
+  no other drafter to explore exploits instead.
 - Exploitation: each step, a maximum-weight matching (`scipy.optimize.linear_sum_assignment`) of the
   rows to the free drafter slots, and to plain decoding (unlimited slots), on
 
@@ -134,6 +138,7 @@ class LBSSConfig:
     optimism: float = 1.0  # exploiting, a drafter counts at its posterior log goodput this many sds up (an upper confidence bound)
     prior_spread: float = 0.3  # prior sd over requests of a drafter's log goodput around its mean (0.3: +-35%)
     history: int = 64  # ended requests whose measurements the estimates keep
+    settle: int = 3  # warm, a row explores (once) each drafter fewer than this many ended requests measured, even in epochs too short to amortise a full exploration
     shadow: bool = True  # model-free drafters (prompt lookup) draft every row they do not serve, unverified: measured for free
     seed: int = 0  # exploration draws; the same seed gives the same plans on the same feedback
 
@@ -162,6 +167,7 @@ class LBSSConfig:
         check_float(owner, "optimism", self.optimism, 0.0, 10.0)
         check_float(owner, "prior_spread", self.prior_spread, 0.0, 10.0, open_low=True)
         check_int(owner, "history", self.history, 0)
+        check_int(owner, "settle", self.settle, 0)
         if not isinstance(self.shadow, bool):
             raise ValueError(f"{owner}.shadow must be True or False, got {self.shadow!r}")
         check_int(owner, "seed", self.seed)
@@ -298,16 +304,26 @@ class LBSSPolicy(Policy):
         the first always runs, or a short request would never measure anything); cold, then; warm,
         only in an epoch whose exploitation stage is at least as long as a full exploration
         (2^e >= alpha) and with a drafter to explore whose catch-up can pay off (`pays_off`)."""
+        return bool(self.explorable(row, age))
+
+    def explorable(self, row: RowState, age: int) -> set[int]:
+        """The drafters the row may explore at this age (`explores`); the others are slots of last
+        resort. Cold: every drafter not measured by shadow drafts. Warm: those whose catch-up can
+        pay off (`pays_off`); in an epoch too short to amortise a full exploration, only those of
+        them that fewer than `settle` ended requests measured and the row has not tried: one or
+        two steps of a drafter on the first request (batch 1, a cold exploration) do not tell its
+        mean effect, and a drafter they put low would never be chosen again."""
         st = self.stage(age)
-        if not st.explore:
-            return False
-        if st.epoch > 1 and self.steps_left(row) < st.epoch_end - age:
-            return False
+        if not st.explore or (st.epoch > 1 and self.steps_left(row) < st.epoch_end - age):
+            return set()
+        candidates = {d for d in range(len(self.drafters)) if not self.shadowed[d]}
         if not self.tokens_model.warm:
-            return True
+            return candidates
+        candidates = {d for d in candidates if self.pays_off(row, d)}
         if 2**st.epoch < self.alpha:
-            return False
-        return any(self.pays_off(row, d) for d in range(len(self.drafters)) if not self.shadowed[d])
+            settle = self.config.settle
+            candidates = {d for d in candidates if not row.arms[d].tries and self.tokens_model.requests(d) < settle}
+        return candidates
 
     def pays_off(self, row: RowState, drafter: int) -> bool:
         """Warm: whether catching `drafter` up on the row (seconds s = c_d x lag) can pay for itself:
@@ -391,13 +407,13 @@ class LBSSPolicy(Policy):
         served = self.served[drafter].mean or B
         return plain / B + verify + costs.draft_seconds(drafter, k, k * served) / served
 
-    def explore_weights(self, row: RowState, drafters: list[int]) -> list[float]:
-        """Exploration value of each drafter for the row's next chunk: least-tried on the row first;
-        a drafter measured by its shadow drafts, or (warm) whose catch-up cannot pay off, only as a
+    def explore_weights(self, row: RowState, drafters: list[int], age: int) -> list[float]:
+        """Exploration value of each drafter for the row's chunk starting at `age`: least-tried on
+        the row first; a drafter it may not explore then (`explorable`: measured by its shadow
+        drafts; warm, one whose catch-up cannot pay off or whose mean effect is settled) only as a
         slot of last resort."""
-        warm = self.tokens_model.warm
-        last_resort = {d: self.shadowed[d] or (warm and not self.pays_off(row, d)) for d in set(drafters)}  # drafters repeat once per slot
-        return [SHADOWED if last_resort[d] else -row.arms[d].tries for d in drafters]
+        explorable = self.explorable(row, age)
+        return [-row.arms[d].tries if d in explorable else SHADOWED for d in drafters]
 
     def catch_up_seconds(self, drafter: int) -> float:
         """Seconds per token of catch-up for `drafter` (configured, or learned from feedback)."""
@@ -455,7 +471,7 @@ class LBSSPolicy(Policy):
                 take(b, p)
             else:
                 to_draw.append(b)
-        for b, d in zip(to_draw, self._draw([rows[b] for b in to_draw], cap)):
+        for b, d in zip(to_draw, self._draw([rows[b] for b in to_draw], cap, ahead=0)):
             if d is None:
                 choice[b] = PLAIN  # no drafter slot left this step
             else:
@@ -493,17 +509,18 @@ class LBSSPolicy(Policy):
         best = [max((self.estimate(r, d, self.draft_length.k(d, b, view), B) for d in usable), default=0.0) for b, r in enumerate(rows)]
         return all(g < (1 + PROBE_MARGIN) * g_plain for g in best)
 
-    def _draw(self, rows: list[RowState], cap: list[int]) -> list[int | None]:
+    def _draw(self, rows: list[RowState], cap: list[int], ahead: int) -> list[int | None]:
         """Rows -> free drafter slots for their next exploration chunks, maximising the exploration
         weights. Ties are broken by one random order of the drafters, shared by the rows, so rows
         that start a chunk together explore the same drafter as far as its capacity allows: the
         drafters of a step run one after another on one device, and a step exploring three model
-        drafters pays three draft passes where one would serve every row."""
+        drafters pays three draft passes where one would serve every row. `ahead`: the chunks start
+        that many steps after the rows' current age."""
         slots = [d for d in range(len(cap)) for _ in range(min(max(cap[d], 0), len(rows)))]
         out: list[int | None] = [None] * len(rows)
         if not rows or not slots:
             return out
-        weights = np.array([self.explore_weights(r, slots) for r in rows], dtype=float)  # [R, S]
+        weights = np.array([self.explore_weights(r, slots, r.age + ahead) for r in rows], dtype=float)  # [R, S]
         order = self.rng.random(len(cap))  # [num_drafters] the shared tie-break
         weights += 1e-6 * order[slots][None, :] + 1e-9 * self.rng.random(weights.shape)  # ties only; the last, between rows
         for i, j in zip(*linear_sum_assignment(weights)):
@@ -560,7 +577,7 @@ class LBSSPolicy(Policy):
         for r, d in zip(rows, choice):  # rows still inside a chunk next step keep their slot
             if d != PLAIN and r.chunk_drafter == d and r.chunk_end > r.age + 1:
                 cap[d] -= 1
-        for r, d in zip(nxt, self._draw(nxt, cap)):
+        for r, d in zip(nxt, self._draw(nxt, cap, ahead=1)):
             r.pending = d
 
     def _prefill_plan(self, view: BatchView, rows: list[RowState], choice: list[int]) -> dict[int, list[int]]:

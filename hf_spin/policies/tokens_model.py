@@ -24,6 +24,10 @@ fits (`lbss.LBSSPolicy.row_seconds`).
 The prediction for (row, d) is the Gaussian posterior of a_row + b_d + c_d (x_row - x_d) + e_row,d:
 a_row from the row's *other* drafters (each weighed by how much it varies between requests and how
 often the row measured it) and the spread of a over requests; then the row's own n steps with d.
+b_d is itself an average over the R_d requests that measured d, off by var(b_d) =
+sum_r (tau_d^2 + sigma_d^2 / n_rd) / R_d^2, which widens both: a drafter one request measured for
+a step or two stays uncertain, where treating its b_d as known made it look as well measured as
+one measured on every request.
 Mean and standard deviation, in log tokens. `None` for a drafter no request
 has measured yet. Rows are kept after they end (the last `history` of them): they are the evidence.
 """
@@ -56,6 +60,7 @@ class TokensModel:
         self.a_mean, self.a_var = 0.0, PRIOR_REQUEST_SPREAD**2  # a over requests
         self.tau2 = [prior_spread**2] * num_drafters
         self.sigma2 = [prior_noise**2] * num_drafters
+        self.b_var = [0.0] * num_drafters  # var(b_d): how well the requests that measured d pin its mean effect
         self.stale = True
 
     # --- evidence ------------------------------------------------------------------------------
@@ -85,6 +90,10 @@ class TokensModel:
     def warm(self) -> bool:
         """Whether an ended request informs the estimates."""
         return len(self.rows) > len(self.live)
+
+    def requests(self, drafter: int) -> int:
+        """Ended requests (of the kept `history`) that measured `drafter`."""
+        return sum(1 for r, stats in self.rows.items() if r not in self.live and stats[drafter].n)
 
     # --- fit -----------------------------------------------------------------------------------
 
@@ -134,6 +143,10 @@ class TokensModel:
             m2 = sum(s[d].m2 for s in self.rows.values())
             dof = sum(max(s[d].n - 1, 0) for s in self.rows.values())
             self.sigma2[d] = (m2 + w0 * self.prior_noise**2) / (dof + w0)
+            # var(b_d): b_d is the mean over the R_d rows that measured d of (mean_rd - a_r - ...),
+            # each off by its own e_row,d and step noise: sum_r (tau_d^2 + sigma_d^2 / n_rd) / R_d^2.
+            ns = [self.rows[r][d].n for r in seen if d in seen[r]]
+            self.b_var[d] = sum(self.tau2[d] + self.sigma2[d] / n for n in ns) / len(ns) ** 2 if ns else 0.0
 
     def _expected(self, drafter: int, x: float | None) -> float:
         """b_d + c_d (x - x_d): drafter d's effect on a row of log prompt length x (None: unknown, b_d)."""
@@ -152,7 +165,7 @@ class TokensModel:
     def row_effect(self, row_id: int, exclude: int | None = None) -> tuple[float, float]:
         """Posterior (mean, variance) of a_row from the row's drafters other than `exclude`: drafter
         d measured n times says a_row = mean - b_d - c_d (x_row - x_d), give or take
-        tau_d^2 + sigma_d^2 / n; combined with the spread of a over requests around their mean (an
+        tau_d^2 + sigma_d^2 / n + var(b_d); combined with the spread of a over requests around their mean (an
         average request when nothing else is known). Leaving the predicted drafter out keeps its own
         steps from counting twice (in a_row and again as data), and a drafter whose effect varies
         a lot between requests (prompt lookup) says little about a_row."""
@@ -161,7 +174,7 @@ class TokensModel:
         x = self.x.get(row_id)
         for d, stats in enumerate(self.rows.get(row_id, [])):
             if d != exclude and stats.n and self.b[d] is not None:
-                v = self.tau2[d] + self.sigma2[d] / stats.n
+                v = self.tau2[d] + self.sigma2[d] / stats.n + self.b_var[d]
                 precision += 1.0 / v
                 total += (stats.mean - self._expected(d, x)) / v
         return total / precision, 1.0 / precision
@@ -169,12 +182,12 @@ class TokensModel:
     def predict(self, row_id: int, drafter: int) -> tuple[float, float] | None:
         """Posterior (mean, sd) of log tokens of `drafter` on `row_id`: the prior a_row + b_d +
         c_d (x_row - x_d), a_row from the row's other drafters (`row_effect`), with variance
-        var(a_row) + tau_d^2, updated by the row's own n steps with d. None if never measured."""
+        var(a_row) + tau_d^2 + var(b_d), updated by the row's own n steps with d. None if never measured."""
         self.fit()
         if self.b[drafter] is None:
             return None
         a, a_var = self.row_effect(row_id, exclude=drafter)
-        prior, prior_var = a + self._expected(drafter, self.x.get(row_id)), a_var + self.tau2[drafter]
+        prior, prior_var = a + self._expected(drafter, self.x.get(row_id)), a_var + self.tau2[drafter] + self.b_var[drafter]
         stats = self.rows.get(row_id)
         n, mean = (stats[drafter].n, stats[drafter].mean) if stats is not None else (0, 0.0)
         precision = 1.0 / prior_var + n / self.sigma2[drafter]
