@@ -299,31 +299,29 @@ class LBSSPolicy(Policy):
         return Stage(epoch, False, False, start + self.alpha + 2**epoch, start + self.alpha + 2**epoch)
 
     def explores(self, row: RowState, age: int) -> bool:
-        """Whether the row explores at this age: in an exploration stage; past the first epoch, only
-        in one that the request may still finish (what it measures must have steps left to pay off;
-        the first always runs, or a short request would never measure anything); cold, then; warm,
-        only in an epoch whose exploitation stage is at least as long as a full exploration
-        (2^e >= alpha) and with a drafter to explore whose catch-up can pay off (`pays_off`)."""
+        """Whether the row explores at this age: whether it has a drafter to explore (`explorable`)."""
         return bool(self.explorable(row, age))
 
     def explorable(self, row: RowState, age: int) -> set[int]:
-        """The drafters the row may explore at this age (`explores`); the others are slots of last
-        resort. Cold: every drafter not measured by shadow drafts. Warm: those whose catch-up can
-        pay off (`pays_off`); in an epoch too short to amortise a full exploration, only those of
-        them that fewer than `settle` ended requests measured and the row has not tried: one or
-        two steps of a drafter on the first request (batch 1, a cold exploration) do not tell its
-        mean effect, and a drafter they put low would never be chosen again."""
+        """The drafters the row may explore at this age; the others are slots of last resort.
+        None outside an exploration stage, nor past the first epoch in one the request cannot
+        finish (what it measures must have steps left to pay off; the first always runs, or a
+        short request would never measure anything). Cold: every drafter not measured by shadow
+        drafts. Warm: those whose catch-up can pay off (`pays_off`); in an epoch whose exploitation
+        stage is shorter than a full exploration (2^e < alpha), only those of them that fewer than
+        `settle` ended requests measured and the row has not tried: one or two steps of a drafter
+        on the first request (batch 1, a cold exploration) do not tell its mean effect, and a
+        drafter they put low would never be chosen again."""
         st = self.stage(age)
         if not st.explore or (st.epoch > 1 and self.steps_left(row) < st.epoch_end - age):
             return set()
         candidates = {d for d in range(len(self.drafters)) if not self.shadowed[d]}
         if not self.tokens_model.warm:
             return candidates
-        candidates = {d for d in candidates if self.pays_off(row, d)}
         if 2**st.epoch < self.alpha:
             settle = self.config.settle
             candidates = {d for d in candidates if not row.arms[d].tries and self.tokens_model.requests(d) < settle}
-        return candidates
+        return {d for d in candidates if self.pays_off(row, d)}
 
     def pays_off(self, row: RowState, drafter: int) -> bool:
         """Warm: whether catching `drafter` up on the row (seconds s = c_d x lag) can pay for itself:

@@ -61,6 +61,7 @@ class TokensModel:
         self.tau2 = [prior_spread**2] * num_drafters
         self.sigma2 = [prior_noise**2] * num_drafters
         self.b_var = [0.0] * num_drafters  # var(b_d): how well the requests that measured d pin its mean effect
+        self.ended = [0] * num_drafters  # ended requests (of the kept history) that measured each drafter
         self.stale = True
 
     # --- evidence ------------------------------------------------------------------------------
@@ -93,7 +94,8 @@ class TokensModel:
 
     def requests(self, drafter: int) -> int:
         """Ended requests (of the kept `history`) that measured `drafter`."""
-        return sum(1 for r, stats in self.rows.items() if r not in self.live and stats[drafter].n)
+        self.fit()
+        return self.ended[drafter]
 
     # --- fit -----------------------------------------------------------------------------------
 
@@ -147,6 +149,7 @@ class TokensModel:
             # each off by its own e_row,d and step noise: sum_r (tau_d^2 + sigma_d^2 / n_rd) / R_d^2.
             ns = [self.rows[r][d].n for r in seen if d in seen[r]]
             self.b_var[d] = sum(self.tau2[d] + self.sigma2[d] / n for n in ns) / len(ns) ** 2 if ns else 0.0
+            self.ended[d] = sum(1 for r, ds in seen.items() if d in ds and r not in self.live)
 
     def _expected(self, drafter: int, x: float | None) -> float:
         """b_d + c_d (x - x_d): drafter d's effect on a row of log prompt length x (None: unknown, b_d)."""
