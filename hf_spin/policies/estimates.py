@@ -141,11 +141,24 @@ class DecayedLeastSquares:
 
 @dataclass
 class DraftObservation:
-    """What one drafter did in one step, as the cost fit sees it."""
+    """What one drafter did in one step, as the draft-cost fit sees it: the tokens it actually
+    drafted, not the k it was asked for. A model drafter runs one forward per token of its longest
+    draft (the catch-up forward yields the first), and a confidence stop ends most drafts early: on
+    a CPU at batch 1, drafts of 1-3 of k = 5 tokens, and seconds in proportion (SmolLM2-135M
+    0.04 s for one token). Fitted on the planned k, every step looked like 5 forwards, so a drafter
+    was priced at the mean draft length of the steps it happened to be chosen on."""
 
-    forwards: int  # sequential forwards: the largest k among its rows (0: it only pre-filled)
-    row_tokens: int  # sum of k over the rows it served
-    switch_tokens: float  # tokens it had to catch up beyond the usual one per row (switches, pre-fill)
+    forwards: int  # sequential forwards: the longest draft among its rows, at least 1
+    row_tokens: int  # draft tokens it proposed, summed over the rows it served
+
+    @classmethod
+    def of(cls, feedback: StepFeedback, drafter: int) -> DraftObservation | None:
+        """The drafter's work in the step; None when it served no row (it only pre-filled or shadowed)."""
+        plan = feedback.plan
+        drafted = [feedback.proposed[b].get(drafter, 0) for b, (ds, k) in enumerate(zip(plan.drafters, plan.k)) if drafter in ds and k > 0]
+        if not drafted:
+            return None
+        return cls(max(1, max(drafted)), sum(drafted))
 
 
 class CostModel:
@@ -155,8 +168,9 @@ class CostModel:
     the forward ran, `StepFeedback.verified_tokens`); and, per bucket, how far steps that drafted
     nothing (N = B) sat from the fit: its extrapolation error at N = B (at batch 4 on a CPU it made
     plain decoding ~40% slower than measured).
-    draft: per drafter, seconds = f * forwards + t * row_tokens + c * switch_tokens, c the per-token
-    catch-up cost that a drafter switch pays. f and t are fitted (decayed least squares, clamped
+    draft: per drafter, seconds = f * forwards + t * row_tokens + c * switch_tokens (forwards and
+    row tokens as drafted: `DraftObservation`), c the per-token catch-up cost that a drafter switch
+    pays. f and t are fitted (decayed least squares, clamped
     >= 0) on the steps without a catch-up only; c is the decayed mean of what the steps with one
     took beyond that, per catch-up token. One least-squares fit of the three on a drafter's first
     step (5 draft tokens, 52 catch-up tokens, 0.45 s for SmolLM2-135M on a CPU) gave f and t two
@@ -185,13 +199,13 @@ class CostModel:
         else:
             self.plain_age[bucket(B)] = self.plain_age.get(bucket(B), float("inf")) + 1
         for d, seconds in enumerate(feedback.draft_seconds[: len(self.draft)]):
-            ks = [k for ds, k in zip(feedback.plan.drafters, feedback.plan.k) if d in ds and k > 0]
+            work = DraftObservation.of(feedback, d)
             extra = switch_tokens[d] if switch_tokens else 0.0
             if extra > 0:
-                steady = self.draft_seconds(d, max(ks, default=0), sum(ks))
+                steady = self.draft_seconds(d, work.forwards, work.row_tokens) if work else 0.0
                 self.catch_up[d].add(max(seconds - steady, 0.0) / extra, extra)
-            elif ks:
-                self.draft[d].add([max(ks), sum(ks)], seconds)
+            elif work:
+                self.draft[d].add([work.forwards, work.row_tokens], seconds)
 
     def verify_seconds(self, batch_size: int, n_tokens: float) -> float | None:
         """Predicted verify time of a step with `batch_size` rows and `n_tokens` tokens verified."""
@@ -223,7 +237,7 @@ class CostModel:
         """Steps at this batch-size bucket since the last plain one (inf: none yet)."""
         return self.plain_age.get(bucket(batch_size), float("inf"))
 
-    def draft_seconds(self, drafter: int, forwards: int, row_tokens: int) -> float:
+    def draft_seconds(self, drafter: int, forwards: float, row_tokens: float) -> float:
         """Predicted seconds of `drafter` drafting `row_tokens` tokens over its rows in `forwards`
         sequential forwards, catch-up aside (0 before a step without catch-up: an unmeasured
         drafter looks free, so it gets tried)."""

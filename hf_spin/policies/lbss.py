@@ -377,7 +377,7 @@ class LBSSPolicy(Policy):
 
             t_row = t_verify(B, B) / B                                   an equal part of a plain step
                   + [t_verify(B, B + n) - t_verify(B, B)] / drafting      the positions the drafts add
-                  + (f_d k + t_d k s_d) / s_d                             d's forwards, shared by its rows
+                  + (f_d F + t_d k fill_d s_d) / s_d                       d's forwards, shared by its rows
 
         n: packed, the drafting rows' own drafts, drafting x k x fill_d (fill_d: the fraction of k
         that d's drafts reach). Padded, every row verifies the longest draft, and the drafting rows
@@ -388,6 +388,11 @@ class LBSSPolicy(Policy):
         first batch-4 batch, prompt lookup matched on 4 of 24 row-steps (fill 0.17) and 4 of those
         6 steps verified its 5 tokens on every row, 13 added positions a step where the mean
         predicted 3.3 (this formula: 10.6), so it was chosen where it was slower than plain.
+
+        F: d's forwards, one per token of the longest of its s_d drafts, k x (1 - (1 - fill_d) ^ s_d)
+        and at least 1, by the same argument; the draft fit is on the tokens drafted
+        (`DraftObservation`), so a drafter whose confidence stop ends drafts after a token or two
+        is priced for those, not for k.
 
         s_d: the rows d has served per step (decayed mean; B before any): the draft fit separates
         forwards from row tokens only as far as s_d has varied, so it is read where it was measured
@@ -403,7 +408,8 @@ class LBSSPolicy(Policy):
         added = B * k * (1 - (1 - fill) ** drafting) if self.padded else drafting * k * fill
         verify = max(costs.verify_seconds(B, B + added) - costs.verify_seconds(B, B), 0.0) / drafting
         served = self.served[drafter].mean or B
-        return plain / B + verify + costs.draft_seconds(drafter, k, k * served) / served
+        forwards = max(1.0, k * (1 - (1 - fill) ** served))
+        return plain / B + verify + costs.draft_seconds(drafter, forwards, k * fill * served) / served
 
     def explore_weights(self, row: RowState, drafters: list[int], age: int) -> list[float]:
         """Exploration value of each drafter for the row's chunk starting at `age`: least-tried on
