@@ -150,6 +150,7 @@ class DraftObservation:
 
     forwards: int  # sequential forwards: the longest draft among its rows, at least 1
     row_tokens: int  # draft tokens it proposed, summed over the rows it served
+    rows: int  # rows it served
 
     @classmethod
     def of(cls, feedback: StepFeedback, drafter: int) -> DraftObservation | None:
@@ -158,7 +159,13 @@ class DraftObservation:
         drafted = [feedback.proposed[b].get(drafter, 0) for b, (ds, k) in enumerate(zip(plan.drafters, plan.k)) if drafter in ds and k > 0]
         if not drafted:
             return None
-        return cls(max(1, max(drafted)), sum(drafted))
+        return cls(max(1, max(drafted)), sum(drafted), len(drafted))
+
+
+def longest_draft(k: int, fill: float, rows: float) -> float:
+    """Expected longest of `rows` drafts of up to k tokens that each reach k with probability
+    `fill`: k (1 - (1 - fill)^rows); exact for all-or-nothing drafts, an upper bound otherwise."""
+    return k * (1 - (1 - fill) ** rows)
 
 
 class CostModel:

@@ -96,7 +96,7 @@ import numpy as np
 
 from .base import BatchView, DrafterInfo, DraftLength, Plan, Policy, StepFeedback
 from .checks import check_float, check_int, check_per_drafter
-from .estimates import CostModel, DecayedMean, RunningMean
+from .estimates import CostModel, DecayedMean, DraftObservation, RunningMean, longest_draft
 from .tokens_model import TokensModel
 
 PLAIN = -1  # a row's choice: plain decoding
@@ -405,10 +405,10 @@ class LBSSPolicy(Policy):
         if drafter == PLAIN or k <= 0:
             return plain / B
         fill = self.fill_fraction(drafter)
-        added = B * k * (1 - (1 - fill) ** drafting) if self.padded else drafting * k * fill
+        added = B * longest_draft(k, fill, drafting) if self.padded else drafting * k * fill
         verify = max(costs.verify_seconds(B, B + added) - costs.verify_seconds(B, B), 0.0) / drafting
         served = self.served[drafter].mean or B
-        forwards = max(1.0, k * (1 - (1 - fill) ** served))
+        forwards = max(1.0, longest_draft(k, fill, served))
         return plain / B + verify + costs.draft_seconds(drafter, forwards, k * fill * served) / served
 
     def explore_weights(self, row: RowState, drafters: list[int], age: int) -> list[float]:
@@ -638,8 +638,8 @@ class LBSSPolicy(Policy):
                     r.arms[d].synced = new_length[b] - 1
         self.costs.update(feedback, switch)
         for d in range(n):
-            if rows_served := sum(1 for ds, k in zip(plan.drafters, plan.k) if d in ds and k > 0):
-                self.served[d].add(rows_served)
+            if work := DraftObservation.of(feedback, d):
+                self.served[d].add(work.rows)
         self.padded = feedback.padded
         # 2. Rewards: the tokens each single-drafter row committed (its step time is the cost fits').
         for b, r in enumerate(rows):
