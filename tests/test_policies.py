@@ -491,6 +491,34 @@ def test_lbss_warm_rows_skip_explorations_they_cannot_amortise():
     assert not explores(room=2, warm=True)
 
 
+def test_lbss_prices_a_catch_up_it_has_not_measured_by_size():
+    policy = lbss()
+    policy.bind([DrafterInfo("small", "model", 100, True), DrafterInfo("large", "model", 400, True), DrafterInfo("lookup", "prompt_lookup", 0, False)])
+    assert policy.catch_up_seconds(1) == 0.0  # nothing measured yet
+    policy.costs.catch_up[0].add(1e-3, 50)
+    assert policy.catch_up_seconds(0) == pytest.approx(1e-3)
+    assert policy.catch_up_seconds(1) == pytest.approx(4e-3)  # four times the parameters
+    assert policy.catch_up_seconds(2) == 0.0  # model-free: nothing to catch up
+    policy.costs.catch_up[1].add(2e-3, 50)
+    assert policy.catch_up_seconds(1) == pytest.approx(2e-3)  # its own measurement replaces the prior
+
+
+@pytest.mark.parametrize("prompt_length, tried", [(32, {3}), (3000, {1, 2})])
+def test_lbss_cold_rows_skip_explorations_whose_catch_up_cannot_pay(prompt_length, tried):
+    """Cold, a row explores every drafter in its first epoch, unless catching one up on its prompt
+    costs more than the steps it has left could save (`pays_off`): on 3000-token prompts with 32
+    tokens to generate, the first chunk's drafter prices the others' catch-up (by size: here 2.5x
+    and 1.7x too low for the smaller ones) and no row explores all three; on 32-token prompts, every row does."""
+    s = Simulator(three_drafters(), TYPES[:4], SimVerify(0.02, 0.1e-3), prompt_lengths=[prompt_length] * 4, max_new_tokens=32, seed=3)
+    policy = s.start(lbss(seed=3))
+    s.run(policy, policy.alpha)
+    explored = collections.defaultdict(set)  # row -> drafters it served in the first exploration stage
+    for plan in s.trace.plans[: policy.alpha]:
+        for b, ds in enumerate(plan.drafters):
+            explored[b] |= set(ds)
+    assert all(len(explored[b]) in tried for b in range(4)), dict(explored)
+
+
 def test_lbss_warm_rows_explore_drafters_few_requests_measured():
     """One request at a time (batch 1), each too short to amortise a full exploration: warm rows
     skip their exploration stages, so the drafters the first (cold) request tried for a chunk each

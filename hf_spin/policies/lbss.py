@@ -38,9 +38,12 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   each, the drafters fewer than `settle` ended requests measured: at batch 1 the cold first
   request tries each drafter for one chunk, and without later ones that chunk decided a
   drafter's rank for the rest of the bench (88f1d0d: SmolLM2, the best single drafter, on 1% of
-  the steps). Warm, a drafter whose catch-up on the row cannot pay for itself in the steps left
-  (`pays_off`: a long prompt late in a request) is explored only as a last resort, and a row with
-  no other drafter to explore exploits instead.
+  the steps). Cold or warm, a drafter whose catch-up on the row cannot pay for itself in the
+  steps left (`pays_off`: a long prompt, a large batch, a late step) is explored only as a last
+  resort, and a row with no other drafter to explore exploits instead. Before a drafter has
+  caught a row up, its catch-up is priced from one that has, in proportion to their parameters
+  (cold at batch 4 on a CPU, exploring all three model drafters on ~700-token prompts cost more
+  than their drafts could save: the first batch ran at 0.82x plain).
 - Exploitation: each step, a maximum-weight matching (`scipy.optimize.linear_sum_assignment`) of the
   rows to the free drafter slots, and to plain decoding (unlimited slots), on
 
@@ -306,30 +309,30 @@ class LBSSPolicy(Policy):
         """The drafters the row may explore at this age; the others are slots of last resort.
         None outside an exploration stage, nor past the first epoch in one the request cannot
         finish (what it measures must have steps left to pay off; the first always runs, or a
-        short request would never measure anything). Cold: every drafter not measured by shadow
-        drafts. Warm: those whose catch-up can pay off (`pays_off`); in an epoch whose exploitation
-        stage is shorter than a full exploration (2^e < alpha), only those of them that fewer than
-        `settle` ended requests measured and the row has not tried: one or two steps of a drafter
-        on the first request (batch 1, a cold exploration) do not tell its mean effect, and a
-        drafter they put low would never be chosen again."""
+        short request would never measure anything): the drafters not measured by shadow drafts
+        whose catch-up can pay off (`pays_off`). Warm, in an epoch whose exploitation stage is
+        shorter than a full exploration (2^e < alpha), only those of them that fewer than `settle`
+        ended requests measured and the row has not tried: one or two steps of a drafter on the
+        first request (batch 1, a cold exploration) do not tell its mean effect, and a drafter
+        they put low would never be chosen again."""
         st = self.stage(age)
         if not st.explore or (st.epoch > 1 and self.steps_left(row) < st.epoch_end - age):
             return set()
         candidates = {d for d in range(len(self.drafters)) if not self.shadowed[d]}
-        if not self.tokens_model.warm:
-            return candidates
-        if 2**st.epoch < self.alpha:
+        if self.tokens_model.warm and 2**st.epoch < self.alpha:
             settle = self.config.settle
             candidates = {d for d in candidates if not row.arms[d].tries and self.tokens_model.requests(d) < settle}
         return {d for d in candidates if self.pays_off(row, d)}
 
     def pays_off(self, row: RowState, drafter: int) -> bool:
-        """Warm: whether catching `drafter` up on the row (seconds s = c_d x lag) can pay for itself:
+        """Whether catching `drafter` up on the row (seconds s = c_d x lag) can pay for itself:
         s at most the time a drafter one prior spread faster than plain decoding would save over the
         steps the row has left, steps_left x t x (1 - e^-spread), t = the row's share of a plain
         step at this batch size (1 / g_plain). A model drafter explored on a long prompt late in a
         request costs a prefill of the prompt (3-7 s for Qwen2.5-0.5B on a 740-token retrieval
-        prompt, on a CPU) for a few steps of use."""
+        prompt, on a CPU) for a few steps of use; at batch 4 a row's share of a plain step is a
+        quarter of batch 1's, so the same catch-up needs four times the steps to pay off. True
+        while either cost is unknown."""
         s = self.catch_up_seconds(drafter) * self.lag(row, drafter)
         g_plain = self.costs.plain_goodput(self.batch_size)
         if s <= 0 or not g_plain:
@@ -420,11 +423,21 @@ class LBSSPolicy(Policy):
         return [-row.arms[d].tries if d in explorable else SHADOWED for d in drafters]
 
     def catch_up_seconds(self, drafter: int) -> float:
-        """Seconds per token of catch-up for `drafter` (configured, or learned from feedback)."""
+        """Seconds per token of catch-up for `drafter`: configured, or learned from feedback; before
+        `drafter` has caught a row up, the measured cost of the drafter measured most, scaled by
+        their parameter counts (a prefill's cost grows with the model's size); 0 before any."""
         cost = self.config.switch_cost
-        if cost is None:
-            return self.costs.catch_up_seconds(drafter)
-        return cost[drafter] if isinstance(cost, tuple) else cost
+        if cost is not None:
+            return cost[drafter] if isinstance(cost, tuple) else cost
+        measured = self.costs.catch_up_seconds(drafter)
+        size = self.drafters[drafter].num_parameters
+        if measured or not size:
+            return measured
+        known = [e for e in range(len(self.drafters)) if self.drafters[e].num_parameters and self.costs.catch_up_seconds(e)]
+        if not known:
+            return 0.0
+        e = max(known, key=lambda e: self.costs.catch_up[e].weight)
+        return self.costs.catch_up_seconds(e) * size / self.drafters[e].num_parameters
 
     def lag(self, row: RowState, drafter: int) -> int:
         """Tokens `drafter` must catch up before it can draft for `row` (beyond the usual one)."""
