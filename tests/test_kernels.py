@@ -63,12 +63,12 @@ def _inputs(q_lens, k_lens, H, H_kv, D, dtype, seed=0, D_v=None, spare=None):
     return tuple(x.to(DEVICE, dtype) for x in (q, k, v)) + (_cu(q_lens).to(DEVICE), _cu(slots).to(DEVICE))
 
 
-def _check(q_lens, k_lens, H, H_kv, D, dtype, causal=True, tree=None, num_splits=None, D_v=None, spare=None, seed=0):
+def _check(q_lens, k_lens, H, H_kv, D, dtype, causal=True, tree=None, num_splits=None, D_v=None, spare=None, seed=0, window=None):
     q, k, v, cu_q, cu_k = _inputs(q_lens, k_lens, H, H_kv, D, dtype, seed, D_v, spare)
     seqused = torch.tensor(k_lens, dtype=torch.int32, device=DEVICE) if spare else None
     tree = tree.to(DEVICE) if tree is not None else None
     args = (cu_q, cu_k, max(q_lens), max(k_lens), causal)
-    kw = dict(tree_mask=tree, seqused_k=seqused)
+    kw = dict(tree_mask=tree, seqused_k=seqused, sliding_window=window)
     assert use_triton(q.device)
     out, lse = varlen_attention(q, k, v, *args, num_splits=num_splits, return_lse=True, **kw)
     ref, ref_lse = varlen_attention_ref(q.float(), k.float(), v.float(), *args, return_lse=True, **kw)
@@ -143,6 +143,27 @@ def test_non_causal_and_long_query_blocks():
 def test_seqused_k_ignores_spare_capacity(dtype):
     # Row b's slots are [cu_seqlens_k[b], cu_seqlens_k[b + 1]); only the first seqused_k[b] hold keys.
     _check([2, 1, 4], [9, 1, 130], 2, 1, 16, dtype, spare=[3, 0, 7], num_splits=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [1, 6, 100])
+def test_sliding_windows(window, dtype):
+    # rows shorter and longer than the window, several splits (whole tiles before the window skipped),
+    # spare capacity, and a row with fewer keys than queries
+    _check([3, 1, 6, 2, 0], [5, 300, 140, 1, 4], 2, 1, 16, dtype, num_splits=3, spare=[0, 5, 2, 0, 1], window=window)
+
+
+def test_sliding_window_reference_sees_the_last_keys_only():
+    """One query per row: attention with window W equals attention over the row's last W keys."""
+    q, k, v, cu_q, cu_k = _inputs([1, 1], [9, 3], 2, 1, 8, torch.float32)
+    out = varlen_attention_ref(q, k, v, cu_q, cu_k, 1, 9, sliding_window=4)
+    last = torch.cat([k[5:9], k[9:12]]), torch.cat([v[5:9], v[9:12]])
+    expected = varlen_attention_ref(q, *last, cu_q, _cu([4, 3]), 1, 4)
+    assert torch.allclose(out, expected, atol=1e-6)
+    with pytest.raises(ValueError, match="sliding_window must be a positive"):
+        varlen_attention_ref(q, k, v, cu_q, cu_k, 1, 9, sliding_window=0)
+    with pytest.raises(ValueError, match="tree_mask is not supported"):
+        varlen_attention_ref(q, k, v, cu_q, cu_k, 1, 9, sliding_window=4, tree_mask=pack_tree_masks([torch.ones(1, 1), torch.ones(1, 1)]))
 
 
 def test_random_ragged_batch_with_value_head_dim():

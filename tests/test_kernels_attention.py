@@ -51,6 +51,21 @@ def test_padded_ragged_batch_logits_and_greedy_output_match_eager_and_sdpa(arch)
     assert torch.equal(models[ATTENTION_NAME].generate(**kwargs), models["sdpa"].generate(**kwargs))
 
 
+@pytest.mark.parametrize("arch", ["mistral", "gemma3_text"])
+@torch.no_grad()
+def test_sliding_windows_shorter_than_the_rows_match_eager_and_sdpa(arch):
+    """Mistral (every layer) and Gemma-3 (local layers between global ones) with a 4-token window,
+    on rows of 6-12 tokens: the window is applied, not refused."""
+    models = _models(arch, sliding_window=4)
+    ids, mask = ragged_batch(4, 12, seed=1)
+    logits = {impl: m(input_ids=ids, attention_mask=mask).logits for impl, m in models.items()}
+    real = mask.bool()
+    for impl in ("eager", "sdpa"):
+        assert torch.allclose(logits[ATTENTION_NAME][real], logits[impl][real], atol=ATOL), impl
+    windowless = _models(arch, impls=(ATTENTION_NAME,))[ATTENTION_NAME](input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(windowless[real], logits[ATTENTION_NAME][real], atol=ATOL)  # the window matters here
+
+
 @torch.no_grad()
 def test_packed_rows_with_metadata_match_separate_rows():
     # transformers' padding-free format: input_ids [1, total] + position_ids restarting per row.

@@ -12,9 +12,9 @@ Two ways in, both inside the model's own forward:
   keys and queries (the queries are the last T slots), runs the varlen kernel, and scatters the output
   back; padded query slots get zeros (as with flash-attention), so compare logits at real tokens only.
 
-The causal mask is applied by the kernel, aligned to the bottom right. Not supported, with an error
-that says so: attention-logit soft-capping, attention sinks (`s_aux`), sliding windows shorter than
-the keys, dropout in training, `output_attentions`.
+The causal mask is applied by the kernel, aligned to the bottom right, and so is a layer's sliding
+window (`sliding_window`, on key positions). Not supported, with an error that says so:
+attention-logit soft-capping, attention sinks (`s_aux`), dropout in training, `output_attentions`.
 """
 
 from __future__ import annotations
@@ -86,33 +86,26 @@ def varlen_attention_forward(
         _refuse(module, "output_attentions=True")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if spin_varlen is not None:
-        return _packed(query, key, value, spin_varlen, causal, scaling, sliding_window, module), None
-    return _padded(query, key, value, attention_mask, causal, scaling, sliding_window, module), None
+        return _packed(query, key, value, spin_varlen, causal, scaling, sliding_window), None
+    return _padded(query, key, value, attention_mask, causal, scaling, sliding_window), None
 
 
-def _check_window(sliding_window, max_seqlen_k: int, module) -> None:
-    if sliding_window is not None and sliding_window < max_seqlen_k:
-        _refuse(module, f"a sliding window ({sliding_window}) shorter than the keys ({max_seqlen_k})")
-
-
-def _packed(query, key, value, meta: VarlenMetadata, causal, scaling, sliding_window, module) -> torch.Tensor:
+def _packed(query, key, value, meta: VarlenMetadata, causal, scaling, sliding_window) -> torch.Tensor:
     if query.shape[0] != 1 or key.shape[0] != 1:
         raise ValueError(f"spin_varlen needs packed inputs [1, H, total, D], got query {tuple(query.shape)} and key {tuple(key.shape)}")
-    _check_window(sliding_window, meta.max_seqlen_k, module)
     q = query[0].transpose(0, 1)  # [total_q, H, D]
     k = key[0].transpose(0, 1)  # [total_k, H_kv, D]
     v = value[0].transpose(0, 1)  # [total_k, H_kv, D_v]
     out = varlen_attention(
         q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, causal, scaling,
-        tree_mask=meta.tree_mask, seqused_k=meta.seqused_k,
+        tree_mask=meta.tree_mask, seqused_k=meta.seqused_k, sliding_window=sliding_window,
     )
     return out.unsqueeze(0)  # [1, total_q, H, D_v]
 
 
-def _padded(query, key, value, attention_mask, causal, scaling, sliding_window, module) -> torch.Tensor:
+def _padded(query, key, value, attention_mask, causal, scaling, sliding_window) -> torch.Tensor:
     B, H, T, D = query.shape
     S, H_kv, D_v = key.shape[2], key.shape[1], value.shape[3]
-    _check_window(sliding_window, S, module)
     q = query.transpose(1, 2).reshape(B * T, H, D)  # [B * T, H, D]
     k = key.transpose(1, 2).reshape(B * S, H_kv, D)  # [B * S, H_kv, D]
     v = value.transpose(1, 2).reshape(B * S, H_kv, D_v)
@@ -120,7 +113,7 @@ def _padded(query, key, value, attention_mask, causal, scaling, sliding_window, 
     if attention_mask is None:
         cu_q = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
         cu_k = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=device)
-        out = varlen_attention(q, k, v, cu_q, cu_k, T, S, causal, scaling)
+        out = varlen_attention(q, k, v, cu_q, cu_k, T, S, causal, scaling, sliding_window=sliding_window)
         return out.view(B, T, H, D_v)
     # Unpad: a row's valid keys in order; its valid queries are its valid slots among the last T.
     key_valid = attention_mask.bool()  # [B, S]
@@ -131,7 +124,8 @@ def _padded(query, key, value, attention_mask, causal, scaling, sliding_window, 
     key_index = key_valid.reshape(-1).nonzero().squeeze(1)
     query_index = query_valid.nonzero().squeeze(1)
     out_valid = varlen_attention(
-        q[query_index], k[key_index], v[key_index], cu_q, cu_k, int(q_lens.max()), int(k_lens.max()), causal, scaling
+        q[query_index], k[key_index], v[key_index], cu_q, cu_k, int(q_lens.max()), int(k_lens.max()), causal, scaling,
+        sliding_window=sliding_window,
     )
     out = torch.zeros(B * T, H, D_v, dtype=out_valid.dtype, device=device)
     out[query_index] = out_valid

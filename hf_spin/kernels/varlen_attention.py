@@ -15,6 +15,10 @@ keys j <= L_k - L_q + i, i.e. the queries are the last L_q keys of their row (th
 plus its drafts, appended to the cache before attention runs). A row with L_q = 0 produces nothing; a
 query that sees no key (L_k < L_q) gets a zero output and lse = -inf, as in flash-attention.
 
+Sliding windows (`sliding_window` = W, `transformers`' convention for Mistral / Gemma-3 local layers):
+query i of a row, at key position p = L_k - L_q + i, also needs p - j < W, so it sees its last W keys,
+itself included. Keys are positions: a row's keys hold no holes (`hf_spin.cache.PackedCache`).
+
 Tree masks (vote trees): `tree_mask` replaces the causal triangle among a row's new tokens. It is a
 flat bool tensor `[sum_b L_q(b) ** 2]` holding row b's `[L_q(b), L_q(b)]` block row-major from offset
 sum_{c < b} L_q(c) ** 2 (the cumulative lengths of the squares; `pack_tree_masks` builds it). Query i of
@@ -88,7 +92,9 @@ if HAS_TRITON:
         D,  # head dim of q and k
         D_V,  # head dim of v
         split_size,  # keys per split, a multiple of BLOCK_N
+        window,  # sliding window W: query at key position p sees keys j > p - W (only read when HAS_WINDOW)
         CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
         HAS_TREE: tl.constexpr,
         HAS_SEQUSED_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32), else the default
@@ -140,6 +146,8 @@ if HAS_TRITON:
             # the block's last query sees keys up to prefix + its index: skip tiles past that
             last_query = tl.minimum(pid_m * BLOCK_M + BLOCK_M, q_len) - 1
             hi = tl.minimum(hi, prefix + last_query + 1)
+        if HAS_WINDOW:  # the block's first query sees keys from prefix + its index - W + 1: skip tiles before
+            lo = tl.maximum(lo, prefix + pid_m * BLOCK_M - window + 1)
         if HAS_TREE:
             tree_start = tl.load(cu_tree_ptr + b)
 
@@ -165,6 +173,8 @@ if HAS_TRITON:
                 allowed = allowed & ((new < 0)[None, :] | (tree != 0))
             elif CAUSAL:
                 allowed = allowed & (new[None, :] <= offs_m[:, None])
+            if HAS_WINDOW:
+                allowed = allowed & (offs_m[:, None] - new[None, :] < window)
             qk = tl.where(allowed, qk, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -228,7 +238,7 @@ if HAS_TRITON:
         tl.store(Lse_ptr + t * stride_mt + h, tl.where(denom > 0, lse_max + tl.log(denom_safe), float("-inf")))
 
 
-def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask) -> None:
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, sliding_window=None) -> None:
     """Shapes, dtypes and devices the kernel and the reference both rely on; errors say what was given."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 3:
@@ -260,6 +270,11 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask) -> 
             f"tree_mask must be a flat bool tensor [sum_b q_len_b ** 2] on {q.device} (see pack_tree_masks), "
             f"got shape {tuple(tree_mask.shape)}, dtype {tree_mask.dtype}, device {tree_mask.device}"
         )
+    if sliding_window is not None:
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of keys, got {sliding_window}")
+        if tree_mask is not None:
+            raise ValueError("sliding_window with a tree_mask is not supported: a tree's tokens are not at consecutive positions")
 
 
 def _cu_tree(cu_seqlens_q: torch.Tensor) -> torch.Tensor:
@@ -308,6 +323,7 @@ def _varlen_attention_triton(
     tree_mask: torch.Tensor | None,
     seqused_k: torch.Tensor | None,
     num_splits: int | None,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: returns (out [total_q, H, D_v] in q's dtype, lse [total_q, H] float32)."""
     if not HAS_TRITON:
@@ -354,8 +370,9 @@ def _varlen_attention_triton(
         v.stride(0), v.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        H, H // H_kv, D, D_v, split_size,
+        H, H // H_kv, D, D_v, split_size, sliding_window or 0,
         CAUSAL=causal,
+        HAS_WINDOW=sliding_window is not None,
         HAS_TREE=has_tree,
         HAS_SEQUSED_K=seqused_k is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -411,6 +428,7 @@ def varlen_attention_ref(
     *,
     tree_mask: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
+    sliding_window: int | None = None,
     upcast: bool = True,
     return_lse: bool = False,
 ):
@@ -421,7 +439,7 @@ def varlen_attention_ref(
     kernel's error is compared with. max_seqlen_q / max_seqlen_k are accepted for signature parity.
     Returns out `[total_q, H, D_v]` (and lse `[total_q, H]` float32 with return_lse).
     """
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask)
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, sliding_window)
     total_q, H, D = q.shape
     H_kv, D_v = k.shape[1], v.shape[2]
     scale = softmax_scale if softmax_scale is not None else D**-0.5
@@ -448,6 +466,8 @@ def varlen_attention_ref(
             allowed = new <= i
         else:
             allowed = torch.ones(L_q, L_k, dtype=torch.bool, device=q.device)
+        if sliding_window is not None:
+            allowed = allowed & (i - new < sliding_window)
         scores = scores.masked_fill(~allowed, float("-inf"))
         row_lse = torch.logsumexp(scores.float(), dim=-1)  # [H, L_q]
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no key: zeros, as flash-attention
@@ -474,6 +494,7 @@ def varlen_attention(
     *,
     tree_mask: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
+    sliding_window: int | None = None,
     num_splits: int | None = None,
     return_lse: bool = False,
 ):
@@ -481,22 +502,24 @@ def varlen_attention(
 
     q `[total_q, H, D]`, k `[total_k, H_kv, D]`, v `[total_k, H_kv, D_v]`, cu_seqlens_q / cu_seqlens_k int32
     `[B + 1]`; max_seqlen_q / max_seqlen_k must bound every row's lengths (they size the grid). Masks
-    and layout: see the module docstring. num_splits: KV splits per row (None: `default_num_splits`).
+    and layout: see the module docstring. sliding_window: each query sees only its last W keys (None:
+    all). num_splits: KV splits per row (None: `default_num_splits`).
 
     Runs the Triton kernel on CUDA tensors when triton imports, or on any tensors under
     TRITON_INTERPRET=1; otherwise the reference `varlen_attention_ref` (float32 math).
     Returns out `[total_q, H, D_v]` in q's dtype (and lse `[total_q, H]` float32 with return_lse).
     """
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask)
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, sliding_window)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if use_triton(q.device):
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         out, lse = _varlen_attention_triton(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, scale, tree_mask, seqused_k, num_splits
+            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, scale, tree_mask, seqused_k, num_splits,
+            sliding_window,
         )
     else:
         out, lse = varlen_attention_ref(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-            tree_mask=tree_mask, seqused_k=seqused_k, return_lse=True,
+            tree_mask=tree_mask, seqused_k=seqused_k, sliding_window=sliding_window, return_lse=True,
         )
     return (out, lse) if return_lse else out
