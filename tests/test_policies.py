@@ -540,6 +540,24 @@ def test_lbss_warm_rows_explore_drafters_few_requests_measured():
         assert min(requests_measured(0, seed)) == 1
 
 
+def test_lbss_exploration_chunks_run_beta_steps_when_warm():
+    """A warm row explores each drafter few requests measured for a whole chunk of beta steps: the
+    first pays the catch-up and the next measures a steady step. A drafter the row has tried leaves
+    `explorable`, which once cut the stage's last chunk to its catch-up step (on the pool bench at
+    batch 1, Gemma-3 was measured on three requests by one catch-up step each, all without an
+    accepted token, and not chosen again)."""
+    s = Simulator(three_drafters(), [], SimVerify(0.02, 0.1e-3), seed=0)
+    policy = s.start(lbss(seed=0))
+    for request in range(2):
+        s.add_rows(policy, ["A"], prompt_length=32, max_new_tokens=64)
+        first, warm = len(s.trace.plans), policy.tokens_model.warm
+        s.run(policy, 1000)
+        served = [plan.drafters[0] for plan in s.trace.plans[first : first + policy.alpha]]
+        assert warm == (request == 1)
+        assert sorted(served) == [(0,), (0,), (1,), (1,), (2,), (2,)], (request, served)
+        assert all(served[i] == served[i + 1] for i in range(0, policy.alpha, policy.config.beta)), served
+
+
 def test_lbss_prefills_a_runner_up_only_when_cheap():
     policy = LBSSPolicy(FixedLength(K), LBSSConfig(switch_cost=1e-3))
     policy.bind([DrafterInfo("a", "model", 1, True), DrafterInfo("b", "model", 2, True)])

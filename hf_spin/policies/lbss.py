@@ -301,6 +301,11 @@ class LBSSPolicy(Policy):
             return Stage(epoch, True, offset % self.config.beta == 0, end, start + self.alpha + 2**epoch)
         return Stage(epoch, False, False, start + self.alpha + 2**epoch, start + self.alpha + 2**epoch)
 
+    @staticmethod
+    def in_chunk(row: RowState) -> bool:
+        """Whether the row is inside an exploration chunk (its drafter drawn at an earlier step)."""
+        return row.chunk_drafter is not None and row.age < row.chunk_end
+
     def explores(self, row: RowState, age: int) -> bool:
         """Whether the row explores at this age: whether it has a drafter to explore (`explorable`)."""
         return bool(self.explorable(row, age))
@@ -471,11 +476,12 @@ class LBSSPolicy(Policy):
             choice[b] = d
             cap[d] -= 1
 
-        # 1. Exploration chunks in progress keep their drafter.
+        # 1. Exploration chunks in progress keep their drafter, whatever the row would explore now
+        #    (a drafter it has tried leaves `explorable`; its chunk still runs its beta steps).
         explore = [self.explores(r, r.age) for r in rows]
         for b, r in enumerate(rows):
             d = r.chunk_drafter
-            if explore[b] and d is not None and r.age < r.chunk_end and cap[d] > 0:
+            if self.in_chunk(r) and cap[d] > 0:
                 take(b, d)
             else:
                 r.chunk_drafter = None
@@ -517,7 +523,7 @@ class LBSSPolicy(Policy):
         age = self.costs.steps_without_plain(B)
         if not c.never_slower or c.plain_probe is None or age < c.plain_probe:
             return False
-        if any(self.explores(r, r.age) for r in rows):  # an exploration chunk is not interrupted
+        if any(self.in_chunk(r) or self.explores(r, r.age) for r in rows):  # an exploration chunk is not interrupted
             return False
         if age == float("inf"):
             return True  # the bucket's first: the fit's g_plain may be off by any amount
