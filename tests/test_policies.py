@@ -41,7 +41,7 @@ from hf_spin.policies import (
     make_policy,
 )
 from hf_spin.policies.estimates import DecayedMean, expected_tokens
-from hf_spin.policies.lbss import PLAIN, Arm
+from hf_spin.policies.lbss import PLAIN, PRIOR_STEPS, Arm, RowState
 from hf_spin.vote_tree import heaviest_path
 
 from .sim import SimDrafter, Simulator, SimVerify
@@ -556,6 +556,44 @@ def test_lbss_exploration_chunks_run_beta_steps_when_warm():
         assert warm == (request == 1)
         assert sorted(served) == [(0,), (0,), (1,), (1,), (2,), (2,)], (request, served)
         assert all(served[i] == served[i + 1] for i in range(0, policy.alpha, policy.config.beta)), served
+
+
+@pytest.mark.parametrize("settled", [False, True])
+def test_lbss_exploits_an_unmeasured_drafter_only_where_its_catch_up_pays(settled):
+    """Exploiting, a row moves to a drafter it has not drafted with only where an exploration chunk
+    could (its catch-up pays off), or once `settle` ended requests measured that drafter. On a
+    3000-token prompt no catch-up but the small drafter's pays: after one short request (each drafter
+    measured once) the large drafter, the best on row type C, never serves the long row; after
+    four, it does, its switch penalty weighed against what those requests measured."""
+    s = Simulator(three_drafters(), [], SimVerify(0.02, 0.1e-3), seed=0)
+    policy = s.start(lbss(seed=0))
+    for _ in range(4 if settled else 1):
+        s.add_rows(policy, ["C"], prompt_length=32, max_new_tokens=48)
+        s.run(policy, 1000)
+    s.add_rows(policy, ["C"], prompt_length=3000, max_new_tokens=64)
+    first = len(s.trace.plans)
+    s.run(policy, 1000)
+    served = {d for plan in s.trace.plans[first:] for d in plan.drafters[0]}
+    assert (2 in served) == settled, served
+
+
+def test_lbss_steps_left_shrinks_a_row_s_first_steps_toward_all_rows():
+    """A request's steps left are its room over its tokens per step; its first steps say little of
+    that (one step that accepted nothing made a 64-token request look 63 steps long), so its own
+    mean is shrunk toward the mean over all rows by PRIOR_STEPS pseudo-steps."""
+    policy = lbss()
+    policy.bind([DrafterInfo("a", "model", 1, True)])
+    for _ in range(20):
+        policy.tokens_per_step.add(3.0)
+    row = RowState(row_id=0, length=32, arms=[Arm()], room=64)
+    assert policy.steps_left(row) == pytest.approx(64 / 3.0)  # no step of its own: the mean over all rows
+    row.tokens.add(1.0)
+    assert policy.steps_left(row) == pytest.approx(64 / ((1.0 + PRIOR_STEPS * 3.0) / (1 + PRIOR_STEPS)))
+    for _ in range(200):
+        row.tokens.add(1.0)
+    assert policy.steps_left(row) == pytest.approx(64 / 1.0, rel=0.05)  # many steps: its own mean
+    row.room = None
+    assert policy.steps_left(row) == float("inf")
 
 
 def test_lbss_prefills_a_runner_up_only_when_cheap():

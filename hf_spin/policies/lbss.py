@@ -62,7 +62,9 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   lag: tokens d's cache is behind on the row; T: steps left in the stage, at most the steps the
   request may still take (its room over its tokens per step: a catch-up late in a request has few
   steps to pay off). The penalty is exactly the goodput lost by paying s seconds once over T
-  steps: g - T g tau / (T tau + s).
+  steps: g - T g tau / (T tau + s). It is only as good as g: a drafter the row has not drafted
+  with is priced by the prior's upper bound, so, until `settle` ended requests have measured it,
+  the row may move to it only where an exploration chunk could (`may_switch`: its catch-up pays off).
   Exploitation stages grow as 2^e, so exploration costs O(alpha log T) steps: regret is sublinear.
 - Never slower: while exploiting, a row is matched to plain decoding when no drafter's estimate
   beats g_plain, the goodput of a plain step: the verify-cost fit at zero drafts, corrected by how
@@ -104,8 +106,9 @@ from .tokens_model import TokensModel
 
 PLAIN = -1  # a row's choice: plain decoding
 NO_PLAIN = -1e18  # weight of a plain slot when plain decoding is not an option (taken only if no drafter slot is left)
-SHADOWED = -1e6  # exploration weight of a drafter measured by shadow drafts: taken only when no other slot is left
+LAST_RESORT = -1e6  # weight of a slot a row may not take (explore: not explorable; exploit: `may_switch`), taken only when no other is left
 PRIOR_ROWS = 2.0  # pseudo-requests behind prior_spread in the spread estimate: a few requests override it
+PRIOR_STEPS = 4.0  # pseudo-steps at the mean over all rows behind a row's tokens per step in `steps_left`
 PRIOR_NOISE = 0.5  # prior step-to-step sd of log goodput (accepted + 1 in 1..k+1: logs spread ~0.5)
 # A repeat plain probe is worth a step only where a new measurement could overturn the rows' choices
 # and costs them little: a batch with a row whose best drafter leads the measured plain goodput by
@@ -344,11 +347,26 @@ class LBSSPolicy(Policy):
             return True
         return s <= self.steps_left(row) / g_plain * (1 - math.exp(-self.config.prior_spread))
 
+    def may_switch(self, row: RowState, drafter: int) -> bool:
+        """Exploiting, whether the row may move to `drafter`: always to one it has drafted with (its
+        estimate has the row's own steps) or one that `settle` ended requests measured (the prior is
+        informed), the switch penalty weighing the catch-up against the estimate; to any other only
+        if the catch-up can pay (`pays_off`), as for an exploration chunk. Its estimate is then the
+        upper bound of a prior one step of one request may have set, up to k + 1 tokens, and
+        against it the penalty let a cold batch-4 row exploit, on its third step, a drafter it could
+        not explore: an 80-token catch-up at 0.25 s, a plain step of the whole batch."""
+        tm = self.tokens_model
+        return tm.steps(row.row_id, drafter) > 0 or tm.requests(drafter) >= self.config.settle or self.pays_off(row, drafter)
+
     def steps_left(self, row: RowState) -> float:
-        """Steps the row may still take: its room over the tokens it has committed per step (inf: no limit known)."""
+        """Steps the row may still take (inf: no limit known): its room over the tokens it commits
+        per step, its own mean shrunk toward the mean over all rows by PRIOR_STEPS pseudo-steps.
+        Its own mean alone, after a first step that accepted nothing, put a 64-token request 63
+        steps from its end, and every catch-up seemed to pay off over them (`pays_off`)."""
         if row.room is None:
             return float("inf")
-        per_step = row.tokens.mean if row.tokens.n else self.tokens_per_step.mean or 1.0
+        prior = self.tokens_per_step.mean or 1.0
+        per_step = (row.tokens.mean * row.tokens.n + PRIOR_STEPS * prior) / (row.tokens.n + PRIOR_STEPS)
         return max(1.0, row.room / per_step)
 
     def estimate(self, row: RowState, drafter: int, k: int, drafting: int) -> float:
@@ -425,7 +443,7 @@ class LBSSPolicy(Policy):
         drafts; warm, one whose catch-up cannot pay off or whose mean effect is settled) only as a
         slot of last resort."""
         explorable = self.explorable(row, age)
-        return [-row.arms[d].tries if d in explorable else SHADOWED for d in drafters]
+        return [-row.arms[d].tries if d in explorable else LAST_RESORT for d in drafters]
 
     def catch_up_seconds(self, drafter: int) -> float:
         """Seconds per token of catch-up for `drafter`: configured, or learned from feedback; before
@@ -579,7 +597,7 @@ class LBSSPolicy(Policy):
                     tau = self.row_seconds(d, ks[i][d], drafting)
                     goodputs[i, d] = goodput(self.expected_tokens(rows[b], d, ks[i][d]), tau)
                     penalty = self.switch_penalty(rows[b], d, goodputs[i, d], horizons[i], tau)
-                    weights[i, columns[d]] = goodputs[i, d] - penalty
+                    weights[i, columns[d]] = goodputs[i, d] - penalty if self.may_switch(rows[b], d) else LAST_RESORT
             out = [PLAIN] * len(todo)
             for i, j in zip(*linear_sum_assignment(weights)):
                 out[i] = slots[j]

@@ -92,6 +92,11 @@ class TokensModel:
         """Whether an ended request informs the estimates."""
         return len(self.rows) > len(self.live)
 
+    def steps(self, row_id: int, drafter: int) -> int:
+        """Steps of `drafter` measured on `row_id` (served or shadow)."""
+        stats = self.rows.get(row_id)
+        return stats[drafter].n if stats is not None else 0
+
     def requests(self, drafter: int) -> int:
         """Ended requests (of the kept `history`) that measured `drafter`."""
         self.fit()
