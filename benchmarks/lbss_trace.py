@@ -26,8 +26,8 @@ import hf_spin
 from hf_spin.policies import make_draft_length
 from hf_spin.policies.lbss import LBSSPolicy
 
-from common import encode, load_questions, machine, write_results
-from pool_bench import Bench, parse_args
+from common import machine, write_results
+from pool_bench import Bench, parse_args, workload
 
 
 class TracedLBSS(LBSSPolicy):
@@ -135,11 +135,8 @@ def main() -> None:
     pool = hf_spin.AssistantPool(list(bench.entries.values()), policy=policy, tokenizer=bench.tok, ragged_attention=args.ragged_attention)
     bench.pools = {"policy:lbss": pool}
     bs = args.batch_sizes[0]
-    questions = load_questions(args.questions, args.per_task, args.limit, group_by="task")
-    held_out = [q for q in load_questions(args.questions, args.per_task + args.policy_warmup, None, group_by="task") if q not in questions]
-    bench.gen, full = {**bench.gen, "max_new_tokens": 4}, bench.gen  # pool_bench's 4-token warm-up, which the pool learns from too
-    bench.run(questions[:1])
-    bench.gen = full
+    questions, held_out = workload(args)
+    bench.warm_up(questions[0])
     for i in tqdm(range(0, len(held_out), bs), desc="policy warm-up", disable=not held_out):
         bench.learn(held_out[i : i + bs])
     policy.trace.clear()

@@ -104,6 +104,13 @@ class Bench:
         """hf_spin's `generate` on `batch` with `pool`."""
         return self.target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **self.gen)
 
+    def warm_up(self, question: dict) -> None:
+        """Every method on one question for 4 tokens: one-off allocation costs would bias whichever
+        method runs first (the pools learn from it too)."""
+        self.gen, full = {**self.gen, "max_new_tokens": 4}, self.gen
+        self.run([question])
+        self.gen = full
+
     def learn(self, questions: list[dict]) -> None:
         """Runs `questions` through every hf_spin pool, unrecorded: what a pool learns from serving them."""
         batch = encode(self.tok, questions)
@@ -262,6 +269,14 @@ def report(args, records: list[dict], num_processes: int) -> None:
     print(f"written: {path}")
 
 
+def workload(args) -> tuple[list[dict], list[dict]]:
+    """The questions measured (`--per-task` per task) and the held-out ones the pools learn from
+    first (`--policy-warmup` per task)."""
+    questions = load_questions(args.questions, args.per_task, args.limit, group_by="task")
+    held_out = [q for q in load_questions(args.questions, args.per_task + args.policy_warmup, None, group_by="task") if q not in questions]
+    return questions, held_out
+
+
 def main() -> None:
     args = parse_args()
     if args.summarize:  # the settings flags must match the run's: they are only echoed into the header
@@ -269,12 +284,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # explicit: an oversubscribed CPU collapses ~10x
     state = PartialState()
     bench = Bench(args)
-    questions = load_questions(args.questions, args.per_task, args.limit, group_by="task")
-    held_out = [q for q in load_questions(args.questions, args.per_task + args.policy_warmup, None, group_by="task") if q not in questions]
-    # warm-up, 4 tokens: one-off allocation costs would bias whichever method runs first
-    bench.gen, full = {**bench.gen, "max_new_tokens": 4}, bench.gen
-    bench.run(questions[:1])
-    bench.gen = full
+    questions, held_out = workload(args)
+    bench.warm_up(questions[0])
     args.out.mkdir(parents=True, exist_ok=True)
     partial = args.out / f"pool_bench-partial-{state.process_index}.jsonl"
     records = [json.loads(line) for line in args.resume.read_text().splitlines()] if args.resume else []

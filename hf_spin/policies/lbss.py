@@ -585,6 +585,7 @@ class LBSSPolicy(Policy):
         g_plain = self.costs.plain_goodput(B) if c.never_slower else None
         ks = [[self.draft_length.k(d, b, view) for d in range(len(cap))] for b in todo]  # [R][num_drafters]
         horizons = [min(stages[b].epoch_end - rows[b].age, self.steps_left(rows[b])) for b in todo]
+        allowed = [[self.may_switch(rows[b], d) for d in range(len(cap))] for b in todo]  # [R][num_drafters]
         decided = [d for d in choice if d is not None]  # exploring rows: they draft (or not) whatever the matching does
         guess: list[int] | None = None  # the previous matching ([R]); None: every row drafts
         for _ in range(len(todo) + 1):
@@ -597,7 +598,7 @@ class LBSSPolicy(Policy):
                     tau = self.row_seconds(d, ks[i][d], drafting)
                     goodputs[i, d] = goodput(self.expected_tokens(rows[b], d, ks[i][d]), tau)
                     penalty = self.switch_penalty(rows[b], d, goodputs[i, d], horizons[i], tau)
-                    weights[i, columns[d]] = goodputs[i, d] - penalty if self.may_switch(rows[b], d) else LAST_RESORT
+                    weights[i, columns[d]] = goodputs[i, d] - penalty if allowed[i][d] else LAST_RESORT
             out = [PLAIN] * len(todo)
             for i, j in zip(*linear_sum_assignment(weights)):
                 out[i] = slots[j]
