@@ -47,8 +47,9 @@ DRAFTERS = {
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentParser:
+    """The flags of this benchmark, shared by the scripts that run its workload (lbss_trace.py, policy_replay.py)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     ap.add_argument("--per-task", type=int, default=1, help="questions per Spec-Bench task (6 tasks)")
     ap.add_argument("--limit", type=int, default=None, help="cap on the number of questions")
@@ -69,7 +70,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    return ap.parse_args()
+    return ap
+
+
+def parse_args() -> argparse.Namespace:
+    return parser().parse_args()
 
 
 class Bench:
@@ -272,8 +277,9 @@ def report(args, records: list[dict], num_processes: int) -> None:
 def workload(args) -> tuple[list[dict], list[dict]]:
     """The questions measured (`--per-task` per task) and the held-out ones the pools learn from
     first (`--policy-warmup` per task)."""
-    questions = load_questions(args.questions, args.per_task, args.limit, group_by="task")
-    held_out = [q for q in load_questions(args.questions, args.per_task + args.policy_warmup, None, group_by="task") if q not in questions]
+    measured = load_questions(args.questions, args.per_task, None, group_by="task")
+    held_out = [q for q in load_questions(args.questions, args.per_task + args.policy_warmup, None, group_by="task") if q not in measured]
+    questions = measured[: args.limit]  # --limit caps the measured ones; the held-out ones stay those after them
     return questions, held_out
 
 

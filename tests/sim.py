@@ -43,6 +43,10 @@ class SimDrafter:
     def info(self) -> DrafterInfo:
         return DrafterInfo(self.name, self.kind, self.num_parameters, gives_q=self.kind == "model")
 
+    def seconds(self, drafted: list[int], fed: int) -> float:
+        """A step's drafting for the rows it serves: [s] tokens drafted per row, `fed` tokens caught up."""
+        return self.forward_seconds * max(drafted, default=0) + self.token_seconds * sum(drafted) + self.catch_up_seconds * fed
+
 
 @dataclass(frozen=True)
 class SimVerify:
@@ -125,7 +129,11 @@ class Simulator:
     def _propose(self, b: int, d: int, k: int) -> list[int]:
         alpha = self.drafters[d].alpha[self.types[b]]
         start = self.lengths[b]
-        return [TRUTH_OFFSET + start + i if self.rng.random() < alpha else int(self.rng.integers(1, 10)) for i in range(k)]
+        return [self._truth(b, start + i) if self.rng.random() < alpha else int(self.rng.integers(1, 10)) for i in range(k)]
+
+    def _truth(self, b: int, position: int) -> int:
+        """The target's greedy token at sequence `position` of row b."""
+        return TRUTH_OFFSET + position
 
     def step(self, policy: Policy) -> StepFeedback:
         B, n = len(self.row_ids), len(self.drafters)
@@ -140,12 +148,11 @@ class Simulator:
             served = [b for b in range(B) if d in chosen[b] and ks[b] > 0]
             if not served:
                 continue
-            fed = sum(max(1, self.lengths[b] - self.covered[b][d]) for b in served)
-            kmax = max(ks[b] for b in served)
-            t = sd.forward_seconds * kmax + sd.token_seconds * sum(ks[b] for b in served) + sd.catch_up_seconds * fed
-            draft_seconds[d] = self._noisy(t)
+            noise = self._noisy(1.0)  # drawn before the proposals, as it always was: the tests' seeded streams stay put
             for b in served:
                 proposals[b][d] = self._propose(b, d, ks[b])
+            fed = sum(max(1, self.lengths[b] - self.covered[b][d]) for b in served)
+            draft_seconds[d] = noise * sd.seconds([len(proposals[b][d]) for b in served], fed)
         # 4b. Shadow drafts (Plan.shadow): proposed for rows the drafter does not serve, never verified.
         shadows: list[dict[int, list[int]]] = [{} for _ in range(B)]
         for d, wanted in plan.shadow.items():
@@ -153,8 +160,7 @@ class Simulator:
             for b in served:
                 shadows[b][d] = self._propose(b, d, wanted[b])
             if served:
-                sd = self.drafters[d]
-                draft_seconds[d] += self._noisy(sd.forward_seconds * max(wanted[b] for b in served) + sd.token_seconds * sum(wanted[b] for b in served))
+                draft_seconds[d] += self._noisy(self.drafters[d].seconds([len(shadows[b][d]) for b in served], 0))
         drafts = []
         for b in range(B):
             if len(proposals[b]) == 1:
@@ -166,7 +172,7 @@ class Simulator:
         # 5. Verify against the truth.
         accepted, new_tokens = [], []
         for b in range(B):
-            truth = [TRUTH_OFFSET + self.lengths[b] + i for i in range(len(drafts[b]) + 1)]
+            truth = [self._truth(b, self.lengths[b] + i) for i in range(len(drafts[b]) + 1)]
             a = next((i for i, (x, y) in enumerate(zip(drafts[b], truth)) if x != y), len(drafts[b]))
             accepted.append(a)
             new_tokens.append(drafts[b][:a] + [truth[a]])

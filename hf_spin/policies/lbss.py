@@ -36,9 +36,10 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   posterior expects best for it (its prompt length included) and leaves it when its own steps pull
   that drafter's posterior below another's. In those earlier stages it still explores, one chunk
   each, the drafters fewer than `settle` ended requests measured: at batch 1 the cold first
-  request tries each drafter for one chunk, and without later ones that chunk decided a
-  drafter's rank for the rest of the bench (88f1d0d: SmolLM2, the best single drafter, on 1% of
-  the steps). Cold or warm, a drafter whose catch-up on the row cannot pay for itself in the
+  request tries each drafter for one chunk, and with optimism 1 and without later chunks that one
+  decided a drafter's rank for the rest of the bench (88f1d0d: SmolLM2, the best single drafter,
+  on 1% of the steps). With optimism 2 a drafter the row has not tried is ranked at its cap
+  anyway, and `settle` 1, 2 or 3 replay within 0.02 of each other (1 kept). Cold or warm, a drafter whose catch-up on the row cannot pay for itself in the
   steps left (`pays_off`: a long prompt, a large batch, a late step) is explored only as a last
   resort, and a row with no other drafter to explore exploits instead. Before a drafter has
   caught a row up, its catch-up is priced from one that has, in proportion to their parameters
@@ -48,13 +49,17 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   rows to the free drafter slots, and to plain decoding (unlimited slots), on
 
       W[row, d]     = g(row, d) - g(row, d) s / (s + T tau)     s = c_d x lag(row, d)
-      W[row, plain] = g_plain = B / t_verify(N = B)              (never-slower; see below)
+      W[row, plain] = g_plain x W[row, d*] / W'[row, d*]         (never-slower; see below)
 
   g(row, d): the tokens of d's next step on the row under the `TokensModel` posterior (earlier
   requests, the row's other drafters and its own steps with d, each weighed by its measured
-  reliability), taken `optimism` posterior sds up (an upper confidence bound: a row that skips
-  its exploration stages is not sent to plain decoding by one step that accepted nothing), over
-  tau = t_row. A row's t_row depends on the others' choices (the drafting rows share the padded
+  reliability), taken `optimism` (2) posterior sds up, over tau = t_row: an upper confidence
+  bound that puts a drafter the row has not drafted with at the best its drafts can commit, until
+  the row's own steps say otherwise (`expected_tokens`). g_plain = B / t_verify(N = B): the
+  goodput of a plain step; W': W with `plain_optimism` (1) sds up, d*: the row's best drafter.
+  A row goes plain when W'[row, d*] < g_plain: against plain decoding, drafters count one sd up
+  (a row that skips its exploration stages is not sent to plain decoding by one step that
+  accepted nothing), not two (two drafted where drafting was slower than plain). A row's t_row depends on the others' choices (the drafting rows share the padded
   positions): the first matching assumes every row drafts, the next ones split the positions
   as the previous matching did, until one repeats;
   c_d: seconds per token of catch-up (learned from feedback: what steps with a catch-up took
@@ -141,10 +146,11 @@ class LBSSConfig:
     plain_probe: int | None = 32  # never_slower: a whole plain step once a batch-size bucket went this many steps without one (None: never)
     prefill_margin: float = 0.1  # pre-fill an exploiting row's runner-up drafter when within this fraction of the best (and its catch-up within this fraction of a step)
     prefill_min_tokens: int = 8  # ...and only when it lags this many tokens: a forward for 1-2 tokens costs more than it saves
-    optimism: float = 1.0  # exploiting, a drafter counts at its posterior log goodput this many sds up (an upper confidence bound)
+    optimism: float = 2.0  # exploiting, drafters are ranked at their posterior log tokens this many sds up (an upper confidence bound; see `expected_tokens`)
+    plain_optimism: float = 1.0  # ...and weighed against plain decoding (never_slower) this many sds up
     prior_spread: float = 0.3  # prior sd over requests of a drafter's log goodput around its mean (0.3: +-35%)
     history: int = 64  # ended requests whose measurements the estimates keep
-    settle: int = 3  # warm, a row explores (once) each drafter fewer than this many ended requests measured, even in epochs too short to amortise a full exploration
+    settle: int = 1  # warm, a row explores (once) each drafter fewer than this many ended requests measured, even in epochs too short to amortise a full exploration
     shadow: bool = True  # model-free drafters (prompt lookup) draft every row they do not serve, unverified: measured for free
     seed: int = 0  # exploration draws; the same seed gives the same plans on the same feedback
 
@@ -171,6 +177,7 @@ class LBSSConfig:
         check_float(owner, "prefill_margin", self.prefill_margin, 0.0, 1.0, open_high=True)
         check_int(owner, "prefill_min_tokens", self.prefill_min_tokens, 1)
         check_float(owner, "optimism", self.optimism, 0.0, 10.0)
+        check_float(owner, "plain_optimism", self.plain_optimism, 0.0, 10.0)
         check_float(owner, "prior_spread", self.prior_spread, 0.0, 10.0, open_low=True)
         check_int(owner, "history", self.history, 0)
         check_int(owner, "settle", self.settle, 0)
@@ -370,21 +377,29 @@ class LBSSPolicy(Policy):
         return max(1.0, row.room / per_step)
 
     def estimate(self, row: RowState, drafter: int, k: int, drafting: int) -> float:
-        """g(row, d): the expected goodput of d's next step on the row at the batch size being
-        planned, `expected_tokens` over the row's predicted share of the step (`row_seconds`, with
-        `drafting` rows drafting). Before any step (no costs): the tokens alone, for ranking."""
-        return goodput(self.expected_tokens(row, drafter, k), self.row_seconds(drafter, k, drafting))
+        """g(row, d) as weighed against plain decoding: the expected goodput of d's next step on the
+        row at the batch size being planned, `expected_tokens` (`plain_optimism` sds up) over the
+        row's predicted share of the step (`row_seconds`, with `drafting` rows drafting). Before any
+        step (no costs): the tokens alone, for ranking."""
+        return goodput(self.expected_tokens(row, drafter, k, self.config.plain_optimism), self.row_seconds(drafter, k, drafting))
 
-    def expected_tokens(self, row: RowState, drafter: int, k: int) -> float:
-        """The tokens d's next step commits on the row: the `TokensModel` posterior, `optimism`
-        posterior sds up. The posterior weighs earlier requests, the row's other drafters and its
-        own steps with d by how reliable each has been (a few noisy steps do not overturn what many
-        requests showed); the optimism keeps one unlucky step (no token accepted) from sending a
-        row to plain decoding for the rest of a request that skips its exploration stages. A
-        drafter no request has measured counts as good as the best measured one, so it gets tried.
-        Capped at what d's drafts can commit, k x fill_d + 1: the log-normal posterior's mean,
-        optimism included, ran to 12 tokens for k = 5 on a request measured once."""
-        z = self.config.optimism
+    def expected_tokens(self, row: RowState, drafter: int, k: int, z: float | None = None) -> float:
+        """The tokens d's next step commits on the row: the `TokensModel` posterior, z posterior sds
+        up (default `optimism`). The posterior weighs earlier requests, the row's other drafters and
+        its own steps with d by how reliable each has been (a few noisy steps do not overturn what
+        many requests showed). A drafter no request has measured counts as good as the best
+        measured one, so it gets tried. Capped at what d's drafts can commit, k x fill_d + 1.
+
+        Two upper bounds, because they answer two questions. Ranking drafters (`optimism`, 2 sds):
+        a drafter the row has not drafted with reaches the cap, the best its drafts can do, and
+        the row's own steps pull it down; on Spec-Bench replays (`benchmarks/policy_replay.py`),
+        1 sd kept rows on drafters whose prior was off (the prior of a drafter measured mostly on
+        its first steps of a request sat at 0.66 of what it then committed, another's at 1.2), and
+        ran at 0.95 of the best single drafter, 2 sds at 1.00-1.03. Against plain decoding
+        (`plain_optimism`, 1 sd): enough that one unlucky step (no token accepted) does not send a
+        row to plain decoding for the rest of a request that skips its exploration stages; 2 sds
+        drafted on a third of the row-steps of a simulated batch 4 where drafting ran at 0.8x plain."""
+        z = self.config.optimism if z is None else z
         tokens = self.tokens_model.expected_tokens(row.row_id, drafter, z)
         if tokens is None:
             known = [self.tokens_model.expected_tokens(row.row_id, d, z) for d in range(len(self.drafters))]
@@ -589,16 +604,27 @@ class LBSSPolicy(Policy):
         decided = [d for d in choice if d is not None]  # exploring rows: they draft (or not) whatever the matching does
         guess: list[int] | None = None  # the previous matching ([R]); None: every row drafts
         for _ in range(len(todo) + 1):
-            weights = np.full((len(todo), len(slots)), NO_PLAIN if g_plain is None else g_plain)  # [R, S]
+            weights = np.full((len(todo), len(slots)), NO_PLAIN)  # [R, S]
             goodputs = np.zeros((len(todo), len(cap)))  # [R, num_drafters]
             for i, b in enumerate(todo):
                 others = decided + (guess[:i] + guess[i + 1 :] if guess else [])
                 drafting = B if guess is None else 1 + sum(e != PLAIN for e in others)
+                ranked, careful = {}, {}  # d -> its weight at optimism, at plain_optimism (drafters the row may take)
                 for d in range(len(cap)):
                     tau = self.row_seconds(d, ks[i][d], drafting)
                     goodputs[i, d] = goodput(self.expected_tokens(rows[b], d, ks[i][d]), tau)
                     penalty = self.switch_penalty(rows[b], d, goodputs[i, d], horizons[i], tau)
                     weights[i, columns[d]] = goodputs[i, d] - penalty if allowed[i][d] else LAST_RESORT
+                    if allowed[i][d] and columns[d]:
+                        ranked[d] = goodputs[i, d] - penalty
+                        g = goodput(self.expected_tokens(rows[b], d, ks[i][d], c.plain_optimism), tau)
+                        careful[d] = g - self.switch_penalty(rows[b], d, g, horizons[i], tau)
+                if g_plain is not None:
+                    # plain decoding in the row's ranking units: the row goes plain when its best
+                    # drafter, weighed at plain_optimism, does not beat g_plain
+                    best = max(ranked, key=ranked.get, default=None)
+                    scale = ranked[best] / careful[best] if best is not None and careful[best] > 0 else 1.0
+                    weights[i, len(slots) - len(todo) :] = g_plain * scale
             out = [PLAIN] * len(todo)
             for i, j in zip(*linear_sum_assignment(weights)):
                 out[i] = slots[j]
