@@ -39,7 +39,9 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   request tries each drafter for one chunk, and with optimism 1 and without later chunks that one
   decided a drafter's rank for the rest of the bench (88f1d0d: SmolLM2, the best single drafter,
   on 1% of the steps). With optimism 2 a drafter the row has not tried is ranked at its cap
-  anyway, and `settle` 1, 2 or 3 replay within 0.02 of each other (1 kept). Cold or warm, a drafter whose catch-up on the row cannot pay for itself in the
+  anyway, and `settle` 1, 2 or 3 replay within 0.02 of each other at batch 1; but `settle` also
+  gates `may_switch`, and at 1 the bench's 4-token warm-up request settled every drafter: the
+  cold batch-4 first batch then exploited Qwen2.5-0.5B at its cap (0.66x plain; 3 kept). Cold or warm, a drafter whose catch-up on the row cannot pay for itself in the
   steps left (`pays_off`: a long prompt, a large batch, a late step) is explored only as a last
   resort, and a row with no other drafter to explore exploits instead. Before a drafter has
   caught a row up, its catch-up is priced from one that has, in proportion to their parameters
@@ -150,7 +152,7 @@ class LBSSConfig:
     plain_optimism: float = 1.0  # ...and weighed against plain decoding (never_slower) this many sds up
     prior_spread: float = 0.3  # prior sd over requests of a drafter's log goodput around its mean (0.3: +-35%)
     history: int = 64  # ended requests whose measurements the estimates keep
-    settle: int = 1  # warm, a row explores (once) each drafter fewer than this many ended requests measured, even in epochs too short to amortise a full exploration
+    settle: int = 3  # warm, a row explores (once) each drafter fewer than this many ended requests measured, even in epochs too short to amortise a full exploration
     shadow: bool = True  # model-free drafters (prompt lookup) draft every row they do not serve, unverified: measured for free
     seed: int = 0  # exploration draws; the same seed gives the same plans on the same feedback
 
