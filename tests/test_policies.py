@@ -261,9 +261,9 @@ def test_lbss_warm_start_lowers_regret_on_later_requests():
     requests measured (history) lets later ones start on the drafter the posterior expects best and
     leave it when their own steps pull it below another, optimistically (`LBSSConfig.optimism`,
     `plain_optimism`). The control forgets every ended request (history=0: each request starts cold
-    and explores). Measured on these 3 seeds: 53 against 82 (49 with optimism 1 and settle 3, the
-    defaults before the Spec-Bench replays); without either optimism the warm rows were at 74: one
-    step with nothing accepted sent a row to plain decoding for the rest of its request."""
+    and explores). Measured on these 3 seeds: 54 against 82 (49 with optimism 1, the default before
+    the Spec-Bench replays); without either optimism the warm rows were at 83: one step with
+    nothing accepted sent a row to plain decoding for the rest of its request."""
     warm = sum(late_regret(64, seed) for seed in range(3))
     cold = sum(late_regret(0, seed) for seed in range(3))
     assert warm < 0.7 * cold, (warm / 3, cold / 3)
