@@ -38,13 +38,12 @@ from hf_spin.policies import LBSSConfig, make_draft_length, make_policy
 from hf_spin.policies.base import DEFAULT_MIN_CONFIDENCE
 
 from common import encode, machine, timed, write_results
-from pool_bench import Bench, markdown, parser, summarize, workload
+from pool_bench import WARM_UP_TOKENS, Bench, markdown, parser, summarize, workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.sim import SimDrafter, Simulator, SimVerify  # noqa: E402  (the policy tests' engine)
 
 POWERS = [p / 20 for p in range(4, 21)]  # exponents tried in the verify fit, 0.2..1.0
-WARM_UP_TOKENS = 4  # Bench.warm_up's
 
 
 # --- recording (models) ----------------------------------------------------------------------------

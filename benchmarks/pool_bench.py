@@ -44,6 +44,7 @@ DRAFTERS = {
     "gemma3-270m": "gemma-3-270m",
     "prompt_lookup": None,
 }
+WARM_UP_TOKENS = 4  # Bench.warm_up: every method on the first question for this many tokens
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 
 
@@ -110,9 +111,9 @@ class Bench:
         return self.target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **self.gen)
 
     def warm_up(self, question: dict) -> None:
-        """Every method on one question for 4 tokens: one-off allocation costs would bias whichever
+        """Every method on one question for WARM_UP_TOKENS tokens: one-off allocation costs would bias whichever
         method runs first (the pools learn from it too)."""
-        self.gen, full = {**self.gen, "max_new_tokens": 4}, self.gen
+        self.gen, full = {**self.gen, "max_new_tokens": WARM_UP_TOKENS}, self.gen
         self.run([question])
         self.gen = full
 

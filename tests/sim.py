@@ -148,7 +148,7 @@ class Simulator:
             served = [b for b in range(B) if d in chosen[b] and ks[b] > 0]
             if not served:
                 continue
-            noise = self._noisy(1.0)  # drawn before the proposals, as it always was: the tests' seeded streams stay put
+            noise = self._noisy(1.0)  # drawn before the proposals: the tests' seeded random streams depend on that order
             for b in served:
                 proposals[b][d] = self._propose(b, d, ks[b])
             fed = sum(max(1, self.lengths[b] - self.covered[b][d]) for b in served)

@@ -41,8 +41,8 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   on 1% of the steps). With optimism 2 a drafter the row has not tried is ranked at its cap
   anyway, and `settle` 1, 2 or 3 replay within 0.02 of each other at batch 1; but `settle` also
   gates `may_switch`, and at 1 the bench's 4-token warm-up request settled every drafter: the
-  cold batch-4 first batch then exploited Qwen2.5-0.5B at its cap (0.66x plain; 3 kept). Cold or warm, a drafter whose catch-up on the row cannot pay for itself in the
-  steps left (`pays_off`: a long prompt, a large batch, a late step) is explored only as a last
+  cold batch-4 first batch then exploited Qwen2.5-0.5B at its cap (0.66x plain; 3 kept).
+  Cold or warm, a drafter whose catch-up on the row cannot pay for itself in the steps left (`pays_off`: a long prompt, a large batch, a late step) is explored only as a last
   resort, and a row with no other drafter to explore exploits instead. Before a drafter has
   caught a row up, its catch-up is priced from one that has, in proportion to their parameters
   (cold at batch 4 on a CPU, exploring all three model drafters on ~700-token prompts cost more
@@ -61,8 +61,8 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   goodput of a plain step; W': W with `plain_optimism` (1) sds up, d*: the row's best drafter.
   A row goes plain when W'[row, d*] < g_plain: against plain decoding, drafters count one sd up
   (a row that skips its exploration stages is not sent to plain decoding by one step that
-  accepted nothing), not two (two drafted where drafting was slower than plain). A row's t_row depends on the others' choices (the drafting rows share the padded
-  positions): the first matching assumes every row drafts, the next ones split the positions
+  accepted nothing), not two (two drafted where drafting was slower than plain). A row's t_row
+  depends on the others' choices (the drafting rows share the padded positions): the first matching assumes every row drafts, the next ones split the positions
   as the previous matching did, until one repeats;
   c_d: seconds per token of catch-up (learned from feedback: what steps with a catch-up took
   beyond a steady step's f x forwards + t x row tokens, per catch-up token; or `switch_cost`);
@@ -601,6 +601,10 @@ class LBSSPolicy(Policy):
         columns = [[j for j, e in enumerate(slots) if e == d] for d in range(len(cap))]  # [num_drafters] its slots
         g_plain = self.costs.plain_goodput(B) if c.never_slower else None
         ks = [[self.draft_length.k(d, b, view) for d in range(len(cap))] for b in todo]  # [R][num_drafters]
+        # tokens of each drafter's next step on each row, at optimism and at plain_optimism: the
+        # same on every pass of the fixed-point loop below (only the step's split of seconds moves)
+        tokens = [[self.expected_tokens(rows[b], d, ks[i][d]) for d in range(len(cap))] for i, b in enumerate(todo)]  # [R][num_drafters]
+        careful_tokens = [[self.expected_tokens(rows[b], d, ks[i][d], c.plain_optimism) for d in range(len(cap))] for i, b in enumerate(todo)]
         horizons = [min(stages[b].epoch_end - rows[b].age, self.steps_left(rows[b])) for b in todo]
         allowed = [[self.may_switch(rows[b], d) for d in range(len(cap))] for b in todo]  # [R][num_drafters]
         decided = [d for d in choice if d is not None]  # exploring rows: they draft (or not) whatever the matching does
@@ -614,12 +618,12 @@ class LBSSPolicy(Policy):
                 ranked, careful = {}, {}  # d -> its weight at optimism, at plain_optimism (drafters the row may take)
                 for d in range(len(cap)):
                     tau = self.row_seconds(d, ks[i][d], drafting)
-                    goodputs[i, d] = goodput(self.expected_tokens(rows[b], d, ks[i][d]), tau)
+                    goodputs[i, d] = goodput(tokens[i][d], tau)
                     penalty = self.switch_penalty(rows[b], d, goodputs[i, d], horizons[i], tau)
                     weights[i, columns[d]] = goodputs[i, d] - penalty if allowed[i][d] else LAST_RESORT
                     if allowed[i][d] and columns[d]:
                         ranked[d] = goodputs[i, d] - penalty
-                        g = goodput(self.expected_tokens(rows[b], d, ks[i][d], c.plain_optimism), tau)
+                        g = goodput(careful_tokens[i][d], tau)
                         careful[d] = g - self.switch_penalty(rows[b], d, g, horizons[i], tau)
                 if g_plain is not None:
                     # plain decoding in the row's ranking units: the row goes plain when its best
