@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 import hf_spin
+from hf_spin.cache import CACHE_ARG
 from hf_spin.drafters.base import DraftRequest
 from hf_spin.policies import LBSSConfig, make_draft_length, make_policy
 from hf_spin.policies.base import DEFAULT_MIN_CONFIDENCE
@@ -53,12 +54,12 @@ POWERS = [p / 20 for p in range(4, 21)]  # exponents tried in the verify fit, 0.
 def verify_seconds(target, batch: dict, continuation: list[int], most: int) -> tuple[float, list[list[float]]]:
     """Seconds of the prompt's forward, and of forwards verifying 1..most tokens after it: [[n, s], ...]."""
     (out, prefill) = timed(lambda: target(**batch, use_cache=True))
-    cache, points = out.past_key_values, []
+    cache, points = getattr(out, CACHE_ARG), []
     for n in range(1, most + 1):
         ids = torch.tensor([continuation[:n]])
         times = []
         for _ in range(2):
-            times.append(timed(lambda: target(input_ids=ids, past_key_values=cache, use_cache=True))[1])
+            times.append(timed(lambda: target(input_ids=ids, use_cache=True, **{CACHE_ARG: cache}))[1])
             cache.crop(-n)
         points.append([n, min(times)])
     return prefill, points

@@ -18,9 +18,12 @@ with holes) and returns the logits of every chunk slot.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
+from transformers.masking_utils import create_causal_mask
 
 # Compact when holes make up more than this fraction of the slots: a gather of the whole cache
 # costs about as much as attending over that many extra slots for a few steps.
@@ -30,6 +33,9 @@ FILLER_TOKEN = 0
 # Models whose attention bias is computed from cache slot indices rather than positions or the mask.
 SLOT_BIAS_MODELS = {"mpt"}  # ALiBi over slot indices
 WINDOWED_LAYER_TYPES = {"sliding_attention", "chunked_attention"}
+# The keyword models, decoder layers, attention modules and mask functions take the KV cache under:
+# transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and both at once raise).
+CACHE_ARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 
 def needs_contiguous_slots(config) -> bool:
@@ -236,7 +242,7 @@ def forward_ragged(model, cache: RaggedCache, chunks: list[list[int]], all_logit
     past = cache.get_seq_length()
     cache_position = torch.arange(past, past + width, device=device)  # [T]
     last = (lengths - 1).clamp(min=0)  # [B] each row's last chunk slot (an empty row reads a hole)
-    extra = {}
+    extra = {CACHE_ARG: cache}
     if not all_logits and model._supports_logits_to_keep():
         # Only the slots some row ends on: a prefill of L tokens computes U <= B rows of logits, not L.
         keep, last = torch.unique(last, return_inverse=True)  # [U], [B] index into keep
@@ -246,7 +252,6 @@ def forward_ragged(model, cache: RaggedCache, chunks: list[list[int]], all_logit
         attention_mask=attention_mask,
         position_ids=position_ids,
         cache_position=cache_position,
-        past_key_values=cache,
         use_cache=True,
         return_dict=True,
         **extra,
@@ -499,7 +504,7 @@ def forward_packed(model, cache: PackedCache, chunks: list[list[int]], all_logit
     input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)[None]  # [1, total_q]
     ends = meta.cu_seqlens_q[1:].long() - 1  # [B] packed index of each row's last token
     fed = torch.tensor(q_lens, device=cache.device) > 0  # [B]
-    extra = {}
+    extra = {CACHE_ARG: cache}
     if not all_logits and model._supports_logits_to_keep():
         extra["logits_to_keep"] = ends[fed].to(device)  # [U]: one row of logits per non-empty row
     try:
@@ -507,9 +512,8 @@ def forward_packed(model, cache: PackedCache, chunks: list[list[int]], all_logit
             out = model(
                 input_ids=input_ids,
                 position_ids=position_ids.to(device),
-                past_key_values=cache,
                 use_cache=True,
-                return_dict=True,
+                        return_dict=True,
                 spin_varlen=meta,
                 **extra,
             )

@@ -27,8 +27,9 @@ from .engine import SpinEngine
 from .pool import AssistantPool
 from .stats import GenerationStats
 
-# model_kwargs that `generate`'s preparation hands over and this loop understands.
-KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "past_key_values", "logits_to_keep", "cache_position"}
+# model_kwargs that `generate`'s preparation hands over and this loop understands (the KV cache comes
+# as `cache` from transformers 5.24, as `past_key_values` before).
+KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "cache", "past_key_values", "logits_to_keep", "cache_position"}
 # generation_config outputs this loop does not produce, with what a user gets instead.
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -65,9 +66,10 @@ def _validate(model, input_ids, config, pool, model_kwargs, processors) -> None:
     unknown = set(model_kwargs) - KNOWN_MODEL_KWARGS
     if unknown:
         raise ValueError(f"model inputs {sorted(unknown)} are not supported with assistant_pool; supported: {sorted(KNOWN_MODEL_KWARGS)}")
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("a pre-filled past_key_values is not supported with assistant_pool; pass the full prompt instead")
+    for name in ("cache", "past_key_values"):
+        cache = model_kwargs.get(name)
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ValueError(f"a pre-filled {name} is not supported with assistant_pool; pass the full prompt instead")
 
 
 @torch.no_grad()

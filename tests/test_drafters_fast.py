@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import hf_spin
-from hf_spin.cache import RaggedCache, forward_ragged
+from hf_spin.cache import CACHE_ARG, RaggedCache, forward_ragged
 from hf_spin.drafters import DraftRequest
 from hf_spin.drafters.fuzzy import SUPPORTED_MODEL_TYPES, LayerParallelForward, fuzzy_device_map, layer_sets
 from hf_spin.drafters.streaming import StreamingCache
@@ -322,7 +322,7 @@ def test_first_streaming_draft_attends_to_sinks_and_window(arch, seeded):
     seq = _prompts(1)[0]  # L tokens; the drafter is fed seq[-1] over seq[:-1]
     L = len(seq)
     target_cache = RaggedCache(torch.ones(1, L - 1, dtype=torch.bool))
-    target(input_ids=torch.tensor([seq[:-1]]), past_key_values=target_cache, use_cache=True)
+    target(input_ids=torch.tensor([seq[:-1]]), use_cache=True, **{CACHE_ARG: target_cache})
     model = target if seeded else copy.deepcopy(target)  # equal weights, another object: prefills itself
     drafter = hf_spin.StreamingDrafter(model, sink_tokens=sink, window_tokens=window)
     drafter.start(target, [seq], target_cache=target_cache)

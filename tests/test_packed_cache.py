@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 import hf_spin
 import hf_spin.kernels.attention as varlen_attention_module
-from hf_spin.cache import PackedCache, forward_ragged, grow_capacity
+from hf_spin.cache import CACHE_ARG, PackedCache, forward_ragged, grow_capacity
 
 from .archs import ragged_batch, tiny_model
 
@@ -149,7 +149,7 @@ def test_forward_packed_matches_a_dynamic_cache_row_by_row():
     forward_ragged(model, cache, prompts, all_logits=False)
     packed = forward_ragged(model, cache, steps)  # [B, T, V] right-padded with zeros
     for b in range(3):
-        alone = model(input_ids=torch.tensor([prompts[b] + steps[b]]), past_key_values=DynamicCache()).logits[0]
+        alone = model(input_ids=torch.tensor([prompts[b] + steps[b]]), **{CACHE_ARG: DynamicCache()}).logits[0]
         assert torch.allclose(packed[b, : len(steps[b])], alone[len(prompts[b]) :], atol=1e-5)
         assert (packed[b, len(steps[b]) :] == 0).all()
 

@@ -41,7 +41,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..cache import forward_ragged
+from ..cache import CACHE_ARG, forward_ragged
 from .model import ModelDrafter
 
 # Decoders whose forward is exactly: embed -> rotary -> [pre-norm attention, pre-norm MLP] x L -> norm -> lm_head,
@@ -172,18 +172,18 @@ class LayerParallelForward:
         input_ids: torch.Tensor,  # [B, T]
         attention_mask: torch.Tensor,  # [B, S + T] over cache slots
         position_ids: torch.Tensor,  # [B, T] true positions
-        past_key_values,
         cache_position: torch.Tensor | None = None,  # unused: masks come from position_ids and the 2D mask
         use_cache: bool = True,
         return_dict: bool = True,
         logits_to_keep: int | torch.Tensor = 0,
+        **cache_arg,  # {CACHE_ARG: the RaggedCache}, named as the installed transformers names it
     ) -> CausalLMOutputWithPast:
-        inner, cache = self.model.model, past_key_values
+        inner, cache = self.model.model, cache_arg[CACHE_ARG]
         h = inner.embed_tokens(input_ids)  # [B, T, C]
         kinds = {_layer_kind(self.config, i) for i in range(self.config.num_hidden_layers)}
         masks = {
             kind: MASK_FUNCTIONS[kind](
-                config=self.config, inputs_embeds=h, attention_mask=attention_mask, past_key_values=cache, position_ids=position_ids
+                config=self.config, inputs_embeds=h, attention_mask=attention_mask, position_ids=position_ids, **{CACHE_ARG: cache}
             )
             for kind in kinds
         }
@@ -199,8 +199,8 @@ class LayerParallelForward:
                     attention_mask=ctx.mask(self.config, i, dev),
                     position_embeddings=ctx.rope_on(dev),
                     position_ids=ctx.on(position_ids, dev),
-                    past_key_values=cache,
                     use_cache=True,
+                    **{CACHE_ARG: cache},
                 )
                 continue
             attn_out = self._set_attention(layer_set, h, ctx)  # N x [B, T, C], each on its layer's device
@@ -227,8 +227,8 @@ class LayerParallelForward:
                 hidden_states=layers[i].input_layernorm(xi),
                 position_embeddings=ctx.rope_on(dev),
                 attention_mask=ctx.mask(self.config, i, dev),
-                past_key_values=ctx.cache,
                 position_ids=ctx.on(ctx.position_ids, dev),
+                **{CACHE_ARG: ctx.cache},
             )
             out.append(a)
         return out
