@@ -16,9 +16,16 @@ verify -> commit -> pre-fill -> feedback), with seeded log-normal noise on the c
 questions in the benchmark's order (its warm-up question first, then `--policy-warmup` held-out
 ones, unrecorded), and reports them with the benchmark's own tables (`pool_bench.summarize`).
 
+Batches (`--batch-sizes 4`): the bench's batches of that size (its order and chunks) replayed as
+one simulated batch each, rows leaving as they finish, with that batch's own costs, recorded into
+the same drafts.json the first time they are asked for: plain batched `generate`, the prefill and
+the verify forwards of 1..k+1 tokens per row (padded, as the rectangular cache verifies), and each
+drafter's seconds per draft forward on all the batch's rows (fitted with the batch-1 forwards as a
+per-forward part and a per-row part). Every row's drafts and truth are its batch-1 recording's.
+
 Left out: bf16 rounding (a real verify can commit another token; every replayed output is
-identical), the engine's own per-step seconds, the cap of a draft by the row's room, and batches
-(drafters' costs are measured on one row, so the replay is batch 1 only).
+identical, and a padded batch rounds differently from one row), the engine's own per-step seconds,
+and the cap of a draft by the row's room.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import ast
 import json
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.sim import SimDrafter, Simulator, SimVerify  # noqa: E402  (the policy tests' engine)
 
 POWERS = [p / 20 for p in range(4, 21)]  # exponents tried in the verify fit, 0.2..1.0
+DRAFT_CALLS = 8  # timed draft calls per drafter and recorded batch (after the one that feeds the prompts)
 
 
 # --- recording (models) ----------------------------------------------------------------------------
@@ -53,7 +62,7 @@ POWERS = [p / 20 for p in range(4, 21)]  # exponents tried in the verify fit, 0.
 @torch.no_grad()
 def verify_seconds(target, batch: dict, continuation: list[int], most: int) -> tuple[float, list[list[float]]]:
     """Seconds of the prompt's forward, and of forwards verifying 1..most tokens after it: [[n, s], ...]."""
-    (out, prefill) = timed(lambda: target(**batch, use_cache=True))
+    (out, prefill) = timed(lambda: target(**batch, use_cache=True, logits_to_keep=1))  # as `generate` prefills
     cache, points = getattr(out, CACHE_ARG), []
     for n in range(1, most + 1):
         ids = torch.tensor([continuation[:n]])
@@ -98,12 +107,72 @@ def record(args) -> dict:
     return {"env": {**machine(), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "draft_length": K}, "drafters": infos, "requests": requests}
 
 
+def chunks(args, bs: int) -> list[tuple[list[dict], bool]]:
+    """The bench's batches of size bs in its order: (questions, held out), the held-out ones first."""
+    questions, held_out = workload(args)
+    learn = [(held_out[i : i + bs], True) for i in range(0, len(held_out), bs)]
+    return learn + [(questions[i : i + bs], False) for i in range(0, len(questions), bs)]
+
+
+@torch.no_grad()
+def record_batch(bench, pool, questions: list[dict], outs: list[list[int]], K: int, max_new_tokens: int) -> dict:
+    """One batch's costs (B left-padded rows): plain `generate`, the prefill, verify forwards of
+    1..K+1 tokens per row, and each drafter's seconds per draft forward on all B rows."""
+    batch = encode(bench.tok, questions)
+    B = len(questions)
+    gen = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": bench.tok.pad_token_id}
+    plain = min(timed(lambda: bench.target.generate(**batch, **gen))[1] for _ in range(2))
+    (out, prefill) = timed(lambda: bench.target(**batch, use_cache=True, logits_to_keep=1))
+    cache, verify = getattr(out, CACHE_ARG), []
+    for n in range(1, K + 2):
+        ids = torch.tensor([(o + [o[-1]] * n)[:n] for o in outs])  # [B, n]: each row's greedy continuation
+        mask = torch.cat([batch["attention_mask"], torch.ones(B, n, dtype=torch.long)], dim=1)  # [B, P + n]
+        times = []
+        for _ in range(2):
+            times.append(timed(lambda: bench.target(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE_ARG: cache}))[1])
+            cache.crop(-n)
+        verify.append([n, min(times)])
+    prompts = [row[m.bool()].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])]
+    per_forward = {}
+    for name, drafter in zip(pool.names, pool.drafters):
+        drafter.start(bench.target, prompts)
+        calls = []
+        for g in range(1, DRAFT_CALLS + 2):  # the first call feeds the prompts: left out
+            request = DraftRequest(list(range(B)), [p + o[:g] for p, o in zip(prompts, outs)], [K] * B, False, None, DEFAULT_MIN_CONFIDENCE)
+            draft, seconds = timed(lambda: drafter.draft(request))
+            calls.append(seconds / max(1, max(map(len, draft.tokens))))
+        per_forward[name] = statistics.median(calls[1:])
+    return {"question_ids": [q["question_id"] for q in questions], "plain_seconds": plain, "prefill_seconds": prefill, "verify": verify, "draft_forward_seconds": per_forward}
+
+
+def record_batches(args, rec: dict, bs: int) -> list[dict]:
+    """The costs of the bench's batches of size bs (its order), measured (models) for those the
+    recording lacks and kept in it."""
+    wanted = chunks(args, bs)
+    stored = rec.setdefault("batches", [])
+    have = {tuple(c["question_ids"]): c for c in stored}
+    todo = [(qs, held_out) for qs, held_out in wanted if tuple(q["question_id"] for q in qs) not in have]
+    if todo:
+        outs = {r["question_id"]: r["out"] for r in rec["requests"]}
+        missing = [q["question_id"] for qs, _ in todo for q in qs if q["question_id"] not in outs]
+        if missing:
+            raise SystemExit(f"questions {missing} are not in the recording {args.drafts}: record with a larger --per-task")
+        torch.set_num_threads(args.threads)
+        bench = Bench(args)
+        pool = hf_spin.AssistantPool(list(bench.entries.values()), tokenizer=bench.tok)
+        for qs, _ in tqdm(todo, desc=f"recording batch {bs} costs"):
+            c = record_batch(bench, pool, qs, [outs[q["question_id"]] for q in qs], rec["env"]["draft_length"], rec["env"]["max_new_tokens"])
+            stored.append(c)
+            have[tuple(c["question_ids"])] = c
+        args.drafts.write_text(json.dumps(rec))
+    return [{**have[tuple(q["question_id"] for q in qs)], "held_out": held_out} for qs, held_out in wanted]
+
+
 # --- cost fits -------------------------------------------------------------------------------------
 
 
-def fit_verify(requests: list[dict]) -> SimVerify:
-    """base + per_token x n^power, least squares over every request's verify points (power on a grid)."""
-    points = [(n, s) for r in requests for n, s in r["verify"]]
+def fit_verify(points: list[tuple[int, float]]) -> SimVerify:
+    """base + per_token x n^power over (tokens verified, seconds) points, least squares (power on a grid)."""
     best = None
     for power in POWERS:
         xs = [n**power for n, _ in points]
@@ -129,6 +198,13 @@ def fit_drafter(info: dict, requests: list[dict]) -> SimDrafter:
     return SimDrafter(name, {}, forward_seconds=per_forward, catch_up_seconds=extra / fed, kind=info["kind"], num_parameters=info["num_parameters"])
 
 
+def batch_drafter(d: SimDrafter, forward_seconds: float, rows: int) -> SimDrafter:
+    """d's per-forward seconds split into a part paid once per forward and a part per row served,
+    from its forward on one row (d.forward_seconds) and on `rows` rows (forward_seconds)."""
+    per_row = max(0.0, (forward_seconds - d.forward_seconds) / (rows - 1))
+    return SimDrafter(d.name, {}, token_seconds=per_row, forward_seconds=max(0.0, d.forward_seconds - per_row), catch_up_seconds=d.catch_up_seconds, kind=d.kind, num_parameters=d.num_parameters)
+
+
 def plain_seconds(request: dict) -> float:
     """Plain `generate` on the request's positions, at the rate its recording measured (HF's decoding
     loop: ~5% above the bare forwards that `fit_verify` times)."""
@@ -140,47 +216,98 @@ def plain_seconds(request: dict) -> float:
 
 
 class Replay(Simulator):
-    """The simulated engine on one recorded request (batch 1): the truth is the target's greedy
+    """The simulated engine on recorded requests, one row each: a row's truth is the target's greedy
     tokens, a drafter's proposal at a position its recorded draft there."""
 
-    def __init__(self, drafters: list[SimDrafter], request: dict, verify: SimVerify, noise: float, seed: int, row_id: int, positions: int):
-        # the prefill's forward commits the first token: the engine's steps start one token in
-        super().__init__(drafters, [request["task"]], verify, prompt_lengths=[request["prompt_length"] + 1], noise=noise, seed=seed, max_new_tokens=[positions - 1])
-        self.row_ids, self.next_id, self.request = [row_id], row_id + 1, request
+    def __init__(self, run: "Run", names: list[str], noise: float, seed: int, first_id: int):
+        requests = run.requests
+        super().__init__(
+            [run.drafters[n] for n in names], [r["task"] for r in requests], run.verify,
+            prompt_lengths=[r["prompt_length"] + 1 for r in requests],  # the prefill's forward commits the first token
+            noise=noise, seed=seed, max_new_tokens=[p - 1 for p in run.positions], padded=len(requests) > 1,
+        )
+        self.row_ids = list(range(first_id, first_id + len(requests)))
+        self.next_id, self.requests = self.row_ids[-1] + 1, dict(zip(self.row_ids, requests))
 
     def _truth(self, b: int, position: int) -> int:
-        i = position - self.request["prompt_length"]
-        return self.request["out"][i] if i < len(self.request["out"]) else -1
+        request = self.requests[self.row_ids[b]]
+        i = position - request["prompt_length"]
+        return request["out"][i] if i < len(request["out"]) else -1
 
     def _propose(self, b: int, d: int, k: int) -> list[int]:
-        drafts = self.request["drafts"][self.drafters[d].name]
-        g = self.lengths[b] - self.request["prompt_length"]
+        request = self.requests[self.row_ids[b]]
+        drafts = request["drafts"][self.drafters[d].name]
+        g = self.lengths[b] - request["prompt_length"]
         return drafts[g][:k] if g < len(drafts) else []
 
 
-def replay(rec: dict, drafters: list[SimDrafter], policy, verify: SimVerify, noise: float, seed: int) -> list[dict]:
-    """One method over the recorded requests in the benchmark's order: its warm-up (the first
-    measured question, WARM_UP_TOKENS tokens), the held-out questions, then the measured ones (a record each)."""
-    policy.bind([d.info() for d in drafters])
-    measured = [r for r in rec["requests"] if not r["held_out"]]
-    held_out = [r for r in rec["requests"] if r["held_out"]]
-    runs = [(measured[0], WARM_UP_TOKENS, False)] + [(r, r["positions"], False) for r in held_out] + [(r, r["positions"], True) for r in measured]
-    records = []
-    for i, (request, positions, kept) in enumerate(runs):
-        sim = Replay(drafters, request, verify, noise, seed * 10_000 + i, row_id=i, positions=positions)
-        policy.start_rows(sim.view(), [0])
-        sim.run(policy, 10 * positions)
-        if not kept:
+@dataclass
+class Run:
+    """One `generate` call of the bench: its rows and what they cost."""
+
+    requests: list[dict]
+    positions: list[int]  # tokens each row generates
+    kept: bool  # measured (False: the warm-up or a held-out batch)
+    verify: SimVerify
+    drafters: dict[str, SimDrafter]  # name -> costs at this batch
+    prefill_seconds: float
+    plain_seconds: float
+
+
+def runs(rec: dict, verify: SimVerify, drafters: list[SimDrafter], bs: int, batches: list[dict]) -> list[Run]:
+    """The bench's calls in its order: the warm-up (the first measured question, WARM_UP_TOKENS
+    tokens, batch 1), then the held-out batches, then the measured ones (batches: their costs at bs;
+    at batch 1 every request alone)."""
+    by_id = {r["question_id"]: r for r in rec["requests"]}
+    alone = {d.name: d for d in drafters}
+    if bs == 1:
+        batches = [{"question_ids": [r["question_id"]], "held_out": r["held_out"]} for r in rec["requests"]]
+        batches.sort(key=lambda c: not c["held_out"])
+    out = []
+    first = next(by_id[c["question_ids"][0]] for c in batches if not c["held_out"])
+    out.append(Run([first], [WARM_UP_TOKENS], False, verify, alone, first["prefill_seconds"], 0.0))
+    for c in batches:
+        requests = [by_id[i] for i in c["question_ids"]]
+        positions = [r["positions"] for r in requests]
+        if len(requests) == 1:
+            out.append(Run(requests, positions, not c["held_out"], verify, alone, requests[0]["prefill_seconds"], plain_seconds(requests[0])))
             continue
-        steps = sim.trace.feedback
+        B = len(requests)
+        fitted = {d.name: batch_drafter(d, c["draft_forward_seconds"][d.name], B) for d in drafters}
+        padded = fit_verify([(B * n, s) for n, s in c["verify"]])
+        out.append(Run(requests, positions, not c["held_out"], padded, fitted, c["prefill_seconds"], c["plain_seconds"]))
+    return out
+
+
+def replay(calls: list[Run], names: list[str], policy, noise: float, seed: int) -> list[dict]:
+    """One method (the drafters `names`, `policy`) over the bench's calls: a record per measured row."""
+    policy.bind([calls[0].drafters[n].info() for n in names])
+    records, first_id = [], 0
+    for i, run in enumerate(calls):
+        sim = Replay(run, names, noise, seed * 10_000 + i, first_id)
+        rows = sim.row_ids
+        first_id += len(rows)
+        policy.start_rows(sim.view(), list(range(len(rows))))
+        sim.run(policy, 10 * max(run.positions))
+        if run.kept:
+            records += row_records(sim.trace.feedback, rows, names, run.prefill_seconds)
+    return records
+
+
+def row_records(steps, rows: list[int], names: list[str], prefill: float) -> list[dict]:
+    """Per row of a replayed call: the call's seconds, the row's own (to its last token), its choices and counts."""
+    ends = [prefill + sum(fb.verify_seconds + sum(fb.draft_seconds) for fb in steps[: i + 1]) for i in range(len(steps))]
+    records = []
+    for rid in rows:
+        mine = [(i, fb, fb.row_ids.index(rid)) for i, fb in enumerate(steps) if rid in fb.row_ids]
         chosen: dict[str, int] = {}
-        for fb in steps:
-            for d in fb.plan.drafters[0]:
-                chosen[drafters[d].name] = chosen.get(drafters[d].name, 0) + 1
-        seconds = request["prefill_seconds"] + sum(fb.verify_seconds + sum(fb.draft_seconds) for fb in steps)
+        for _, fb, b in mine:
+            for d in fb.plan.drafters[b]:
+                chosen[names[d]] = chosen.get(names[d], 0) + 1
         records.append({
-            "seconds": seconds, "row_seconds": seconds, "identical": True, "chosen": chosen, "target_forwards": len(steps) + 1,
-            "drafted": sum(fb.drafted[0] for fb in steps), "accepted": sum(fb.accepted[0] for fb in steps),
+            "seconds": ends[-1] if ends else prefill, "row_seconds": ends[mine[-1][0]] if mine else prefill, "identical": True,
+            "chosen": chosen, "target_forwards": len(mine) + 1,
+            "drafted": sum(fb.drafted[b] for _, fb, b in mine), "accepted": sum(fb.accepted[b] for _, fb, b in mine),
         })
     return records
 
@@ -192,23 +319,26 @@ def lbss_config(spec: str, seed: int) -> LBSSConfig:
 
 
 def methods(drafters: list[SimDrafter], k: int, args) -> dict:
-    """label -> (drafters, seed -> policy), labelled as pool_bench.py labels them."""
-    out = {f"spin:{d.name}": ([d], lambda seed: make_policy("fixed", k)) for d in drafters}
+    """label -> (drafter names, seed -> policy), labelled as pool_bench.py labels them."""
+    names = [d.name for d in drafters]
+    out = {f"spin:{n}": ([n], lambda seed: make_policy("fixed", k)) for n in names}
     for name in args.policies:
-        out[f"policy:{name}"] = (drafters, lambda seed, name=name: make_policy(name, k))
+        out[f"policy:{name}"] = (names, lambda seed, name=name: make_policy(name, k))
     for spec in args.lbss:
-        out[f"policy:lbss[{spec}]" if spec else "policy:lbss"] = (drafters, lambda seed, spec=spec: make_policy(lbss_config(spec, seed), make_draft_length(k)))
+        out[f"policy:lbss[{spec}]" if spec else "policy:lbss"] = (names, lambda seed, spec=spec: make_policy(lbss_config(spec, seed), make_draft_length(k)))
     return out
 
 
-def spread(per_seed: dict[int, dict[str, float]], labels: list[str]) -> str:
-    """Each method's Spec-Bench speed-up (ALL) per seed, with their mean and sd."""
+def spread(per_seed: dict[int, dict[int, dict[str, float]]], labels: list[str]) -> str:
+    """Each method's Spec-Bench speed-up (ALL) per seed, with their mean and sd, per batch size."""
     seeds = list(per_seed)
-    lines = ["", "### ALL speed-up per seed", "", "| method | mean | sd | " + " | ".join(map(str, seeds)) + " |", "|---" * (len(seeds) + 3) + "|"]
-    for m in labels:
-        xs = [per_seed[s][m] for s in seeds]
-        sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-        lines.append(f"| {m} | {statistics.mean(xs):.3f} | {sd:.3f} | " + " | ".join(f"{x:.3f}" for x in xs) + " |")
+    lines = []
+    for bs in per_seed[seeds[0]]:
+        lines += ["", f"### batch {bs}: ALL speed-up per seed", "", "| method | mean | sd | " + " | ".join(map(str, seeds)) + " |", "|---" * (len(seeds) + 3) + "|"]
+        for m in labels:
+            xs = [per_seed[s][bs][m] for s in seeds]
+            sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+            lines.append(f"| {m} | {statistics.mean(xs):.3f} | {sd:.3f} | " + " | ".join(f"{x:.3f}" for x in xs) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -218,6 +348,7 @@ def main() -> None:
     ap.add_argument("--lbss", nargs="*", default=[""], help='LBSSConfig settings per LBSS variant, e.g. "" "optimism=0.5,settle=2" ("": the defaults)')
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="cost-noise (and policy) seeds; records of every seed are pooled")
     ap.add_argument("--noise", type=float, default=0.05, help="sd of the log-normal noise on every replayed cost")
+    ap.set_defaults(batch_sizes=[1])
     args = ap.parse_args()
     args.policies = [p for p in (args.policies or ["epsilon_greedy", "round_robin"]) if p != "lbss"]  # LBSS runs as --lbss variants
     if args.drafts is None:
@@ -227,28 +358,31 @@ def main() -> None:
         args.drafts.write_text(json.dumps(rec))
         print(f"recorded: {args.drafts}")
     rec = json.loads(args.drafts.read_text())
-    verify = fit_verify(rec["requests"])
+    verify = fit_verify([(n, s) for r in rec["requests"] for n, s in r["verify"]])
     drafters = [fit_drafter(info, rec["requests"]) for info in rec["drafters"]]
-    measured = [r for r in rec["requests"] if not r["held_out"]]
-    records, per_seed = [], {}
+    calls = {bs: runs(rec, verify, drafters, bs, record_batches(args, rec, bs) if bs > 1 else []) for bs in args.batch_sizes}
     table = methods(drafters, rec["env"]["draft_length"], args)
+    records, per_seed = [], {}
     for seed in args.seeds:
-        seed_records = [
-            {"question_id": r["question_id"], "task": r["task"], "batch_size": 1, "new_tokens": r["positions"],
-             "methods": {"plain": {"seconds": plain_seconds(r), "identical": True}}}
-            for r in measured
-        ]
-        for label, (pool, make) in tqdm(table.items(), desc=f"seed {seed}"):
-            for r, m in zip(seed_records, replay(rec, pool, make(seed), verify, args.noise, seed)):
-                r["methods"][label] = m
-        per_seed[seed] = {m: v["speedup"] for m, v in summarize(seed_records)[1]["ALL"].items() if isinstance(v, dict) and "speedup" in v}
+        seed_records = []
+        for bs, bench_calls in calls.items():
+            measured = [
+                {"question_id": r["question_id"], "task": r["task"], "batch_size": len(run.requests), "requested_batch_size": bs,
+                 "new_tokens": p, "methods": {"plain": {"seconds": run.plain_seconds, "identical": True}}}
+                for run in bench_calls if run.kept for r, p in zip(run.requests, run.positions)
+            ]
+            for label, (names, make) in tqdm(table.items(), desc=f"seed {seed}, batch {bs}"):
+                for r, m in zip(measured, replay(bench_calls, names, make(seed), args.noise, seed)):
+                    r["methods"][label] = m
+            seed_records += measured
+        per_seed[seed] = {bs: {m: v["speedup"] for m, v in t["ALL"].items() if isinstance(v, dict) and "speedup" in v} for bs, t in summarize(seed_records).items()}
         records += seed_records
     tasks = {r["task"] for r in rec["requests"]}
     env = {**rec["env"], "ragged_attention": False, "policy_warmup": sum(r["held_out"] for r in rec["requests"]) // len(tasks)}
     costs = f"verify {verify.base:.4f} + {verify.per_token:.4f} n^{verify.power:.2f} s; " + "; ".join(
         f"{d.name} {d.forward_seconds * 1e3:.1f} ms/forward, {d.catch_up_seconds * 1e3:.2f} ms/token caught up" for d in drafters
     )
-    header = f"Replay of {args.drafts} ({len(measured)} questions, seeds {args.seeds}, cost noise {args.noise}); costs: {costs}.\n\n"
+    header = f"Replay of {args.drafts} (batch sizes {args.batch_sizes}, seeds {args.seeds}, cost noise {args.noise}); batch-1 costs: {costs}.\n\n"
     md = header + markdown(summarize(records), env) + spread(per_seed, list(table))
     path = write_results(args.out, "policy_replay", {"env": env, "seeds": args.seeds, "per_seed": per_seed, "records": records}, md)
     print(md)
