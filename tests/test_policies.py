@@ -519,6 +519,31 @@ def test_lbss_cold_rows_skip_explorations_whose_catch_up_cannot_pay(prompt_lengt
     assert all(len(explored[b]) in tried for b in range(4)), dict(explored)
 
 
+def test_lbss_catch_up_margin_sets_what_a_catch_up_must_repay():
+    """`pays_off`: a catch-up of s seconds pays when s <= steps_left x t x catch_up_margin (t: the
+    row's share of a plain step). The same runs at margins 0.05 and 0.3, catch-ups priced at 1 ms a
+    token: the threshold sits where the formula puts it, and a lag between the two budgets pays only at 0.3."""
+    policies, budgets = {}, {}
+    for margin in (0.05, 0.3):
+        s = sim(seed=0, max_new_tokens=64)
+        policy = policies[margin] = s.start(lbss(seed=0, switch_cost=1e-3, catch_up_margin=margin))
+        s.run(policy, 3)
+        row = next(iter(policy.rows.values()))
+        budgets[margin] = policy.steps_left(row) / policy.costs.plain_goodput(policy.batch_size) * margin  # seconds
+        for lag in (int(budgets[margin] / 1e-3) - 1, int(budgets[margin] / 1e-3) + 2):
+            row.arms[0].synced = row.length - 1 - lag
+            assert policy.lag(row, 0) == lag and lag > 0
+            assert policy.pays_off(row, 0) == (lag * 1e-3 <= budgets[margin])
+    lag = int(budgets[0.3] / 2e-3)  # half the 0.3 budget (the runs differ a little: their plans did)
+    assert budgets[0.05] < lag * 1e-3 <= budgets[0.3]
+    decisions = {}
+    for margin, policy in policies.items():
+        row = next(iter(policy.rows.values()))
+        row.arms[0].synced = row.length - 1 - lag
+        decisions[margin] = policy.pays_off(row, 0)
+    assert decisions == {0.05: False, 0.3: True}, (decisions, budgets, lag)
+
+
 def test_lbss_warm_rows_explore_drafters_few_requests_measured():
     """One request at a time (batch 1), each too short to amortise a full exploration: warm rows
     skip their exploration stages, so the drafters the first (cold) request tried for a chunk each
