@@ -60,15 +60,18 @@ DRAFT_CALLS = 8  # timed draft calls per drafter and recorded batch (after the o
 
 
 @torch.no_grad()
-def verify_seconds(target, batch: dict, continuation: list[int], most: int) -> tuple[float, list[list[float]]]:
-    """Seconds of the prompt's forward, and of forwards verifying 1..most tokens after it: [[n, s], ...]."""
-    (out, prefill) = timed(lambda: target(**batch, use_cache=True, logits_to_keep=1))  # as `generate` prefills
+def verify_seconds(target, batch: dict, continuations: list[list[int]], most: int) -> tuple[float, list[list[float]]]:
+    """Seconds of the prompts' forward (B left-padded rows, as `generate` prefills: last logits
+    only), and of forwards verifying 1..most tokens of each row's continuation after it: [[n, s], ...]."""
+    (out, prefill) = timed(lambda: target(**batch, use_cache=True, logits_to_keep=1))
     cache, points = getattr(out, CACHE_ARG), []
+    B = len(continuations)
     for n in range(1, most + 1):
-        ids = torch.tensor([continuation[:n]])
+        ids = torch.tensor([(c + [c[-1]] * n)[:n] for c in continuations])  # [B, n]
+        mask = torch.cat([batch["attention_mask"], torch.ones(B, n, dtype=torch.long)], dim=1)  # [B, P + n]
         times = []
         for _ in range(2):
-            times.append(timed(lambda: target(input_ids=ids, use_cache=True, **{CACHE_ARG: cache}))[1])
+            times.append(timed(lambda: target(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE_ARG: cache}))[1])
             cache.crop(-n)
         points.append([n, min(times)])
     return prefill, points
@@ -87,7 +90,7 @@ def record(args) -> dict:
         ids = batch["input_ids"][0].tolist()
         gen, plain = timed(lambda: bench.target.generate(**batch, max_new_tokens=args.max_new_tokens + K, do_sample=False, pad_token_id=bench.tok.pad_token_id))
         out = gen[0, len(ids):].tolist()
-        prefill, verify = verify_seconds(bench.target, batch, out, K + 1)
+        prefill, verify = verify_seconds(bench.target, batch, [out], K + 1)
         positions = min(args.max_new_tokens, len(out))
         drafts, calls = {}, {}
         for name, drafter in zip(pool.names, pool.drafters):
@@ -122,16 +125,7 @@ def record_batch(bench, pool, questions: list[dict], outs: list[list[int]], K: i
     B = len(questions)
     gen = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": bench.tok.pad_token_id}
     plain = min(timed(lambda: bench.target.generate(**batch, **gen))[1] for _ in range(2))
-    (out, prefill) = timed(lambda: bench.target(**batch, use_cache=True, logits_to_keep=1))
-    cache, verify = getattr(out, CACHE_ARG), []
-    for n in range(1, K + 2):
-        ids = torch.tensor([(o + [o[-1]] * n)[:n] for o in outs])  # [B, n]: each row's greedy continuation
-        mask = torch.cat([batch["attention_mask"], torch.ones(B, n, dtype=torch.long)], dim=1)  # [B, P + n]
-        times = []
-        for _ in range(2):
-            times.append(timed(lambda: bench.target(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE_ARG: cache}))[1])
-            cache.crop(-n)
-        verify.append([n, min(times)])
+    prefill, verify = verify_seconds(bench.target, batch, outs, K + 1)
     prompts = [row[m.bool()].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])]
     per_forward = {}
     for name, drafter in zip(pool.names, pool.drafters):

@@ -35,7 +35,8 @@ SLOT_BIAS_MODELS = {"mpt"}  # ALiBi over slot indices
 WINDOWED_LAYER_TYPES = {"sliding_attention", "chunked_attention"}
 # The keyword models, decoder layers, attention modules and mask functions take the KV cache under:
 # transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and both at once raise).
-CACHE_ARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+CACHE_NAMES = ("cache", "past_key_values")  # what `generate` may hand a custom loop the cache as, either version
+CACHE_ARG = CACHE_NAMES[0] if CACHE_NAMES[0] in inspect.signature(create_causal_mask).parameters else CACHE_NAMES[1]
 
 
 def needs_contiguous_slots(config) -> bool:
@@ -513,7 +514,7 @@ def forward_packed(model, cache: PackedCache, chunks: list[list[int]], all_logit
                 input_ids=input_ids,
                 position_ids=position_ids.to(device),
                 use_cache=True,
-                        return_dict=True,
+                return_dict=True,
                 spin_varlen=meta,
                 **extra,
             )

@@ -41,7 +41,7 @@ from time import perf_counter
 import torch
 from transformers.generation import logits_process as lp
 
-from .cache import CACHE_ARG, PackedCache, RaggedCache, forward_ragged, needs_contiguous_slots
+from .cache import CACHE_ARG, CACHE_NAMES, PackedCache, RaggedCache, forward_ragged, needs_contiguous_slots
 from .drafters import Draft, Drafter, DraftRequest
 from .drafters.model import common_prefix_length
 from .policies import BatchView, Plan, Policy, StepFeedback
@@ -311,7 +311,7 @@ class SpinEngine:
             input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
             kwargs = _prefill_kwargs(model, attention_mask)
         fresh = RaggedCache(attention_mask.bool(), contiguous=needs_contiguous_slots(model.config))
-        for name in ("cache", "past_key_values"):  # generate's empty cache, under either name
+        for name in CACHE_NAMES:  # generate's empty cache, under either name
             kwargs.pop(name, None)
         kwargs[CACHE_ARG] = fresh
         inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **kwargs)

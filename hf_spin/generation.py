@@ -23,13 +23,14 @@ from transformers.generation import logits_process as lp
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .cache import CACHE_NAMES
 from .engine import SpinEngine
 from .pool import AssistantPool
 from .stats import GenerationStats
 
 # model_kwargs that `generate`'s preparation hands over and this loop understands (the KV cache comes
 # as `cache` from transformers 5.24, as `past_key_values` before).
-KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "cache", "past_key_values", "logits_to_keep", "cache_position"}
+KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position", *CACHE_NAMES}
 # generation_config outputs this loop does not produce, with what a user gets instead.
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -66,7 +67,7 @@ def _validate(model, input_ids, config, pool, model_kwargs, processors) -> None:
     unknown = set(model_kwargs) - KNOWN_MODEL_KWARGS
     if unknown:
         raise ValueError(f"model inputs {sorted(unknown)} are not supported with assistant_pool; supported: {sorted(KNOWN_MODEL_KWARGS)}")
-    for name in ("cache", "past_key_values"):
+    for name in CACHE_NAMES:
         cache = model_kwargs.get(name)
         if cache is not None and cache.get_seq_length() > 0:
             raise ValueError(f"a pre-filled {name} is not supported with assistant_pool; pass the full prompt instead")
