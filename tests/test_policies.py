@@ -440,6 +440,34 @@ def test_lbss_probes_plain_decoding_where_the_verify_fit_misleads():
     assert regret < 0.6 * control, (regret, control)
 
 
+def test_lbss_weighs_a_shadowed_drafter_against_plain_at_its_posterior_mean():
+    """A prompt lookup a little slower than plain decoding on every row (padded verify, 165 against
+    167 tokens/s a row) and a model drafter far slower: the lookup keeps being measured by shadow
+    drafts while the rows decode plainly, so it needs no optimism against plain decoding
+    (`careful_optimism`) and after the first 20 steps drafts on at most 5% of the row-steps on
+    average over 8 seeds. Control: weighed one sd up, as a model drafter is (measured: 0.02
+    against 0.34 of the row-steps)."""
+
+    class OneSdUp(LBSSPolicy):
+        def careful_optimism(self, drafter: int) -> float:
+            return self.config.plain_optimism
+
+    def lookup_drafts(cls: type[LBSSPolicy], seed: int) -> float:
+        drafters = [
+            SimDrafter("model", {"x": 0.3}, token_seconds=0.02, catch_up_seconds=2e-5, num_parameters=100),
+            SimDrafter("lookup", {"x": 0.4}, kind="prompt_lookup", num_parameters=0),
+        ]
+        s = Simulator(drafters, ["x"] * 4, SimVerify(0.02, 1e-3), seed=seed, padded=True)
+        assert s.row_goodput("x", 1, K, 4) < s.row_goodput("x", None, K, 4)
+        s.run(s.start(cls(FixedLength(K), LBSSConfig(seed=seed))), 150)
+        return sum(ds == (1,) for plan in s.trace.plans[20:] for ds in plan.drafters) / (130 * 4)
+
+    assert LBSSPolicy(FixedLength(K)).config.plain_optimism > 0
+    mean = sum(lookup_drafts(LBSSPolicy, seed) for seed in range(8)) / 8
+    control = sum(lookup_drafts(OneSdUp, seed) for seed in range(8)) / 8
+    assert mean <= 0.05 and control >= 0.2, (mean, control)
+
+
 def test_lbss_learns_the_catch_up_cost_and_prefills_idle_model_drafters():
     """Two row types with their own best drafter; a third model drafter and prompt lookup sit idle
     while exploiting, and are drawn for exploration chunks: those get pre-filled a step ahead."""

@@ -61,7 +61,8 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   goodput of a plain step; W': W with `plain_optimism` (1) sds up, d*: the row's best drafter.
   A row goes plain when W'[row, d*] < g_plain: against plain decoding, drafters count one sd up
   (a row that skips its exploration stages is not sent to plain decoding by one step that
-  accepted nothing), not two (two drafted where drafting was slower than plain). A row's t_row
+  accepted nothing), not two (two drafted where drafting was slower than plain); a drafter measured
+  by shadow drafts at its posterior mean (`careful_optimism`). A row's t_row
   depends on the others' choices (the drafting rows share the padded positions): the first matching assumes every row drafts, the next ones split the positions
   as the previous matching did, until one repeats;
   c_d: seconds per token of catch-up (learned from feedback: what steps with a catch-up took
@@ -148,7 +149,7 @@ class LBSSConfig:
     prefill_margin: float = 0.1  # pre-fill an exploiting row's runner-up drafter when within this fraction of the best (and its catch-up within this fraction of a step)
     prefill_min_tokens: int = 8  # ...and only when it lags this many tokens: a forward for 1-2 tokens costs more than it saves
     optimism: float = 2.0  # exploiting, drafters are ranked at their posterior log tokens this many sds up (an upper confidence bound; see `expected_tokens`)
-    plain_optimism: float = 1.0  # ...and weighed against plain decoding (never_slower) this many sds up
+    plain_optimism: float = 1.0  # ...and weighed against plain decoding (never_slower) this many sds up (shadowed drafters: 0, `careful_optimism`)
     prior_spread: float = 0.3  # prior sd over requests of a drafter's log goodput around its mean (0.3: +-35%)
     catch_up_margin: float = 0.1  # a catch-up pays off (`pays_off`) when a drafter this fraction faster than plain decoding would repay it over the steps left
     history: int = 64  # ended requests whose measurements the estimates keep
@@ -388,7 +389,20 @@ class LBSSPolicy(Policy):
         row at the batch size being planned, `expected_tokens` (`plain_optimism` sds up) over the
         row's predicted share of the step (`row_seconds`, with `drafting` rows drafting). Before any
         step (no costs): the tokens alone, for ranking."""
-        return goodput(self.expected_tokens(row, drafter, k, self.config.plain_optimism), self.row_seconds(drafter, k, drafting))
+        return goodput(self.expected_tokens(row, drafter, k, self.careful_optimism(drafter)), self.row_seconds(drafter, k, drafting))
+
+    def careful_optimism(self, drafter: int) -> float:
+        """The sds up at which `drafter` is weighed against plain decoding: `plain_optimism`, so
+        a row that stops drafting is not locked out of a drafter by one unlucky step; 0 for a
+        drafter measured by shadow drafts, which keeps measuring the row while it decodes plainly
+        and wins it back as soon as its steps say so. One sd up, prompt lookup's bursty tokens
+        (nothing on most steps, 3-5 tokens on a few) put every row of the bench's first cold batch-4
+        batch on it after one match on one row (predicted 1.66 tokens a step, measured 1.27), each
+        step verifying a lone 5-token draft padded over four rows at ~1.9x a plain step's time;
+        at the posterior mean, batch-4 replays on three question sets gained 0.003-0.018 of plain
+        decoding and batch 1 stayed level (ranking the drafters at the mean too, batch 1 lost
+        0.02-0.06: the model drafters' bounds then outrank it where a cheap lookup pays)."""
+        return 0.0 if self.shadowed[drafter] else self.config.plain_optimism
 
     def expected_tokens(self, row: RowState, drafter: int, k: int, z: float | None = None) -> float:
         """The tokens d's next step commits on the row: the `TokensModel` posterior, z posterior sds
@@ -609,7 +623,7 @@ class LBSSPolicy(Policy):
         # tokens of each drafter's next step on each row, at optimism and at plain_optimism: the
         # same on every pass of the fixed-point loop below (only the step's split of seconds moves)
         tokens = [[self.expected_tokens(rows[b], d, ks[i][d]) for d in range(len(cap))] for i, b in enumerate(todo)]  # [R][num_drafters]
-        careful_tokens = [[self.expected_tokens(rows[b], d, ks[i][d], c.plain_optimism) for d in range(len(cap))] for i, b in enumerate(todo)]
+        careful_tokens = [[self.expected_tokens(rows[b], d, ks[i][d], self.careful_optimism(d)) for d in range(len(cap))] for i, b in enumerate(todo)]
         horizons = [min(stages[b].epoch_end - rows[b].age, self.steps_left(rows[b])) for b in todo]
         allowed = [[self.may_switch(rows[b], d) for d in range(len(cap))] for b in todo]  # [R][num_drafters]
         decided = [d for d in choice if d is not None]  # exploring rows: they draft (or not) whatever the matching does
