@@ -55,8 +55,9 @@ class TracedLBSS(LBSSPolicy):
                 k = self.draft_length.k(d, b, view)
                 estimates[info.name] = {"tokens": self.expected_tokens(row, d, k), "seconds": self.row_seconds(d, k, B), "lag": self.lag(row, d)}
             stage = self.stage(row.age - 1)
-            rows.append({"row_id": rid, "age": row.age - 1, "epoch": stage.epoch, "explore": stage.explore, **before.get(b, {}), "choice": list(choice[b]), "estimates": estimates})
-        self.trace.append({"batch_size": B, "plain_seconds": self.costs.plain_seconds(B), "rows": rows})
+            rows.append({"row_id": rid, "age": row.age - 1, "epoch": stage.epoch, "explore": stage.explore, **before.get(b, {}), "choice": list(choice[b]), "pending": row.pending, "runner_up": row.runner_up, "estimates": estimates})
+        prefill = {self.drafters[d].name: batch_rows for d, batch_rows in self._prefill.items()}
+        self.trace.append({"batch_size": B, "plain_seconds": self.costs.plain_seconds(B), "prefill": prefill, "rows": rows})
         return choice
 
     def update(self, feedback):

@@ -664,6 +664,26 @@ def test_lbss_prefills_a_runner_up_only_when_cheap():
     assert not policy._cheap_prefill(row, 1, K)
 
 
+def test_lbss_drops_a_pending_chunk_the_row_no_longer_explores():
+    """A drafter drawn a step ahead for a row's next exploration chunk (`RowState.pending`) is
+    pre-filled only for that step: a row that does not explore then (here: exploiting, drafter 1
+    4000 tokens behind) drops it, and drafter 1 is not caught up for nothing. The bench's first
+    cold batch-4 batch pre-filled such a drafter for 0.35 s, then explored it on the strength of
+    the now-empty lag that `pays_off` had refused."""
+    policy = LBSSPolicy(FixedLength(K), LBSSConfig(switch_cost=1e-3, never_slower=False))
+    policy.bind([DrafterInfo("a", "model", 1, True), DrafterInfo("b", "model", 2, True)])
+    view = BatchView([0], [4000], [0], [True, True], 0, [64])
+    policy.start_rows(view, [0])
+    row = policy.rows[0]
+    row.age = policy.alpha  # the first exploitation step
+    assert not policy.explores(row, row.age) and not policy.stage(row.age + 1).chunk_start
+    row.arms[0].synced = 4000 - 1  # drafter 0 holds the row, drafter 1 nothing
+    row.pending = 1  # left over from a draw for a chunk the row did not run
+    plan = policy.plan(view)
+    assert plan.drafters == [(0,)]
+    assert row.pending is None and plan.prefill == {}, plan.prefill
+
+
 def test_lbss_switching_cost_keeps_a_row_on_its_drafter():
     """A row on drafter 0 whose cache drafter 1 lacks (4000 tokens behind): 1 is 5% better but the
     catch-up costs more than 5% of the stage, so the matching keeps the row on 0."""

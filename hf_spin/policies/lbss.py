@@ -558,7 +558,8 @@ class LBSSPolicy(Policy):
             if choice[b] != PLAIN:
                 r.arms[choice[b]].tries += 1
                 r.chunk_drafter, r.chunk_end = choice[b], stages[b].end
-            r.pending = None
+        for r in rows:
+            r.pending = None  # drawn for this step only: a row that no longer explores drops it (else pre-filled for nothing)
         # 3. Exploitation: maximum-weight matching, plain decoding included.
         self._match(view, rows, stages, cap, choice)
         # 4. Draw the next exploration chunks a step ahead (their drafters are pre-filled meanwhile).
