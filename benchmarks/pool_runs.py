@@ -1,0 +1,141 @@
+"""Several `pool_bench.py` runs of the same workload read together: how noisy one run is, how much
+of the oracle is noise, and where a policy gains or loses against a reference method per task.
+
+    python benchmarks/pool_runs.py benchmarks/results/b1_cold13 benchmarks/results/b1_cold14 benchmarks/results/b1_cold15 --policy policy:lbss --reference spin:smollm2-135m
+
+One run's per-request times move with the machine (this CPU's speed drifts by +-30% over minutes),
+so a policy's ratio to the best single drafter, and its fraction of the per-request oracle (the best
+of the single drafters and plain decoding in hindsight, `pool_bench.summarize`), are read off
+noisy numbers. With several runs of the same questions:
+
+- spread: per method, the sd of log goodput of a request between two runs, over sqrt(2) (one run's
+  sd), pooled over requests and pairs of runs;
+- oracle: each run's oracle in hindsight against an oracle whose choice per request was made in
+  the other runs (its goodput read in this run): the part of the oracle that is a maximum over
+  noise, not a better choice;
+- per task: every method's summed speed over all runs (tokens over the whole call's seconds, as
+  the bench's speed-ups: the ratio to plain is its Spec-Bench speed-up pooled over the runs), as a
+  ratio to the reference method's, and the policy's fraction of the oracle (row goodput, as the
+  bench's oracle fraction).
+
+Reads each directory's newest `pool_bench-*.json` (or the files named), at one batch size (the
+first requested in the first run, or --batch-size); only the requests every run has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from pool_bench import row_goodput, speed
+
+
+def load(path: Path, batch_size: int | None) -> tuple[int, dict[int, dict]]:
+    """(batch size, {question_id: record}) of one run: a pool_bench JSON or the newest in a directory."""
+    if path.is_dir():
+        files = sorted(path.glob("pool_bench-*.json"))
+        if not files:
+            raise SystemExit(f"no pool_bench-*.json in {path}")
+        path = files[-1]
+    records = json.loads(path.read_text())["records"]
+    sizes = [r.get("requested_batch_size", r["batch_size"]) for r in records]
+    bs = batch_size if batch_size is not None else sizes[0]
+    if bs not in sizes:
+        raise SystemExit(f"{path} has batch sizes {sorted(set(sizes))}, not {bs}")
+    return bs, {r["question_id"]: r for r, s in zip(records, sizes) if s == bs}
+
+
+def oracle_methods(record: dict) -> list[str]:
+    """What the oracle chooses among: the single drafters and plain decoding."""
+    return [m for m in record["methods"] if m.startswith("spin:")] + ["plain"]
+
+
+def spreads(runs: list[dict[int, dict]], qids: list[int], methods: list[str]) -> dict[str, float]:
+    """Per method, one run's sd of log goodput of a request (pairwise differences / sqrt(2))."""
+    out = {}
+    for m in methods:
+        diffs = [math.log(row_goodput(a[q], m) / row_goodput(b[q], m)) for a, b in itertools.combinations(runs, 2) for q in qids]
+        out[m] = statistics.pstdev(diffs) / math.sqrt(2) if diffs else float("nan")
+    return out
+
+
+def oracle_noise(runs: list[dict[int, dict]], qids: list[int]) -> list[float]:
+    """Per run: its oracle in hindsight over the mean (over the other runs) of an oracle that chose
+    each request's method in another run and is read in this one."""
+    out = []
+    for i, run in enumerate(runs):
+        hindsight = sum(max(row_goodput(run[q], m) for m in oracle_methods(run[q])) for q in qids)
+        crossed = []
+        for j, other in enumerate(runs):
+            if j != i:
+                pick = {q: max(oracle_methods(other[q]), key=lambda m: row_goodput(other[q], m)) for q in qids}
+                crossed.append(sum(row_goodput(run[q], pick[q]) for q in qids))
+        out.append(hindsight / statistics.mean(crossed))
+    return out
+
+
+def per_task(runs: list[dict[int, dict]], qids: list[int], policy: str, reference: str) -> dict[str, dict[str, float]]:
+    """Per task and ALL, over every run: each method's summed speed over the reference's, and the
+    policy's summed row goodput over the oracle's (`oracle fraction`)."""
+    speeds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    goodputs: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for run in runs:
+        for q in qids:
+            r = run[q]
+            for task in (r["task"], "ALL"):
+                for m in r["methods"]:
+                    if "seconds" in r["methods"][m]:
+                        speeds[task][m] += speed(r, m)
+                goodputs[task][policy] += row_goodput(r, policy)
+                goodputs[task]["oracle"] += max(row_goodput(r, m) for m in oracle_methods(r))
+    table = {}
+    for task, s in speeds.items():
+        table[task] = {m: v / s[reference] for m, v in s.items()}
+        table[task]["oracle fraction"] = goodputs[task][policy] / goodputs[task]["oracle"]
+    return table
+
+
+def markdown(paths: list[Path], bs: int, qids: list[int], runs: list[dict[int, dict]], policy: str, reference: str) -> str:
+    methods = list(runs[0][qids[0]]["methods"])
+    lines = [f"{len(runs)} runs at batch {bs}, {len(qids)} requests each: " + ", ".join(str(p) for p in paths), ""]
+    lines += ["| method | one run's sd of a request's log goodput |", "|---|---|"]
+    lines += [f"| {m} | {s:.3f} |" for m, s in spreads(runs, qids, methods).items()]
+    noise = oracle_noise(runs, qids) if len(runs) > 1 else []
+    lines += ["", "| run | oracle in hindsight / oracle chosen in the other runs | " + f"{policy} / {reference} | {policy} oracle fraction |", "|---|---|---|---|"]
+    for i, (path, run) in enumerate(zip(paths, runs)):
+        table = per_task([run], qids, policy, reference)["ALL"]
+        lines.append(f"| {path} | {noise[i]:.3f} | {table[policy]:.3f} | {table['oracle fraction']:.3f} |" if noise else f"| {path} | - | {table[policy]:.3f} | {table['oracle fraction']:.3f} |")
+    table = per_task(runs, qids, policy, reference)
+    tasks = sorted(t for t in table if t != "ALL") + ["ALL"]
+    lines += ["", f"Summed speed over all runs, / {reference} (oracle fraction: row goodput):", "", "| method | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+    for m in methods + ["oracle fraction"]:
+        label = f"{policy} oracle fraction" if m == "oracle fraction" else m
+        lines.append(f"| {label} | " + " | ".join(f"{table[t][m]:.3f}" for t in tasks) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", type=Path, nargs="+", help="pool_bench result directories (their newest pool_bench-*.json) or JSON files")
+    ap.add_argument("--policy", default="policy:lbss", help="the method read against the reference and the oracle")
+    ap.add_argument("--reference", default="spin:smollm2-135m", help="the method the per-task ratios divide by (e.g. the best single drafter)")
+    ap.add_argument("--batch-size", type=int, default=None, help="the batch size read (default: the first in the first run)")
+    args = ap.parse_args()
+    bs = load(args.runs[0], args.batch_size)[0]
+    runs = [load(p, bs)[1] for p in args.runs]
+    qids = sorted(set.intersection(*(set(r) for r in runs)))
+    if not qids:
+        raise SystemExit("the runs share no request")
+    for name in (args.policy, args.reference):
+        if any(name not in run[q]["methods"] for run in runs for q in qids):
+            raise SystemExit(f"{name!r} is not in every run; methods of the first: {list(runs[0][qids[0]]['methods'])}")
+    print(markdown(args.runs, bs, qids, runs, args.policy, args.reference))
+
+
+if __name__ == "__main__":
+    main()
