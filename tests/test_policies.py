@@ -440,32 +440,67 @@ def test_lbss_probes_plain_decoding_where_the_verify_fit_misleads():
     assert regret < 0.6 * control, (regret, control)
 
 
+def lookup_beside_a_slow_model(seed: int, acceptance: float) -> Simulator:
+    """Four padded rows: a model drafter far slower than plain decoding, and a prompt lookup whose
+    per-token acceptance sets how it compares with plain decoding (0.4: 0.99x)."""
+    drafters = [
+        SimDrafter("model", {"x": 0.3}, token_seconds=0.02, catch_up_seconds=2e-5, num_parameters=100),
+        SimDrafter("lookup", {"x": acceptance}, kind="prompt_lookup", num_parameters=0),
+    ]
+    return Simulator(drafters, ["x"] * 4, SimVerify(0.02, 1e-3), seed=seed, padded=True)
+
+
 def test_lbss_weighs_a_shadowed_drafter_against_plain_at_its_posterior_mean():
     """A prompt lookup a little slower than plain decoding on every row (padded verify, 165 against
     167 tokens/s a row) and a model drafter far slower: the lookup keeps being measured by shadow
     drafts while the rows decode plainly, so it needs no optimism against plain decoding
     (`careful_optimism`) and after the first 20 steps drafts on at most 5% of the row-steps on
     average over 8 seeds. Control: weighed one sd up, as a model drafter is (measured: 0.02
-    against 0.34 of the row-steps)."""
+    against 0.34 of the row-steps). Both without `shadow_margin`, which alone would also hold
+    the control's rows on plain decoding (the next test)."""
 
     class OneSdUp(LBSSPolicy):
         def careful_optimism(self, drafter: int) -> float:
             return self.config.plain_optimism
 
     def lookup_drafts(cls: type[LBSSPolicy], seed: int) -> float:
-        drafters = [
-            SimDrafter("model", {"x": 0.3}, token_seconds=0.02, catch_up_seconds=2e-5, num_parameters=100),
-            SimDrafter("lookup", {"x": 0.4}, kind="prompt_lookup", num_parameters=0),
-        ]
-        s = Simulator(drafters, ["x"] * 4, SimVerify(0.02, 1e-3), seed=seed, padded=True)
+        s = lookup_beside_a_slow_model(seed, 0.4)
         assert s.row_goodput("x", 1, K, 4) < s.row_goodput("x", None, K, 4)
-        s.run(s.start(cls(FixedLength(K), LBSSConfig(seed=seed))), 150)
+        s.run(s.start(cls(FixedLength(K), LBSSConfig(seed=seed, shadow_margin=0.0))), 150)
         return sum(ds == (1,) for plan in s.trace.plans[20:] for ds in plan.drafters) / (130 * 4)
 
     assert LBSSPolicy(FixedLength(K)).config.plain_optimism > 0
     mean = sum(lookup_drafts(LBSSPolicy, seed) for seed in range(8)) / 8
     control = sum(lookup_drafts(OneSdUp, seed) for seed in range(8)) / 8
     assert mean <= 0.05 and control >= 0.2, (mean, control)
+
+
+def test_lbss_leaves_plain_decoding_for_a_shadowed_drafter_only_when_it_leads_by_the_margin():
+    """Prompt lookup on four padded rows beside a slow model drafter, as in the test above.
+    Leading plain decoding by 7% (truly), it drafts on < 0.05 of the row-steps after the first 20
+    with `shadow_margin` 0.1, and on >= 0.4 at 0 (control); leading by 38%, on >= 0.85 with
+    either. Measured over 8 seeds: 0.02 against 0.56, and 0.90 against 0.91; the price in
+    between, at 1.16x, is 0.49 against 0.77. A model drafter gets no margin (the batch-size test
+    above: a 1.4x drafter keeps its batch-1 steps)."""
+
+    def lookup_share(acceptance: float, margin: float) -> float:
+        share = 0.0
+        for seed in range(8):
+            s = lookup_beside_a_slow_model(seed, acceptance)
+            s.run(s.start(lbss(seed=seed, shadow_margin=margin)), 150)
+            share += sum(ds == (1,) for plan in s.trace.plans[20:] for ds in plan.drafters) / (130 * 4) / 8
+        return share
+
+    def speed_up(acceptance: float) -> float:
+        s = lookup_beside_a_slow_model(0, acceptance)
+        return s.row_goodput("x", 1, K, 4) / s.row_goodput("x", None, K, 4)
+
+    assert LBSSConfig().shadow_margin == 0.1
+    assert 1.03 < speed_up(0.45) < 1.1 and speed_up(0.6) > 1.3
+    close, control = lookup_share(0.45, 0.1), lookup_share(0.45, 0.0)
+    assert close < 0.05 and control >= 0.4, (close, control)
+    ahead, ahead_control = lookup_share(0.6, 0.1), lookup_share(0.6, 0.0)
+    assert ahead >= 0.85 and ahead_control >= 0.85, (ahead, ahead_control)
 
 
 def test_lbss_learns_the_catch_up_cost_and_prefills_idle_model_drafters():

@@ -51,7 +51,7 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   rows to the free drafter slots, and to plain decoding (unlimited slots), on
 
       W[row, d]     = g(row, d) - g(row, d) s / (s + T tau)     s = c_d x lag(row, d)
-      W[row, plain] = g_plain x W[row, d*] / W'[row, d*]         (never-slower; see below)
+      W[row, plain] = g_plain (1 + m_d*) x W[row, d*] / W'[row, d*]   (never-slower; see below)
 
   g(row, d): the tokens of d's next step on the row under the `TokensModel` posterior (earlier
   requests, the row's other drafters and its own steps with d, each weighed by its measured
@@ -59,10 +59,11 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   bound that puts a drafter the row has not drafted with at the best its drafts can commit, until
   the row's own steps say otherwise (`expected_tokens`). g_plain = B / t_verify(N = B): the
   goodput of a plain step; W': W with `plain_optimism` (1) sds up, d*: the row's best drafter.
-  A row goes plain when W'[row, d*] < g_plain: against plain decoding, drafters count one sd up
+  A row goes plain when W'[row, d*] < g_plain (1 + m_d*): against plain decoding, drafters count one sd up
   (a row that skips its exploration stages is not sent to plain decoding by one step that
   accepted nothing), not two (two drafted where drafting was slower than plain); a drafter measured
-  by shadow drafts at its posterior mean (`careful_optimism`). A row's t_row
+  by shadow drafts at its posterior mean (`careful_optimism`) and only when it leads g_plain by
+  `shadow_margin` (`plain_margin`). A row's t_row
   depends on the others' choices (the drafting rows share the padded positions): the first matching assumes every row drafts, the next ones split the positions
   as the previous matching did, until one repeats;
   c_d: seconds per token of catch-up (learned from feedback: what steps with a catch-up took
@@ -150,6 +151,7 @@ class LBSSConfig:
     prefill_min_tokens: int = 8  # ...and only when it lags this many tokens: a forward for 1-2 tokens costs more than it saves
     optimism: float = 2.0  # exploiting, drafters are ranked at their posterior log tokens this many sds up (an upper confidence bound; see `expected_tokens`)
     plain_optimism: float = 1.0  # ...and weighed against plain decoding (never_slower) this many sds up (shadowed drafters: 0, `careful_optimism`)
+    shadow_margin: float = 0.1  # never_slower: a row leaves plain decoding for a drafter measured by shadow drafts only when it leads plain decoding's goodput by this fraction
     prior_spread: float = 0.3  # prior sd over requests of a drafter's log goodput around its mean (0.3: +-35%)
     catch_up_margin: float = 0.1  # a catch-up pays off (`pays_off`) when a drafter this fraction faster than plain decoding would repay it over the steps left
     history: int = 64  # ended requests whose measurements the estimates keep
@@ -181,6 +183,7 @@ class LBSSConfig:
         check_int(owner, "prefill_min_tokens", self.prefill_min_tokens, 1)
         check_float(owner, "optimism", self.optimism, 0.0, 10.0)
         check_float(owner, "plain_optimism", self.plain_optimism, 0.0, 10.0)
+        check_float(owner, "shadow_margin", self.shadow_margin, 0.0, 1.0)
         check_float(owner, "prior_spread", self.prior_spread, 0.0, 10.0, open_low=True)
         check_float(owner, "catch_up_margin", self.catch_up_margin, 0.0, 1.0, open_low=True)
         check_int(owner, "history", self.history, 0)
@@ -403,6 +406,20 @@ class LBSSPolicy(Policy):
         decoding and batch 1 stayed level (ranking the drafters at the mean too, batch 1 lost
         0.02-0.06: the model drafters' bounds then outrank it where a cheap lookup pays)."""
         return 0.0 if self.shadowed[drafter] else self.config.plain_optimism
+
+    def plain_margin(self, drafter: int | None) -> float:
+        """The fraction by which `drafter` must lead plain decoding (at `careful_optimism`) for a row
+        to leave plain decoding for it: `shadow_margin` for a drafter measured by shadow drafts, 0
+        for the others. At batch 4 on a CPU prompt lookup and plain decoding sit within a few
+        percent of each other in the estimates (a bursty drafter's posterior, cost fits that
+        traces put 1-16% off), and real runs after the warm-up flipped between them: 0.94-0.99x
+        plain with lookup on most rows, 1.01-1.11x decoding plainly, where lookup alone runs at
+        0.78-0.98x. Such a drafter keeps being measured while its rows decode plainly, so the
+        margin locks no row out of it; it gives up one that truly leads by less. A model drafter
+        gets none: a row sent to plain decoding by an early, unlucky estimate measures it again
+        only at its next exploration stage (a 10% margin kept a drafter 1.4x faster than plain off
+        a third of a 1000-step request's steps on some seeds)."""
+        return self.config.shadow_margin if drafter is not None and self.shadowed[drafter] else 0.0
 
     def expected_tokens(self, row: RowState, drafter: int, k: int, z: float | None = None) -> float:
         """The tokens d's next step commits on the row: the `TokensModel` posterior, z posterior sds
@@ -647,10 +664,10 @@ class LBSSPolicy(Policy):
                         careful[d] = g - self.switch_penalty(rows[b], d, g, horizons[i], tau)
                 if g_plain is not None:
                     # plain decoding in the row's ranking units: the row goes plain when its best
-                    # drafter, weighed at plain_optimism, does not beat g_plain
+                    # drafter, weighed carefully, does not beat g_plain (by shadow_margin if shadowed)
                     best = max(ranked, key=ranked.get, default=None)
                     scale = ranked[best] / careful[best] if best is not None and careful[best] > 0 else 1.0
-                    weights[i, len(slots) - len(todo) :] = g_plain * scale
+                    weights[i, len(slots) - len(todo) :] = g_plain * scale * (1 + self.plain_margin(best))
             out = [PLAIN] * len(todo)
             for i, j in zip(*linear_sum_assignment(weights)):
                 out[i] = slots[j]
