@@ -170,6 +170,11 @@ def row_goodput(r: dict, method: str) -> float:
     return r["new_tokens"] / m.get("row_seconds", m["seconds"])
 
 
+def oracle_pick(r: dict, singles: list[str]) -> str:
+    """The per-request oracle's method: the best of the single drafters and plain decoding, in hindsight."""
+    return max(singles + ["plain"], key=lambda m: row_goodput(r, m))
+
+
 def summarize(records: list[dict]) -> dict:
     """Per batch size, per task and ALL: speed-ups, rates, choices and oracle fractions."""
     out = {}
@@ -182,7 +187,7 @@ def summarize(records: list[dict]) -> dict:
         singles = [m for m in methods if m.startswith("spin:")]
         # oracle: per request, the best of the single drafters and plain decoding, in hindsight
         for r in rs:
-            best = max(singles + ["plain"], key=lambda m: row_goodput(r, m))
+            best = oracle_pick(r, singles)
             r["oracle"] = {"method": best, "goodput": row_goodput(r, best)}
         tasks = defaultdict(list)
         for r in rs:

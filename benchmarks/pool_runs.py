@@ -32,7 +32,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from pool_bench import row_goodput, speed
+from pool_bench import oracle_pick, row_goodput, speed
 
 
 def load(path: Path, batch_size: int | None) -> tuple[int, dict[int, dict]]:
@@ -50,9 +50,11 @@ def load(path: Path, batch_size: int | None) -> tuple[int, dict[int, dict]]:
     return bs, {r["question_id"]: r for r, s in zip(records, sizes) if s == bs}
 
 
-def oracle_methods(record: dict) -> list[str]:
-    """What the oracle chooses among: the single drafters and plain decoding."""
-    return [m for m in record["methods"] if m.startswith("spin:")] + ["plain"]
+def oracle_goodput(record: dict, chosen_in: dict | None = None) -> float:
+    """The request's row goodput under the oracle's method, chosen on `chosen_in` (the same request
+    in another run; default: this record, the oracle in hindsight)."""
+    pick = chosen_in or record
+    return row_goodput(record, oracle_pick(pick, [m for m in pick["methods"] if m.startswith("spin:")]))
 
 
 def spreads(runs: list[dict[int, dict]], qids: list[int], methods: list[str]) -> dict[str, float]:
@@ -69,12 +71,8 @@ def oracle_noise(runs: list[dict[int, dict]], qids: list[int]) -> list[float]:
     each request's method in another run and is read in this one."""
     out = []
     for i, run in enumerate(runs):
-        hindsight = sum(max(row_goodput(run[q], m) for m in oracle_methods(run[q])) for q in qids)
-        crossed = []
-        for j, other in enumerate(runs):
-            if j != i:
-                pick = {q: max(oracle_methods(other[q]), key=lambda m: row_goodput(other[q], m)) for q in qids}
-                crossed.append(sum(row_goodput(run[q], pick[q]) for q in qids))
+        hindsight = sum(oracle_goodput(run[q]) for q in qids)
+        crossed = [sum(oracle_goodput(run[q], other[q]) for q in qids) for j, other in enumerate(runs) if j != i]
         out.append(hindsight / statistics.mean(crossed))
     return out
 
@@ -92,7 +90,7 @@ def per_task(runs: list[dict[int, dict]], qids: list[int], policy: str, referenc
                     if "seconds" in r["methods"][m]:
                         speeds[task][m] += speed(r, m)
                 goodputs[task][policy] += row_goodput(r, policy)
-                goodputs[task]["oracle"] += max(row_goodput(r, m) for m in oracle_methods(r))
+                goodputs[task]["oracle"] += oracle_goodput(r)
     table = {}
     for task, s in speeds.items():
         table[task] = {m: v / s[reference] for m, v in s.items()}
@@ -109,7 +107,8 @@ def markdown(paths: list[Path], bs: int, qids: list[int], runs: list[dict[int, d
     lines += ["", "| run | oracle in hindsight / oracle chosen in the other runs | " + f"{policy} / {reference} | {policy} oracle fraction |", "|---|---|---|---|"]
     for i, (path, run) in enumerate(zip(paths, runs)):
         table = per_task([run], qids, policy, reference)["ALL"]
-        lines.append(f"| {path} | {noise[i]:.3f} | {table[policy]:.3f} | {table['oracle fraction']:.3f} |" if noise else f"| {path} | - | {table[policy]:.3f} | {table['oracle fraction']:.3f} |")
+        crossed = f"{noise[i]:.3f}" if noise else "-"
+        lines.append(f"| {path} | {crossed} | {table[policy]:.3f} | {table['oracle fraction']:.3f} |")
     table = per_task(runs, qids, policy, reference)
     tasks = sorted(t for t in table if t != "ALL") + ["ALL"]
     lines += ["", f"Summed speed over all runs, / {reference} (oracle fraction: row goodput):", "", "| method | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
@@ -126,8 +125,8 @@ def main() -> None:
     ap.add_argument("--reference", default="spin:smollm2-135m", help="the method the per-task ratios divide by (e.g. the best single drafter)")
     ap.add_argument("--batch-size", type=int, default=None, help="the batch size read (default: the first in the first run)")
     args = ap.parse_args()
-    bs = load(args.runs[0], args.batch_size)[0]
-    runs = [load(p, bs)[1] for p in args.runs]
+    bs, first = load(args.runs[0], args.batch_size)
+    runs = [first] + [load(p, bs)[1] for p in args.runs[1:]]
     qids = sorted(set.intersection(*(set(r) for r in runs)))
     if not qids:
         raise SystemExit("the runs share no request")
