@@ -43,7 +43,7 @@ class TracedLBSS(LBSSPolicy):
         for b, rid in enumerate(view.row_ids):
             row = self.rows.get(rid)
             if row is not None:  # its schedule and options as this step's selection finds them
-                row.room = view.room[b] if view.room is not None else None
+                self.refresh(row, view, b)
                 before[b] = {"explorable": sorted(self.explorable(row, row.age)), "steps_left": self.steps_left(row)}
         choice = super().select(view)
         B = view.batch_size

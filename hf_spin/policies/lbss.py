@@ -46,7 +46,12 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   resort, and a row with no other drafter to explore exploits instead. Before a drafter has
   caught a row up, its catch-up is priced from one that has, in proportion to their parameters
   (cold at batch 4 on a CPU, exploring all three model drafters on ~700-token prompts cost more
-  than their drafts could save: the first batch ran at 0.82x plain).
+  than their drafts could save: the first batch ran at 0.82x plain). And a drafter that `settle`
+  ended requests measured is explored only when what a chunk of it could teach repays the chunk
+  over the steps the row has left (`worth_exploring`, a knowledge gradient on the posterior): a
+  long request keeps re-measuring drafters whose estimates are close to its best or uncertain,
+  not one measured well below it; the first requests still explore as Spin does (what they
+  measure informs every later request's prior).
 - Exploitation: each step, a maximum-weight matching (`scipy.optimize.linear_sum_assignment`) of the
   rows to the free drafter slots, and to plain decoding (unlimited slots), on
 
@@ -102,6 +107,7 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -156,6 +162,7 @@ class LBSSConfig:
     catch_up_margin: float = 0.1  # a catch-up pays off (`pays_off`) when a drafter this fraction faster than plain decoding would repay it over the steps left
     history: int = 64  # ended requests whose measurements the estimates keep
     settle: int = 3  # warm, a row explores (once) each drafter fewer than this many ended requests measured, even in epochs too short to amortise a full exploration
+    knowledge_gradient: bool = True  # a row explores a drafter the estimates cover only when what a chunk of it could teach beats its cost (`worth_exploring`)
     shadow: bool = True  # model-free drafters (prompt lookup) draft every row they do not serve, unverified: measured for free
     seed: int = 0  # exploration draws; the same seed gives the same plans on the same feedback
 
@@ -188,6 +195,8 @@ class LBSSConfig:
         check_float(owner, "catch_up_margin", self.catch_up_margin, 0.0, 1.0, open_low=True)
         check_int(owner, "history", self.history, 0)
         check_int(owner, "settle", self.settle, 0)
+        if not isinstance(self.knowledge_gradient, bool):
+            raise ValueError(f"{owner}.knowledge_gradient must be True or False, got {self.knowledge_gradient!r}")
         if not isinstance(self.shadow, bool):
             raise ValueError(f"{owner}.shadow must be True or False, got {self.shadow!r}")
         check_int(owner, "seed", self.seed)
@@ -225,6 +234,8 @@ class RowState:
     length: int  # committed tokens (prompt + generated) at the latest plan
     arms: list[Arm]  # [num_drafters]
     room: int | None = None  # tokens it may still generate at the latest plan (None: unknown)
+    ks: list[int] = field(default_factory=list)  # [num_drafters] draft length of each drafter for the row at the latest plan
+    usable: list[bool] = field(default_factory=list)  # [num_drafters] drafters usable at the latest plan
     tokens: RunningMean = field(default_factory=RunningMean)  # tokens committed per step, any drafter
     age: int = 0  # steps planned for this row
     chunk_drafter: int | None = None  # drafter of the exploration chunk in progress
@@ -299,9 +310,14 @@ class LBSSPolicy(Policy):
         rid = view.row_ids[b]
         if rid not in self.rows:  # a row nobody announced: start it now
             self.rows[rid] = self._new_row(view, b)
-        row = self.rows[rid]
+        return self.refresh(self.rows[rid], view, b)
+
+    def refresh(self, row: RowState, view: BatchView, b: int) -> RowState:
+        """The row's state as the step being planned finds it (batch row `b` of `view`)."""
         row.length = view.prompt_lengths[b] + view.generated[b]
         row.room = view.room[b] if view.room is not None else None
+        row.ks = [self.draft_length.k(d, b, view) for d in range(len(self.drafters))]
+        row.usable = list(view.usable)
         return row
 
     # --- schedule and estimates ----------------------------------------------------------------
@@ -344,7 +360,7 @@ class LBSSPolicy(Policy):
         if self.tokens_model.warm and 2**st.epoch < self.alpha:
             settle = self.config.settle
             candidates = {d for d in candidates if not row.arms[d].tries and self.tokens_model.requests(d) < settle}
-        return {d for d in candidates if self.pays_off(row, d)}
+        return {d for d in candidates if self.pays_off(row, d) and self.worth_exploring(row, d)}
 
     def pays_off(self, row: RowState, drafter: int) -> bool:
         """Whether catching `drafter` up on the row (seconds s = c_d x lag) can pay for itself:
@@ -364,6 +380,63 @@ class LBSSPolicy(Policy):
         if s <= 0 or not g_plain:
             return True
         return s <= self.steps_left(row) / g_plain * self.config.catch_up_margin
+
+    def worth_exploring(self, row: RowState, drafter: int) -> bool:
+        """Whether a chunk of `drafter` on the row is worth what it costs (`knowledge_gradient`): what
+        its beta steps could teach, over the steps the row has left after them, against the tokens
+        they give up to the row's incumbent (its best other option at the posterior mean, plain
+        decoding included) and the catch-up. In log goodput per step, mu_e = m_e + sigma_e^2 / 2 -
+        log t_row(e), with m_e ~ N(m, s^2) the `TokensModel` posterior of e's log tokens on the row;
+        beta steps of d move its mean by a normal of sd s' = s^2 / sqrt(s^2 + sigma_d^2 / beta), and
+        the row then takes d where it beats the incumbent mu_0, so the chunk gains
+
+            kg = E[max(mu_d', mu_0)] - mu_0 = s' phi(delta / s') + delta Phi(delta / s'),   delta = mu_d - mu_0
+
+        a step over the steps left after it (the knowledge gradient), and costs beta (1 - e^min(delta, 0))
+        steps of the incumbent's tokens plus the catch-up's seconds over the incumbent's step. Spin's
+        exploration stages re-measure every drafter each epoch whatever the estimates say: on
+        128-token requests at batch 1 that was 26 of the cold first request's 52 steps, and a
+        warm request re-explored drafters a dozen requests had put 15-25% below the best. A long
+        request still explores (the gain grows with the steps left), a short one explores only
+        drafters whose estimate is close or uncertain. True for a drafter fewer than `settle` ended
+        requests measured (a chunk on one of the first requests also informs every later request's
+        prior, which the row's steps left do not count) and while anything is unknown: no step
+        costs, no length limit."""
+        if not self.config.knowledge_gradient or self.tokens_model.requests(drafter) < self.config.settle:
+            return True
+        steps = self.steps_left(row) - self.config.beta
+        posterior = self.tokens_model.predict(row.row_id, drafter)
+        mu = self.log_goodput(row, drafter)
+        if posterior is None or mu is None or math.isinf(steps):
+            return True
+        options = [(self.log_goodput(row, e), e) for e in range(len(self.drafters)) if e != drafter and (not row.usable or row.usable[e])]
+        plain = self.row_seconds(PLAIN, 0, self.batch_size)
+        if self.config.never_slower and plain:
+            options.append((-math.log(plain), PLAIN))
+        options = [(m, e) for m, e in options if m is not None]
+        if not options:
+            return True
+        mu0, incumbent = max(options)
+        s2, beta = posterior[1] ** 2, self.config.beta
+        spread = s2 / math.sqrt(s2 + self.tokens_model.sigma2[drafter] / beta)
+        delta = mu - mu0
+        if spread > 0:
+            z = delta / spread
+            kg = spread * math.exp(-z * z / 2) / math.sqrt(2 * math.pi) + delta * (1 + math.erf(z / math.sqrt(2))) / 2
+        else:
+            kg = max(delta, 0.0)
+        t0 = plain if incumbent == PLAIN else self.row_seconds(incumbent, row.ks[incumbent], self.batch_size)
+        cost = beta * (1 - math.exp(min(delta, 0.0))) + self.catch_up_seconds(drafter) * self.lag(row, drafter) / t0
+        return kg * max(steps, 0.0) > cost
+
+    def log_goodput(self, row: RowState, drafter: int) -> float | None:
+        """mu: the posterior mean log goodput of `drafter`'s steps on the row (see `worth_exploring`);
+        None before the drafter is measured or a step is timed."""
+        posterior = self.tokens_model.predict(row.row_id, drafter)
+        seconds = self.row_seconds(drafter, row.ks[drafter] if row.ks else 1, self.batch_size)
+        if posterior is None or not seconds:
+            return None
+        return posterior[0] + self.tokens_model.sigma2[drafter] / 2 - math.log(seconds)
 
     def may_switch(self, row: RowState, drafter: int) -> bool:
         """Exploiting, whether the row may move to `drafter`: always to one it has drafted with (its
@@ -601,7 +674,7 @@ class LBSSPolicy(Policy):
             return True  # the bucket's first: the fit's g_plain may be off by any amount
         g_plain = self.costs.plain_goodput(B)
         usable = [d for d in range(len(self.drafters)) if view.usable[d]]
-        best = [max((self.estimate(r, d, self.draft_length.k(d, b, view), B) for d in usable), default=0.0) for b, r in enumerate(rows)]
+        best = [max((self.estimate(r, d, r.ks[d], B) for d in usable), default=0.0) for r in rows]
         return all(g < (1 + PROBE_MARGIN) * g_plain for g in best)
 
     def _draw(self, rows: list[RowState], cap: list[int], ahead: int) -> list[int | None]:
@@ -637,7 +710,7 @@ class LBSSPolicy(Policy):
         slots = [d for d in range(len(cap)) for _ in range(min(max(cap[d], 0), len(todo)))] + [PLAIN] * len(todo)
         columns = [[j for j, e in enumerate(slots) if e == d] for d in range(len(cap))]  # [num_drafters] its slots
         g_plain = self.costs.plain_goodput(B) if c.never_slower else None
-        ks = [[self.draft_length.k(d, b, view) for d in range(len(cap))] for b in todo]  # [R][num_drafters]
+        ks = [rows[b].ks for b in todo]  # [R][num_drafters]
         # tokens of each drafter's next step on each row, at optimism and at plain_optimism: the
         # same on every pass of the fixed-point loop below (only the step's split of seconds moves)
         tokens = [[self.expected_tokens(rows[b], d, ks[i][d]) for d in range(len(cap))] for i, b in enumerate(todo)]  # [R][num_drafters]
@@ -700,7 +773,7 @@ class LBSSPolicy(Policy):
             if self.steps_left(r) < 2:  # no later step to switch in
                 continue
             for d in {r.pending, r.runner_up}:
-                if d not in idle or (d != r.pending and not self._cheap_prefill(r, d, self.draft_length.k(d, b, view))):
+                if d not in idle or (d != r.pending and not self._cheap_prefill(r, d, r.ks[d])):
                     continue
                 if self.lag(r, d) >= self.config.prefill_min_tokens:
                     plan.setdefault(d, []).append(b)
