@@ -259,8 +259,12 @@ def late_regret(history: int, seed: int, waves: int = 12, max_new_tokens: int = 
     """Expected goodput lost per row-step over the second half of the waves (48 tokens: requests
     too short to amortise a full exploration)."""
     s, _, late_start = run_waves(history, seed, waves, max_new_tokens, **config)
-    regret = regret_per_step(s)[late_start:]
-    return sum(regret) / sum(len(t) for t in s.trace.types[late_start:])
+    return regret_from(s, late_start)
+
+
+def regret_from(s: Simulator, start: int) -> float:
+    """Expected goodput lost per row-step from step `start` on."""
+    return sum(regret_per_step(s)[start:]) / sum(len(t) for t in s.trace.types[start:])
 
 
 def test_lbss_warm_start_lowers_regret_on_later_requests():
@@ -302,7 +306,7 @@ def test_lbss_explores_only_drafters_worth_a_chunk():
     for gate in (True, False):
         runs = [run_waves(64, seed, waves=6, max_new_tokens=192, knowledge_gradient=gate) for seed in range(3)]
         late[gate] = (
-            sum(sum(regret_per_step(s)[start:]) / sum(len(t) for t in s.trace.types[start:]) for s, _, start in runs),
+            sum(regret_from(s, start) for s, _, start in runs),
             sum(off_best_share(s, start) for s, _, start in runs) / 3,
         )
     (regret_on, share_on), (regret_off, share_off) = late[True], late[False]

@@ -406,20 +406,19 @@ class LBSSPolicy(Policy):
         if not self.config.knowledge_gradient or self.tokens_model.requests(drafter) < self.config.settle:
             return True
         steps = self.steps_left(row) - self.config.beta
-        posterior = self.tokens_model.predict(row.row_id, drafter)
-        mu = self.log_goodput(row, drafter)
-        if posterior is None or mu is None or math.isinf(steps):
+        estimate = self.log_goodput(row, drafter)
+        if estimate is None or math.isinf(steps):
             return True
-        options = [(self.log_goodput(row, e), e) for e in range(len(self.drafters)) if e != drafter and (not row.usable or row.usable[e])]
+        options = [(self.log_goodput(row, e), e) for e in range(len(self.drafters)) if e != drafter and row.usable[e]]
+        options = [(m[0], e) for m, e in options if m is not None]
         plain = self.row_seconds(PLAIN, 0, self.batch_size)
         if self.config.never_slower and plain:
             options.append((-math.log(plain), PLAIN))
-        options = [(m, e) for m, e in options if m is not None]
         if not options:
             return True
         mu0, incumbent = max(options)
-        s2, beta = posterior[1] ** 2, self.config.beta
-        spread = s2 / math.sqrt(s2 + self.tokens_model.sigma2[drafter] / beta)
+        (mu, sd), beta = estimate, self.config.beta
+        spread = sd**2 / math.sqrt(sd**2 + self.tokens_model.sigma2[drafter] / beta)
         delta = mu - mu0
         if spread > 0:
             z = delta / spread
@@ -430,14 +429,14 @@ class LBSSPolicy(Policy):
         cost = beta * (1 - math.exp(min(delta, 0.0))) + self.catch_up_seconds(drafter) * self.lag(row, drafter) / t0
         return kg * max(steps, 0.0) > cost
 
-    def log_goodput(self, row: RowState, drafter: int) -> float | None:
-        """mu: the posterior mean log goodput of `drafter`'s steps on the row (see `worth_exploring`);
-        None before the drafter is measured or a step is timed."""
+    def log_goodput(self, row: RowState, drafter: int) -> tuple[float, float] | None:
+        """(mu, s): the posterior mean and sd of `drafter`'s log goodput on the row (see
+        `worth_exploring`); None before the drafter is measured or a step is timed."""
         posterior = self.tokens_model.predict(row.row_id, drafter)
-        seconds = self.row_seconds(drafter, row.ks[drafter] if row.ks else 1, self.batch_size)
+        seconds = self.row_seconds(drafter, row.ks[drafter], self.batch_size)
         if posterior is None or not seconds:
             return None
-        return posterior[0] + self.tokens_model.sigma2[drafter] / 2 - math.log(seconds)
+        return posterior[0] + self.tokens_model.sigma2[drafter] / 2 - math.log(seconds), posterior[1]
 
     def may_switch(self, row: RowState, drafter: int) -> bool:
         """Exploiting, whether the row may move to `drafter`: always to one it has drafted with (its
