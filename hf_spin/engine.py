@@ -45,6 +45,7 @@ from .cache import CACHE_ARG, CACHE_NAMES, PackedCache, RaggedCache, forward_rag
 from .drafters import Draft, Drafter, DraftRequest
 from .drafters.model import common_prefix_length
 from .policies import BatchView, Plan, Policy, StepFeedback
+from .policies.base import shadow_lengths
 from .pool import AssistantPool
 from .rows import CANCELLED, LENGTH, STOPPED, Request, Row
 from .stats import DrafterStats, GenerationStats
@@ -397,33 +398,27 @@ class SpinEngine:
             chosen = [tuple(d for d in plan.drafters[b] if self.usable[d] and d not in rows[b].banned) for b in range(B)]
             ks = [max(0, min(plan.k[b], rows[b].room)) if chosen[b] else 0 for b in range(B)]
         # 4. Draft, one call per drafter over the rows it serves; rows with several drafters take the
-        #    heaviest path of their vote tree.
+        #    heaviest path of their vote tree. 4a: a preempting drafter drafts first; rows it proposes
+        #    enough for verify its draft instead of their planned drafters'.
         proposals: list[dict[int, list[int]]] = [{} for _ in range(B)]
         q_of: list[dict[int, torch.Tensor | None]] = [{} for _ in range(B)]
         sequences = [r.sequence for r in rows]
         score_fn = self._score if any(len(r.request.processors) for r in rows) else None
-        for d_idx, drafter in enumerate(self.drafters):
-            todo = [[b for b in range(B) if d_idx in chosen[b] and ks[b] > 0]]
-            while todo and todo[-1]:
-                served = todo.pop()
-                # seeded rows draft greedily: their tokens come from their own noise, whatever the draft
-                sample = [rows[b].request.do_sample and rows[b].request.seed is None for b in served]
-                request = DraftRequest(
-                    served,
-                    sequences,
-                    [ks[b] for b in served],
-                    any(sample),
-                    score_fn,
-                    plan.min_confidence,
-                    sample if any(sample) and not all(sample) else None,  # greedy and sampled rows in one call
-                )
-                out: list[Draft] = []
-                if self._guarded(d_idx, lambda: out.append(drafter.draft(request)), draft_seconds, served, ban=len(served) == 1):
-                    for b, tokens, q in zip(served, out[0].tokens, out[0].q):
-                        proposals[b][d_idx], q_of[b][d_idx] = list(tokens), q
-                elif self.isolate_faults and self.usable[d_idx] and len(served) > 1:  # find the row(s) at fault: halves
-                    todo += [served[: len(served) // 2], served[len(served) // 2 :]]
-        shadows = self._shadow_drafts(plan, chosen, sequences, score_fn, draft_seconds)
+        firsts: list[dict[int, list[int]]] = [{} for _ in range(B)]  # [B] preempting drafter -> its draft, where too short to serve
+        for d_idx, wanted in (plan.preempt if plan is not None else {}).items():
+            served = [b for b in sorted(wanted) if b < B and self.usable[d_idx] and d_idx not in rows[b].banned and d_idx not in chosen[b] and min(wanted[b][0], rows[b].room) > 0]
+            cap = {b: min(wanted[b][0], rows[b].room) for b in served}
+            for b, (tokens, q) in self._draft_rows(d_idx, served, cap, sequences, score_fn, plan.min_confidence, draft_seconds).items():
+                if len(tokens) >= wanted[b][1]:
+                    chosen[b], ks[b] = (d_idx,), cap[b]
+                    proposals[b][d_idx], q_of[b][d_idx] = tokens, q
+                else:
+                    firsts[b][d_idx] = tokens
+        for d_idx in range(len(self.drafters)):
+            served = [b for b in range(B) if d_idx in chosen[b] and ks[b] > 0 and d_idx not in proposals[b]]
+            for b, (tokens, q) in self._draft_rows(d_idx, served, ks, sequences, score_fn, plan.min_confidence if plan else 0.0, draft_seconds).items():
+                proposals[b][d_idx], q_of[b][d_idx] = tokens, q
+        shadows = self._shadow_drafts(plan, chosen, sequences, score_fn, draft_seconds, firsts)
         drafts: list[list[int]] = [[] for _ in range(B)]
         qs: list[torch.Tensor | None] = [None] * B
         for b in range(B):
@@ -435,15 +430,42 @@ class SpinEngine:
                 drafts[b] = heaviest_path(proposals[b], weights)[: ks[b]]
         return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows)
 
-    def _shadow_drafts(self, plan: Plan | None, chosen, sequences, score_fn, draft_seconds: list[float]) -> list[dict[int, list[int]]]:
+    def _draft_rows(self, d_idx: int, served: list[int], ks, sequences, score_fn, min_confidence: float, draft_seconds: list[float]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
+        """One drafter's drafts for the batch rows `served` (ks[b] tokens each): batch row -> (tokens,
+        q). A call that raises is retried on halves to find the row(s) at fault (`isolate_faults`)."""
+        rows, out = self.rows, {}
+        todo = [served]
+        while todo and todo[-1]:
+            served = todo.pop()
+            # seeded rows draft greedily: their tokens come from their own noise, whatever the draft
+            sample = [rows[b].request.do_sample and rows[b].request.seed is None for b in served]
+            request = DraftRequest(
+                served,
+                sequences,
+                [ks[b] for b in served],
+                any(sample),
+                score_fn,
+                min_confidence,
+                sample if any(sample) and not all(sample) else None,  # greedy and sampled rows in one call
+            )
+            got: list[Draft] = []
+            if self._guarded(d_idx, lambda: got.append(self.drafters[d_idx].draft(request)), draft_seconds, served, ban=len(served) == 1):
+                for b, tokens, q in zip(served, got[0].tokens, got[0].q):
+                    out[b] = (list(tokens), q)
+            elif self.isolate_faults and self.usable[d_idx] and len(served) > 1:
+                todo += [served[: len(served) // 2], served[len(served) // 2 :]]
+        return out
+
+    def _shadow_drafts(self, plan: Plan | None, chosen, sequences, score_fn, draft_seconds: list[float], firsts: list[dict[int, list[int]]]) -> list[dict[int, list[int]]]:
         """4b. Drafts the plan asks of drafters for rows they do not serve (`Plan.shadow`), greedily:
-        only compared with the committed tokens after the step, so the policy measures them for free."""
+        only compared with the committed tokens after the step, so the policy measures them for free.
+        A preempting drafter's draft that was too short to serve (`firsts`) is its shadow draft."""
         rows = self.rows
-        shadows: list[dict[int, list[int]]] = [{} for _ in rows]
+        shadows: list[dict[int, list[int]]] = [dict(f) for f in firsts]
         for d_idx, wanted in (plan.shadow if plan is not None else {}).items():
             if not self.usable[d_idx]:
                 continue
-            served = [b for b in sorted(wanted) if b < len(rows) and d_idx not in chosen[b] and d_idx not in rows[b].banned and min(wanted[b], rows[b].room) > 0]
+            served = [b for b in sorted(wanted) if b < len(rows) and d_idx not in chosen[b] and d_idx not in rows[b].banned and d_idx not in shadows[b] and min(wanted[b], rows[b].room) > 0]
             if not served:
                 continue
             request = DraftRequest(served, sequences, [min(wanted[b], rows[b].room) for b in served], False, score_fn, plan.min_confidence)
@@ -502,7 +524,7 @@ class SpinEngine:
                 self._prefill_idle(p.plan.prefill, p.draft_seconds)
         self.stats.steps += 1
         if self.policy is not None:
-            executed = Plan(list(p.chosen), p.ks, p.plan.min_confidence, p.plan.vote_weights, p.plan.prefill, p.plan.shadow)
+            executed = Plan(list(p.chosen), p.ks, p.plan.min_confidence, p.plan.vote_weights, p.plan.prefill, shadow_lengths(p.plan, p.shadows))
             self.policy.update(
                 StepFeedback(
                     row_ids=[r.id for r in rows],

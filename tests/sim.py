@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hf_spin.policies import BatchView, DrafterInfo, Plan, Policy, StepFeedback
+from hf_spin.policies.base import shadow_lengths
 from hf_spin.policies.estimates import expected_tokens
 from hf_spin.vote_tree import heaviest_path
 
@@ -39,6 +40,7 @@ class SimDrafter:
     catch_up_seconds: float = 0.0  # per token fed into its cache
     kind: str = "model"
     num_parameters: int = 1
+    matches: dict[str, float] | None = None  # row type -> probability that it drafts at all at a step (all or nothing, as prompt lookup: a match or none); None: always
 
     def info(self) -> DrafterInfo:
         return DrafterInfo(self.name, self.kind, self.num_parameters, gives_q=self.kind == "model")
@@ -127,7 +129,9 @@ class Simulator:
         return seconds * float(np.exp(self.noise * self.rng.standard_normal())) if self.noise else seconds
 
     def _propose(self, b: int, d: int, k: int) -> list[int]:
-        alpha = self.drafters[d].alpha[self.types[b]]
+        alpha, matches = self.drafters[d].alpha[self.types[b]], self.drafters[d].matches
+        if matches is not None and self.rng.random() >= matches[self.types[b]]:
+            return []
         start = self.lengths[b]
         return [self._truth(b, start + i) if self.rng.random() < alpha else int(self.rng.integers(1, 10)) for i in range(k)]
 
@@ -142,10 +146,25 @@ class Simulator:
         chosen = [tuple(d for d in plan.drafters[b] if self.usable[d]) for b in range(B)]
         ks = [max(0, plan.k[b]) if chosen[b] else 0 for b in range(B)]
         # 4. Draft: each drafter catches up its rows, then proposes; several drafters per row vote.
+        #    4a: a preempting drafter (Plan.preempt) first; rows it proposes enough for verify its draft.
         proposals: list[dict[int, list[int]]] = [{} for _ in range(B)]
+        shadows: list[dict[int, list[int]]] = [{} for _ in range(B)]
         draft_seconds = [0.0] * n
+        for d, wanted in plan.preempt.items():
+            served = [b for b in sorted(wanted) if self.usable[d] and d not in chosen[b] and wanted[b][0] > 0]
+            lengths = []
+            for b in served:
+                k, least = wanted[b]
+                draft = self._propose(b, d, k)
+                lengths.append(len(draft))
+                if len(draft) >= least:
+                    chosen[b], ks[b], proposals[b][d] = (d,), k, draft
+                else:
+                    shadows[b][d] = draft
+            if served:
+                draft_seconds[d] += self._noisy(self.drafters[d].seconds(lengths, 0))
         for d, sd in enumerate(self.drafters):
-            served = [b for b in range(B) if d in chosen[b] and ks[b] > 0]
+            served = [b for b in range(B) if d in chosen[b] and ks[b] > 0 and d not in proposals[b]]
             if not served:
                 continue
             noise = self._noisy(1.0)  # drawn before the proposals: the tests' seeded random streams depend on that order
@@ -154,9 +173,8 @@ class Simulator:
             fed = sum(max(1, self.lengths[b] - self.covered[b][d]) for b in served)
             draft_seconds[d] = noise * sd.seconds([len(proposals[b][d]) for b in served], fed)
         # 4b. Shadow drafts (Plan.shadow): proposed for rows the drafter does not serve, never verified.
-        shadows: list[dict[int, list[int]]] = [{} for _ in range(B)]
         for d, wanted in plan.shadow.items():
-            served = [b for b in wanted if self.usable[d] and d not in chosen[b] and wanted[b] > 0]
+            served = [b for b in wanted if self.usable[d] and d not in chosen[b] and d not in shadows[b] and wanted[b] > 0]
             for b in served:
                 shadows[b][d] = self._propose(b, d, wanted[b])
             if served:
@@ -193,7 +211,7 @@ class Simulator:
                 draft_seconds[d] += self._noisy(self.drafters[d].catch_up_seconds * fed)
                 for b in rows:
                     self.covered[b][d] = self.lengths[b]
-        executed = Plan(list(chosen), ks, plan.min_confidence, plan.vote_weights, plan.prefill, plan.shadow)
+        executed = Plan(list(chosen), ks, plan.min_confidence, plan.vote_weights, plan.prefill, shadow_lengths(plan, shadows))
         feedback = StepFeedback(
             row_ids=list(self.row_ids),
             plan=executed,

@@ -279,3 +279,44 @@ def test_shadow_drafts_are_compared_with_the_committed_tokens_and_never_verified
     assert [r.generated for r in rows] == [alone(target, p, 12) for p in ps]
     assert policy.checked >= 3 and policy.hits >= 1, (policy.checked, policy.hits)
     assert all(set(r.stats.drafters) <= {pool.names[0]} for r in rows)  # a shadow never serves
+
+
+class PreemptingPolicy(ShadowingPolicy):
+    """Serves every row with drafter 0 and lets prompt lookup (drafter 1) preempt it where its
+    draft has at least `least` tokens; checks each step against the lookup recomputed by hand."""
+
+    def __init__(self, engine_rows, least):
+        super().__init__(engine_rows)
+        self.least, self.preempted, self.kept = least, 0, 0
+
+    def plan(self, view):
+        plan = super().plan(view)
+        return hf_spin.policies.Plan(plan.drafters, plan.k, preempt={1: {b: (4, self.least) for b in range(view.batch_size)}})
+
+    def update(self, feedback):
+        lookup = hf_spin.drafters.PromptLookupDrafter()
+        for b, (row, seq) in enumerate(self.before):
+            expected = lookup.lookup(seq, min(4, row.request.max_length - len(row.request.padding) - len(seq) - 1))
+            if len(expected) >= self.least:  # served by lookup, its draft verified; drafter 0 skipped the row
+                assert feedback.plan.drafters[b] == (1,) and feedback.proposed[b] == {1: len(expected)} and feedback.drafted[b] == len(expected)
+                assert 1 not in feedback.shadow_proposed[b]
+                self.preempted += 1
+            else:  # too short: drafter 0 serves, the lookup draft counts as a shadow draft
+                assert feedback.plan.drafters[b] == (0,) and 1 not in feedback.proposed[b]
+                assert feedback.shadow_proposed[b].get(1, 0) == len(expected)  # none on a row with no room left
+                assert 1 not in feedback.shadow_proposed[b] or feedback.plan.shadow[1][b] == 4
+                self.kept += 1
+
+
+@pytest.mark.parametrize("least", [1, 3])
+def test_a_preempting_drafter_serves_the_rows_its_draft_is_long_enough_for(target, drafter, least):
+    """Plan.preempt: prompt lookup drafts first; rows it proposes `least` tokens or more for verify
+    its draft and the planned drafter skips them, the others keep their drafter and the lookup draft
+    is their shadow draft; the output is plain generate's."""
+    pool = hf_spin.AssistantPool([drafter, "prompt_lookup"])
+    engine = SpinEngine(target, pool)
+    policy = engine.policy = PreemptingPolicy(lambda: engine.rows, least)
+    ps = [p * 3 for p in prompts(3, seed=2)]  # repeated prompts: prompt lookup finds matches
+    rows = run(engine, {0: [request(p, 12) for p in ps]})
+    assert [r.generated for r in rows] == [alone(target, p, 12) for p in ps]
+    assert policy.preempted >= 1 and policy.kept >= 1, (policy.preempted, policy.kept)

@@ -65,6 +65,21 @@ class Plan:
     vote_weights: list[float] | None = None  # [num_drafters] weights of the vote tree, when voting
     prefill: dict[int, list[int]] = field(default_factory=dict)  # idle drafter -> batch rows to catch up
     shadow: dict[int, dict[int, int]] = field(default_factory=dict)  # drafter -> {batch row: k}: draft, not verified (see StepFeedback)
+    # drafter -> {batch row: (k, min tokens)}: drafts for the row before the planned drafters; where
+    # it proposes at least min tokens the row verifies that draft and its planned drafters skip it
+    # this step, else the draft counts as a shadow draft (a cheap drafter's match, used when it has one)
+    preempt: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+
+
+def shadow_lengths(plan: Plan, shadows: list[dict[int, list[int]]]) -> dict[int, dict[int, int]]:
+    """drafter -> {batch row: k} of the shadow drafts a step made (`shadows`: [B] drafter -> draft):
+    the plan's `shadow` ones and a preempting drafter's drafts too short to serve."""
+    out: dict[int, dict[int, int]] = {}
+    for b, drafts in enumerate(shadows):
+        for d in drafts:
+            k = plan.shadow.get(d, {}).get(b)
+            out.setdefault(d, {})[b] = k if k is not None else plan.preempt[d][b][0]
+    return out
 
 
 @dataclass(frozen=True)

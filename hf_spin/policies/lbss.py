@@ -116,6 +116,7 @@ import numpy as np
 from .base import BatchView, DrafterInfo, DraftLength, Plan, Policy, StepFeedback
 from .checks import check_float, check_int, check_per_drafter
 from .estimates import CostModel, DecayedMean, DraftObservation, RunningMean, longest_draft
+from .estimates import expected_tokens as geometric_tokens
 from .tokens_model import TokensModel
 
 PLAIN = -1  # a row's choice: plain decoding
@@ -164,6 +165,7 @@ class LBSSConfig:
     settle: int = 3  # warm, a row explores (once) each drafter fewer than this many ended requests measured, even in epochs too short to amortise a full exploration
     knowledge_gradient: bool = True  # a row explores a drafter the estimates cover only when what a chunk of it could teach beats its cost (`worth_exploring`)
     shadow: bool = True  # model-free drafters (prompt lookup) draft every row they do not serve, unverified: measured for free
+    preempt: bool = True  # ...first, and a row verifies such a draft in place of its drafter's when it is long enough to beat it (`preempt_plan`)
     seed: int = 0  # exploration draws; the same seed gives the same plans on the same feedback
 
     def __post_init__(self):
@@ -197,8 +199,9 @@ class LBSSConfig:
         check_int(owner, "settle", self.settle, 0)
         if not isinstance(self.knowledge_gradient, bool):
             raise ValueError(f"{owner}.knowledge_gradient must be True or False, got {self.knowledge_gradient!r}")
-        if not isinstance(self.shadow, bool):
-            raise ValueError(f"{owner}.shadow must be True or False, got {self.shadow!r}")
+        for name in ("shadow", "preempt"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{owner}.{name} must be True or False, got {getattr(self, name)!r}")
         check_int(owner, "seed", self.seed)
 
 
@@ -522,7 +525,7 @@ class LBSSPolicy(Policy):
         fill = self.fill[drafter].mean
         return 1.0 if fill is None else fill
 
-    def row_seconds(self, drafter: int, k: int, drafting: int) -> float | None:
+    def row_seconds(self, drafter: int, k: int, drafting: int, fill: float | None = None) -> float | None:
         """t_row: a row's predicted share of a step at the batch size B being planned, with drafter
         d drafting k tokens for it (PLAIN: none) and `drafting` rows of the batch drafting (this one
         included). From the cost fits (`CostModel`):
@@ -549,14 +552,15 @@ class LBSSPolicy(Policy):
         s_d: the rows d has served per step (decayed mean; B before any): the draft fit separates
         forwards from row tokens only as far as s_d has varied, so it is read where it was measured
         (on the simulated drafters, read at one row where it had served two, it made a drafter look
-        twice its cost). None before any step."""
+        twice its cost). `fill`: in place of fill_d (1: a draft known to have k tokens). None before
+        any step."""
         B, costs = self.batch_size, self.costs
         plain = costs.plain_seconds(B)
         if plain is None:
             return None
         if drafter == PLAIN or k <= 0:
             return plain / B
-        fill = self.fill_fraction(drafter)
+        fill = self.fill_fraction(drafter) if fill is None else fill
         added = B * longest_draft(k, fill, drafting) if self.padded else drafting * k * fill
         verify = max(costs.verify_seconds(B, B + added) - costs.verify_seconds(B, B), 0.0) / drafting
         served = self.served[drafter].mean or B
@@ -794,7 +798,59 @@ class LBSSPolicy(Policy):
             for d in range(len(self.drafters))
             if self.shadowed[d] and view.usable[d]
         }
-        return replace(plan, prefill=self._prefill, shadow={d: rows for d, rows in shadow.items() if rows})
+        return replace(plan, prefill=self._prefill, shadow={d: rows for d, rows in shadow.items() if rows}, preempt=self.preempt_plan(view, plan))
+
+    def preempting(self, batch_size: int) -> bool:
+        """Whether drafters measured by shadow drafts preempt (`preempt_plan`) at this batch size."""
+        return self.config.preempt and not (self.padded and batch_size > 1)
+
+    def preempt_plan(self, view: BatchView, plan: Plan) -> dict[int, dict[int, tuple[int, int]]]:
+        """`Plan.preempt`: a drafter measured by shadow drafts (prompt lookup) drafts first for each
+        row it does not serve; the row verifies that draft in its drafter's place when it has at
+        least m tokens, m the shortest draft whose goodput beats the row's plan. A lookup draft
+        exists only where the text repeats (a copy: summaries, retrieval, code), it costs next to
+        nothing, and its per-token acceptance on the row (`Arm`: hits / (hits + misses), smoothed)
+        says what its L tokens commit, E[tokens | L] = sum_{i<=L} alpha^i; against it, the row's
+        drafter at its posterior mean tokens over its t_row (plain decoding: 1 over a plain step's
+        share). Per step, not per request: a row on SmolLM2 takes lookup's matches when it has
+        them and SmolLM2's drafts when it has none, which no single drafter does (on the 128-token
+        batch-1 recordings, `benchmarks/policy_replay.py`, lookup-first-else-SmolLM2 ran 1.61x plain
+        decoding where SmolLM2 alone ran 1.47x and lookup alone 1.51x). The model drafter then
+        measures and serves only the steps lookup has no match for; an exploration chunk is not
+        preempted (in the sim, chunks whose steps lookup took left the model unmeasured, and rows
+        went plain with lookup preempting on every step). Not on a padded batch of
+        several rows: there one row's draft makes every row verify its length, which this per-row
+        rule does not price (batch-4 replays on three question sets: 0.94-0.99x plain with it,
+        0.98-1.04x without)."""
+        B = view.batch_size
+        if not self.preempting(B):
+            return {}
+        drafting = sum(1 for ds in plan.drafters if ds)
+        out: dict[int, dict[int, tuple[int, int]]] = {}
+        for p in range(len(self.drafters)):
+            if not (self.shadowed[p] and view.usable[p]):
+                continue
+            for b, ds in enumerate(plan.drafters):
+                row = self.rows.get(view.row_ids[b])
+                if row is None or p in ds or len(ds) > 1 or not row.ks[p] or row.chunk_drafter is not None:
+                    continue  # (an exploration chunk's steps measure its drafter)
+                if ds:
+                    d = ds[0]
+                    tau = self.row_seconds(d, plan.k[b], drafting)
+                    target = goodput(self.expected_tokens(row, d, plan.k[b], 0.0), tau) if tau else None
+                else:
+                    tau = self.row_seconds(PLAIN, 0, B)
+                    target = 1.0 / tau if tau else None
+                if target is None:
+                    continue
+                arm = row.arms[p]
+                alpha = (arm.hits + 1) / (arm.hits + arm.misses + 2)
+                for length in range(1, row.ks[p] + 1):
+                    seconds = self.row_seconds(p, length, drafting + (not ds), fill=1.0)
+                    if geometric_tokens(alpha, length) / seconds >= target:
+                        out.setdefault(p, {})[b] = (row.ks[p], length)
+                        break
+        return out
 
     # --- learning ------------------------------------------------------------------------------
 
