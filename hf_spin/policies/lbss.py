@@ -99,6 +99,9 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   (matches with the committed tokens + 1; when every committed token matched and more were
   proposed, the rest at the row's per-token acceptance hits / (hits + misses), the estimate of a
   censored geometric).
+- Preempting (`preempt`): at batch 1 and on packed rows, such a drafter also drafts first, and a
+  row verifies its draft in place of its drafter's on the steps it is long enough to beat it
+  (`preempt_plan`): a selection per step on top of the selection per request.
 - Fast switching: `Plan.prefill` names, for each idle model drafter, the rows it is likely to serve
   next (the next exploration chunk, drawn a step ahead; an exploiting row's runner-up within
   `prefill_margin`, when catching it up costs at most that fraction of a step), when it lags by at
