@@ -406,9 +406,9 @@ class SpinEngine:
         score_fn = self._score if any(len(r.request.processors) for r in rows) else None
         firsts: list[dict[int, list[int]]] = [{} for _ in range(B)]  # [B] preempting drafter -> its draft, where too short to serve
         for d_idx, wanted in (plan.preempt if plan is not None else {}).items():
-            served = [b for b in sorted(wanted) if b < B and self.usable[d_idx] and d_idx not in rows[b].banned and d_idx not in chosen[b] and min(wanted[b][0], rows[b].room) > 0]
-            cap = {b: min(wanted[b][0], rows[b].room) for b in served}
-            for b, (tokens, q) in self._draft_rows(d_idx, served, cap, sequences, score_fn, plan.min_confidence, draft_seconds).items():
+            eligible = [b for b in sorted(wanted) if b < B and self.usable[d_idx] and d_idx not in rows[b].banned and d_idx not in chosen[b]]
+            cap = {b: k for b in eligible if (k := min(wanted[b][0], rows[b].room)) > 0}  # k capped by the room left
+            for b, (tokens, q) in self._draft_rows(d_idx, list(cap), cap, sequences, score_fn, plan.min_confidence, draft_seconds).items():
                 if len(tokens) >= wanted[b][1]:
                     chosen[b], ks[b] = (d_idx,), cap[b]
                     proposals[b][d_idx], q_of[b][d_idx] = tokens, q

@@ -803,10 +803,6 @@ class LBSSPolicy(Policy):
         }
         return replace(plan, prefill=self._prefill, shadow={d: rows for d, rows in shadow.items() if rows}, preempt=self.preempt_plan(view, plan))
 
-    def preempting(self, batch_size: int) -> bool:
-        """Whether drafters measured by shadow drafts preempt (`preempt_plan`) at this batch size."""
-        return self.config.preempt and not (self.padded and batch_size > 1)
-
     def preempt_plan(self, view: BatchView, plan: Plan) -> dict[int, dict[int, tuple[int, int]]]:
         """`Plan.preempt`: a drafter measured by shadow drafts (prompt lookup) drafts first for each
         row it does not serve; the row verifies that draft in its drafter's place when it has at
@@ -826,7 +822,7 @@ class LBSSPolicy(Policy):
         rule does not price (batch-4 replays on three question sets: 0.94-0.99x plain with it,
         0.98-1.04x without)."""
         B = view.batch_size
-        if not self.preempting(B):
+        if not self.config.preempt or (self.padded and B > 1):
             return {}
         drafting = sum(1 for ds in plan.drafters if ds)
         out: dict[int, dict[int, tuple[int, int]]] = {}
