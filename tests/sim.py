@@ -12,7 +12,8 @@ It runs generation.py's steps 3-7 on made-up numbers: plan -> drafts (and shadow
   (sum of k over its rows) + catch_up_seconds x (tokens fed to its cache: the new tail of each row
   it serves, or everything since it last served the row); verify seconds = base + per_token x
   (tokens verified)^power, the tokens packed (B + drafts) or, `padded`, B x (1 + longest draft) as
-  on a rectangular cache. Every time is multiplied by a seeded log-normal noise.
+  on a rectangular cache, x `sustained` on a step no drafter with parameters drafted in (back-to-back
+  target forwards). Every time is multiplied by a seeded log-normal noise.
 - Caches: per (row, drafter) the number of committed tokens the drafter holds, rolled back to the
   accepted prefix after each draft, as `ModelDrafter._catch_up` does.
 """
@@ -55,9 +56,12 @@ class SimVerify:
     base: float  # seconds of a verify forward with no tokens
     per_token: float  # seconds per token verified (per token^power)
     power: float = 1.0  # < 1: concave in the tokens verified, as measured on a CPU
+    # x on a step where no drafter with parameters ran (plain, prompt lookup): target forwards back to
+    # back, which on the bench's CPU cost ~10% more each than between a draft model's forwards
+    sustained: float = 1.0
 
-    def seconds(self, n_tokens: float) -> float:
-        return self.base + self.per_token * n_tokens**self.power
+    def seconds(self, n_tokens: float, sustained: bool = False) -> float:
+        return (self.base + self.per_token * n_tokens**self.power) * (self.sustained if sustained else 1.0)
 
 
 @dataclass
@@ -195,7 +199,8 @@ class Simulator:
             accepted.append(a)
             new_tokens.append(drafts[b][:a] + [truth[a]])
         verified = B * (1 + max(map(len, drafts), default=0)) if self.padded else B + sum(map(len, drafts))
-        verify_seconds = self._noisy(self.verify.seconds(verified))
+        model_drafted = any(draft_seconds[d] > 0 and self.drafters[d].num_parameters > 0 for d in range(n))
+        verify_seconds = self._noisy(self.verify.seconds(verified, sustained=not model_drafted))
         # 6. Commit; each serving drafter's cache keeps the prefix its draft shares with the new tokens.
         matched = [{d: _common_prefix(p, new_tokens[b]) for d, p in proposals[b].items()} for b in range(B)]
         for b in range(B):

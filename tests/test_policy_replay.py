@@ -82,6 +82,23 @@ def test_plain_seconds_scale_the_recorded_rate_to_the_positions():
     assert policy_replay.plain_seconds(request) == pytest.approx(0.5 + (N - 1) * 1.5 / 11)
 
 
+def test_steps_without_a_draft_model_verify_at_plain_generates_rate():
+    """The fit's paired forwards took 0.11 s for one token; plain `generate` 0.1375 s a step
+    (1.5 s over 11 steps): sustained 1.25. A drafter without parameters (prompt lookup) drafts
+    between back-to-back target forwards, so its steps verify at 1.25x the fit; a draft model's
+    steps at the fit. Plain decoding recorded faster than the fit leaves the fit alone."""
+    request = recording()["requests"][0]
+    verify = policy_replay.sustain(SimVerify(0.1, 0.01), [(policy_replay.plain_step(request), 1)])
+    assert verify.sustained == pytest.approx(1.5 / 11 / 0.11)
+    lookup = SimDrafter("exact", {}, kind="prompt_lookup", num_parameters=0)
+    model = SimDrafter("exact", {}, forward_seconds=0.02)
+    (free,) = policy_replay.replay([call([request], lookup, verify)], ["exact"], make_policy("fixed", 3), noise=0.0, seed=0)
+    (paid,) = policy_replay.replay([call([request], model, verify)], ["exact"], make_policy("fixed", 3), noise=0.0, seed=0)
+    assert free["seconds"] == pytest.approx(0.5 + 2 * verify.seconds(4) * verify.sustained)
+    assert paid["seconds"] == pytest.approx(0.5 + 2 * (verify.seconds(4) + 3 * 0.02))
+    assert policy_replay.sustain(SimVerify(0.2, 0.01), [(0.1, 1)]).sustained == 1.0
+
+
 def test_cost_fits_recover_known_costs():
     fitted = policy_replay.fit_verify([(n, 0.2 + 0.01 * n**0.5) for n in range(1, 7)])
     assert (fitted.base, fitted.per_token, fitted.power) == pytest.approx((0.2, 0.01, 0.5), abs=1e-6)
@@ -111,4 +128,6 @@ def test_runs_follow_the_bench_warm_up_then_held_out_then_measured():
     batch = calls[-1]
     assert (batch.plain_seconds, batch.prefill_seconds) == (3.0, 0.7)
     assert batch.verify.seconds(8) == pytest.approx(0.2 + 0.01 * 8)
+    # plain generate's steps: (3.0 - 0.7) s over N - 1 steps of B = 2 rows, against the fit's 0.22 s
+    assert batch.verify.sustained == pytest.approx(2.3 / (N - 1) / 0.22)
     assert (batch.drafters["exact"].forward_seconds, batch.drafters["exact"].token_seconds) == pytest.approx((0.01, 0.01))
