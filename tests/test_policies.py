@@ -7,6 +7,7 @@ assertion, so the assertion can fail.
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import replace
 
 import pytest
@@ -335,6 +336,29 @@ def test_lbss_worth_exploring_weighs_what_a_chunk_could_teach_against_the_steps_
     assert policy.worth_exploring(replace(row, room=None), 2)  # no length limit known: Spin's schedule
     policy.config.knowledge_gradient = False
     assert policy.worth_exploring(row, 2)
+
+
+def test_lbss_worth_exploring_prices_a_chunk_at_its_drafters_step_time():
+    """Two chunks with the same goodput estimate (15% below plain decoding, the row's incumbent, and
+    as uncertain) teach as much; the one whose steps take 6x a plain step's share gives up 6x the
+    tokens (at batch 4 a lone row exploring a large drafter holds up the whole batch). With 18 steps
+    left after it the cheap chunk pays, the costly one does not."""
+    _, policy, _ = run_waves(64, 0, waves=2, max_new_tokens=192)  # every drafter settled
+    view = BatchView([900], [200], [0], [True] * 3, 0, [16])
+    policy.start_rows(view, [0])
+    row = policy._row(view, 0)
+    plain = 0.05
+    seconds = {PLAIN: plain, 0: plain, 1: plain, 2: plain}
+    policy.row_seconds = lambda d, k, B, fill=None: seconds[d]
+    policy.log_goodput = lambda r, d: (math.log(0.85 / plain), 0.4)  # every drafter: mean 0.85 of plain's goodput, sd 0.4
+    policy.steps_left = lambda r: 20.0
+    policy.catch_up_seconds = lambda d: 0.0
+    policy.tokens_model.sigma2[1] = 0.25
+    verdicts = {}
+    for ratio in (1, 6):
+        seconds[1] = ratio * plain
+        verdicts[ratio] = policy.worth_exploring(row, 1)
+    assert verdicts == {1: True, 6: False}, verdicts
 
 
 def test_lbss_tokens_carry_across_batch_sizes_and_costs_do_not():

@@ -398,8 +398,13 @@ class LBSSPolicy(Policy):
 
             kg = E[max(mu_d', mu_0)] - mu_0 = s' phi(delta / s') + delta Phi(delta / s'),   delta = mu_d - mu_0
 
-        a step over the steps left after it (the knowledge gradient), and costs beta (1 - e^min(delta, 0))
-        steps of the incumbent's tokens plus the catch-up's seconds over the incumbent's step. Spin's
+        a step over the steps left after it (the knowledge gradient), in the incumbent's steps (t_0
+        seconds of the row each). The chunk costs what its beta steps of t_d seconds give up at the
+        incumbent's goodput, beta (t_d / t_0) (1 - e^min(delta, 0)) of those steps, plus the
+        catch-up's seconds over t_0. (Without t_d / t_0, a drafter several times the incumbent's
+        step cost looked cheap to measure: on a cold 128-token batch-4 trace, three rows decoding
+        plainly waited on Qwen2.5-0.5B's 0.4-0.5 s drafts for a fourth's 10 exploring steps, 5 s of
+        a batch that ran at 0.85x plain `generate`.) Spin's
         exploration stages re-measure every drafter each epoch whatever the estimates say: on
         128-token Spec-Bench requests at batch 1, later requests re-explored drafters that the
         requests before had put 10-25% below the best (Gemma-3 and Qwen2.5-0.5B on 15 of a math
@@ -432,7 +437,8 @@ class LBSSPolicy(Policy):
         else:
             kg = max(delta, 0.0)
         t0 = plain if incumbent == PLAIN else self.row_seconds(incumbent, row.ks[incumbent], self.batch_size)
-        cost = beta * (1 - math.exp(min(delta, 0.0))) + self.catch_up_seconds(drafter) * self.lag(row, drafter) / t0
+        td = self.row_seconds(drafter, row.ks[drafter], self.batch_size)
+        cost = beta * td / t0 * (1 - math.exp(min(delta, 0.0))) + self.catch_up_seconds(drafter) * self.lag(row, drafter) / t0
         return kg * max(steps, 0.0) > cost
 
     def log_goodput(self, row: RowState, drafter: int) -> tuple[float, float] | None:
