@@ -93,19 +93,20 @@ def record(args) -> dict:
         out = gen[0, len(ids):].tolist()
         prefill, verify = verify_seconds(bench.target, batch, [out], K + 1)
         positions = min(args.max_new_tokens, len(out))
-        drafts, calls = {}, {}
+        drafts, calls, matches = {}, {}, {}
         for name, drafter in zip(pool.names, pool.drafters):
             drafter.start(bench.target, [ids])
-            drafts[name], calls[name] = [[]], []
+            drafts[name], calls[name], matches[name] = [[]], [], [None]
             for g in range(1, positions):
                 request = DraftRequest([0], [ids + out[:g]], [K], False, None, DEFAULT_MIN_CONFIDENCE)
                 draft, seconds = timed(lambda: drafter.draft(request))
                 drafts[name].append(draft.tokens[0])
+                matches[name].append(draft.match_lengths[0] if draft.match_lengths else None)
                 calls[name].append(seconds)
         requests.append({
             "question_id": q["question_id"], "task": q["group"], "held_out": q in held_out, "prompt_length": len(ids),
             "plain_seconds": plain, "prefill_seconds": prefill, "verify": verify, "out": out, "positions": positions,
-            "drafts": drafts, "draft_seconds": calls,
+            "drafts": drafts, "draft_seconds": calls, "match_lengths": matches,
         })
     infos = [{"name": i.name, "kind": i.kind, "num_parameters": i.num_parameters} for i in pool.infos]
     return {"env": {**machine(), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "draft_length": K}, "drafters": infos, "requests": requests}
@@ -246,11 +247,15 @@ class Replay(Simulator):
         i = position - request["prompt_length"]
         return request["out"][i] if i < len(request["out"]) else -1
 
-    def _propose(self, b: int, d: int, k: int) -> list[int]:
+    def _propose(self, b: int, d: int, k: int) -> tuple[list[int], int | None]:
         request = self.requests[self.row_ids[b]]
-        drafts = request["drafts"][self.drafters[d].name]
+        name = self.drafters[d].name
+        drafts = request["drafts"][name]
+        matches = request.get("match_lengths", {}).get(name)  # recordings before 2026-11-25 have none
         g = self.lengths[b] - request["prompt_length"]
-        return drafts[g][:k] if g < len(drafts) else []
+        if g >= len(drafts):
+            return [], None
+        return drafts[g][:k], matches[g] if matches else None
 
 
 @dataclass

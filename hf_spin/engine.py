@@ -113,6 +113,7 @@ class Proposal:
     proposals: list[dict[int, list[int]]]  # [B] drafter -> its own draft
     draft_seconds: list[float]  # [num_drafters] wall time per drafter in this step (shadow drafts included)
     shadows: list[dict[int, list[int]]]  # [B] drafter -> its shadow draft (Plan.shadow): compared, never verified
+    match_lengths: list[dict[int, int]]  # [B] drafter -> the match its draft (served or shadow) continued, where it reports one
 
 
 def _prefill_kwargs(model, attention_mask: torch.Tensor) -> dict:
@@ -405,20 +406,25 @@ class SpinEngine:
         sequences = [r.sequence for r in rows]
         score_fn = self._score if any(len(r.request.processors) for r in rows) else None
         firsts: list[dict[int, list[int]]] = [{} for _ in range(B)]  # [B] preempting drafter -> its draft, where too short to serve
+        match_lengths: list[dict[int, int]] = [{} for _ in range(B)]
         for d_idx, wanted in (plan.preempt if plan is not None else {}).items():
             eligible = [b for b in sorted(wanted) if b < B and self.usable[d_idx] and d_idx not in rows[b].banned and d_idx not in chosen[b]]
             cap = {b: k for b in eligible if (k := min(wanted[b][0], rows[b].room)) > 0}  # k capped by the room left
-            for b, (tokens, q) in self._draft_rows(d_idx, list(cap), cap, sequences, score_fn, plan.min_confidence, draft_seconds).items():
-                if len(tokens) >= wanted[b][1]:
+            for b, (tokens, q, match) in self._draft_rows(d_idx, list(cap), cap, sequences, score_fn, plan.min_confidence, draft_seconds).items():
+                if match is not None:
+                    match_lengths[b][d_idx] = match
+                if len(tokens) >= wanted[b][1] and (match is None or match >= wanted[b][2]):
                     chosen[b], ks[b] = (d_idx,), cap[b]
                     proposals[b][d_idx], q_of[b][d_idx] = tokens, q
                 else:
                     firsts[b][d_idx] = tokens
         for d_idx in range(len(self.drafters)):
             served = [b for b in range(B) if d_idx in chosen[b] and ks[b] > 0 and d_idx not in proposals[b]]
-            for b, (tokens, q) in self._draft_rows(d_idx, served, ks, sequences, score_fn, plan.min_confidence if plan else 0.0, draft_seconds).items():
+            for b, (tokens, q, match) in self._draft_rows(d_idx, served, ks, sequences, score_fn, plan.min_confidence if plan else 0.0, draft_seconds).items():
                 proposals[b][d_idx], q_of[b][d_idx] = tokens, q
-        shadows = self._shadow_drafts(plan, chosen, sequences, score_fn, draft_seconds, firsts)
+                if match is not None:
+                    match_lengths[b][d_idx] = match
+        shadows = self._shadow_drafts(plan, chosen, sequences, score_fn, draft_seconds, firsts, match_lengths)
         drafts: list[list[int]] = [[] for _ in range(B)]
         qs: list[torch.Tensor | None] = [None] * B
         for b in range(B):
@@ -428,11 +434,12 @@ class SpinEngine:
             elif proposals[b]:  # vote: a deterministic merge, verified as a one-hot proposal
                 weights = plan.vote_weights or [1.0] * len(self.drafters)
                 drafts[b] = heaviest_path(proposals[b], weights)[: ks[b]]
-        return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows)
+        return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows, match_lengths)
 
-    def _draft_rows(self, d_idx: int, served: list[int], ks, sequences, score_fn, min_confidence: float, draft_seconds: list[float]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
+    def _draft_rows(self, d_idx: int, served: list[int], ks, sequences, score_fn, min_confidence: float, draft_seconds: list[float]) -> dict[int, tuple[list[int], torch.Tensor | None, int | None]]:
         """One drafter's drafts for the batch rows `served` (ks[b] tokens each): batch row -> (tokens,
-        q). A call that raises is retried on halves to find the row(s) at fault (`isolate_faults`)."""
+        q, match length or None). A call that raises is retried on halves to find the row(s) at fault
+        (`isolate_faults`)."""
         rows, out = self.rows, {}
         todo = [served]
         while todo and todo[-1]:
@@ -450,16 +457,18 @@ class SpinEngine:
             )
             got: list[Draft] = []
             if self._guarded(d_idx, lambda: got.append(self.drafters[d_idx].draft(request)), draft_seconds, served, ban=len(served) == 1):
-                for b, tokens, q in zip(served, got[0].tokens, got[0].q):
-                    out[b] = (list(tokens), q)
+                matches = got[0].match_lengths or [None] * len(served)
+                for b, tokens, q, match in zip(served, got[0].tokens, got[0].q, matches):
+                    out[b] = (list(tokens), q, match)
             elif self.isolate_faults and self.usable[d_idx] and len(served) > 1:
                 todo += [served[: len(served) // 2], served[len(served) // 2 :]]
         return out
 
-    def _shadow_drafts(self, plan: Plan | None, chosen, sequences, score_fn, draft_seconds: list[float], firsts: list[dict[int, list[int]]]) -> list[dict[int, list[int]]]:
+    def _shadow_drafts(self, plan: Plan | None, chosen, sequences, score_fn, draft_seconds: list[float], firsts: list[dict[int, list[int]]], match_lengths: list[dict[int, int]]) -> list[dict[int, list[int]]]:
         """4b. Drafts the plan asks of drafters for rows they do not serve (`Plan.shadow`), greedily:
         only compared with the committed tokens after the step, so the policy measures them for free.
-        A preempting drafter's draft that was too short to serve (`firsts`) is its shadow draft."""
+        A preempting drafter's draft that did not serve (`firsts`) is its shadow draft. The match
+        lengths a drafter reports go into `match_lengths` ([B] drafter -> length)."""
         rows = self.rows
         shadows: list[dict[int, list[int]]] = [dict(f) for f in firsts]
         for d_idx, wanted in (plan.shadow if plan is not None else {}).items():
@@ -471,8 +480,11 @@ class SpinEngine:
             request = DraftRequest(served, sequences, [min(wanted[b], rows[b].room) for b in served], False, score_fn, plan.min_confidence)
             out: list[Draft] = []
             if self._guarded(d_idx, lambda: out.append(self.drafters[d_idx].draft(request)), draft_seconds, served, ban=len(served) == 1):
-                for b, tokens in zip(served, out[0].tokens):
+                matches = out[0].match_lengths or [None] * len(served)
+                for b, tokens, match in zip(served, out[0].tokens, matches):
                     shadows[b][d_idx] = list(tokens)
+                    if match is not None:
+                        match_lengths[b][d_idx] = match
         return shadows
 
     # -- 5-7. Verify, commit, roll back --------------------------------------------------------------
@@ -535,6 +547,7 @@ class SpinEngine:
                     matched=matched,
                     shadow_proposed=[{d: len(t) for d, t in sh.items()} for sh in p.shadows],
                     shadow_matched=shadow_matched,
+                    match_lengths=p.match_lengths,
                     draft_seconds=p.draft_seconds,
                     verify_seconds=verify_seconds,
                     padded=not isinstance(self.cache, PackedCache),

@@ -42,6 +42,10 @@ class SimDrafter:
     kind: str = "model"
     num_parameters: int = 1
     matches: dict[str, float] | None = None  # row type -> probability that it drafts at all at a step (all or nothing, as prompt lookup: a match or none); None: always
+    # row type -> ((match length, probability, alpha), ...): at a step it finds a match of that length
+    # with that probability (the rest: no draft) and proposes at that per-token acceptance, reporting
+    # the length (None: drawn alike, not reported); replaces alpha and matches for that row type
+    by_match: dict[str, tuple[tuple[int | None, float, float], ...]] | None = None
 
     def info(self) -> DrafterInfo:
         return DrafterInfo(self.name, self.kind, self.num_parameters, gives_q=self.kind == "model")
@@ -132,12 +136,25 @@ class Simulator:
     def _noisy(self, seconds: float) -> float:
         return seconds * float(np.exp(self.noise * self.rng.standard_normal())) if self.noise else seconds
 
-    def _propose(self, b: int, d: int, k: int) -> list[int]:
-        alpha, matches = self.drafters[d].alpha[self.types[b]], self.drafters[d].matches
-        if matches is not None and self.rng.random() >= matches[self.types[b]]:
-            return []
+    def _propose(self, b: int, d: int, k: int) -> tuple[list[int], int | None]:
+        """Drafter d's draft of k tokens for row b, and the match length it reports (None: none)."""
+        sd, kind = self.drafters[d], self.types[b]
+        match = None
+        if sd.by_match is not None and kind in sd.by_match:
+            u, alpha = self.rng.random(), None
+            for length, probability, a in sd.by_match[kind]:
+                if u < probability:
+                    match, alpha = length, a
+                    break
+                u -= probability
+            if alpha is None:
+                return [], None
+        else:
+            alpha = sd.alpha[kind]
+            if sd.matches is not None and self.rng.random() >= sd.matches[kind]:
+                return [], None
         start = self.lengths[b]
-        return [self._truth(b, start + i) if self.rng.random() < alpha else int(self.rng.integers(1, 10)) for i in range(k)]
+        return [self._truth(b, start + i) if self.rng.random() < alpha else int(self.rng.integers(1, 10)) for i in range(k)], match
 
     def _truth(self, b: int, position: int) -> int:
         """The target's greedy token at sequence `position` of row b."""
@@ -154,14 +171,17 @@ class Simulator:
         proposals: list[dict[int, list[int]]] = [{} for _ in range(B)]
         shadows: list[dict[int, list[int]]] = [{} for _ in range(B)]
         draft_seconds = [0.0] * n
+        match_lengths: list[dict[int, int]] = [{} for _ in range(B)]
         for d, wanted in plan.preempt.items():
             served = [b for b in sorted(wanted) if self.usable[d] and d not in chosen[b] and wanted[b][0] > 0]
             lengths = []
             for b in served:
-                k, least = wanted[b]
-                draft = self._propose(b, d, k)
+                k, least, min_match = wanted[b]
+                draft, match = self._propose(b, d, k)
                 lengths.append(len(draft))
-                if len(draft) >= least:
+                if match is not None:
+                    match_lengths[b][d] = match
+                if len(draft) >= least and (match is None or match >= min_match):
                     chosen[b], ks[b], proposals[b][d] = (d,), k, draft
                 else:
                     shadows[b][d] = draft
@@ -173,14 +193,18 @@ class Simulator:
                 continue
             noise = self._noisy(1.0)  # drawn before the proposals: the tests' seeded random streams depend on that order
             for b in served:
-                proposals[b][d] = self._propose(b, d, ks[b])
+                proposals[b][d], match = self._propose(b, d, ks[b])
+                if match is not None:
+                    match_lengths[b][d] = match
             fed = sum(max(1, self.lengths[b] - self.covered[b][d]) for b in served)
             draft_seconds[d] = noise * sd.seconds([len(proposals[b][d]) for b in served], fed)
         # 4b. Shadow drafts (Plan.shadow): proposed for rows the drafter does not serve, never verified.
         for d, wanted in plan.shadow.items():
             served = [b for b in wanted if self.usable[d] and d not in chosen[b] and d not in shadows[b] and wanted[b] > 0]
             for b in served:
-                shadows[b][d] = self._propose(b, d, wanted[b])
+                shadows[b][d], match = self._propose(b, d, wanted[b])
+                if match is not None:
+                    match_lengths[b][d] = match
             if served:
                 draft_seconds[d] += self._noisy(self.drafters[d].seconds([len(shadows[b][d]) for b in served], 0))
         drafts = []
@@ -226,6 +250,7 @@ class Simulator:
             matched=matched,
             shadow_proposed=[{d: len(t) for d, t in sh.items()} for sh in shadows],
             shadow_matched=[{d: _common_prefix(t, new_tokens[b]) for d, t in shadows[b].items()} for b in range(B)],
+            match_lengths=match_lengths,
             draft_seconds=draft_seconds,
             verify_seconds=verify_seconds,
             padded=self.padded,

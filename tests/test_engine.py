@@ -240,6 +240,18 @@ def test_isolated_target_fault_fails_only_its_row(target, ragged_attention):
     assert rows[0].generated == alone(target, ps[0], 12) and rows[2].generated == alone(target, ps[2], 12)
 
 
+def test_prompt_lookup_reports_the_length_of_the_match_it_continues():
+    """The longest trailing n-gram found earlier (3, 2, then 1 tokens) gives the draft and its match length."""
+    lookup = hf_spin.drafters.PromptLookupDrafter()
+    assert lookup.find([5, 6, 7, 8, 5, 6, 7], 3) == ([8, 5, 6], 3)
+    assert lookup.find([1, 2, 3, 4, 1, 2], 3) == ([3, 4, 1], 2)
+    assert lookup.find([1, 2, 3, 4, 9, 2], 2) == ([3, 4], 1)
+    assert lookup.find([1, 2, 3], 3) == ([], 0)
+    request = hf_spin.drafters.DraftRequest([0, 1], [[5, 6, 7, 8, 5, 6, 7], [1, 2, 3]], [2, 2], False, None)
+    draft = lookup.draft(request)
+    assert (draft.tokens, draft.match_lengths) == ([[8, 5], []], [3, 0])
+
+
 class ShadowingPolicy(hf_spin.policies.Policy):
     """Serves every row with drafter 0 and asks prompt lookup (drafter 1) for a shadow draft; records
     each row's sequence at plan time to recompute what the shadow should have been."""
@@ -283,40 +295,48 @@ def test_shadow_drafts_are_compared_with_the_committed_tokens_and_never_verified
 
 class PreemptingPolicy(ShadowingPolicy):
     """Serves every row with drafter 0 and lets prompt lookup (drafter 1) preempt it where its
-    draft has at least `least` tokens; checks each step against the lookup recomputed by hand."""
+    draft has at least `least` tokens and continues a match of at least `min_match`; checks each
+    step against the lookup recomputed by hand, and the match length reported for it."""
 
-    def __init__(self, engine_rows, least):
+    def __init__(self, engine_rows, least, min_match):
         super().__init__(engine_rows)
-        self.least, self.preempted, self.kept = least, 0, 0
+        self.least, self.min_match, self.preempted, self.kept, self.kept_with_draft = least, min_match, 0, 0, 0
 
     def plan(self, view):
         plan = super().plan(view)
-        return hf_spin.policies.Plan(plan.drafters, plan.k, preempt={1: {b: (4, self.least) for b in range(view.batch_size)}})
+        return hf_spin.policies.Plan(plan.drafters, plan.k, preempt={1: {b: (4, self.least, self.min_match) for b in range(view.batch_size)}})
 
     def update(self, feedback):
         lookup = hf_spin.drafters.PromptLookupDrafter()
         for b, (row, seq) in enumerate(self.before):
-            expected = lookup.lookup(seq, min(4, row.request.max_length - len(row.request.padding) - len(seq) - 1))
-            if len(expected) >= self.least:  # served by lookup, its draft verified; drafter 0 skipped the row
+            room = min(4, row.request.max_length - len(row.request.padding) - len(seq) - 1)
+            expected, match = lookup.find(seq, room)
+            if room > 0:
+                assert feedback.match_lengths[b].get(1) == match
+            if len(expected) >= self.least and match >= self.min_match:  # served by lookup, its draft verified; drafter 0 skipped the row
                 assert feedback.plan.drafters[b] == (1,) and feedback.proposed[b] == {1: len(expected)} and feedback.drafted[b] == len(expected)
                 assert 1 not in feedback.shadow_proposed[b]
                 self.preempted += 1
-            else:  # too short: drafter 0 serves, the lookup draft counts as a shadow draft
+            else:  # too short, or a too short match: drafter 0 serves, the lookup draft counts as a shadow draft
                 assert feedback.plan.drafters[b] == (0,) and 1 not in feedback.proposed[b]
                 assert feedback.shadow_proposed[b].get(1, 0) == len(expected)  # none on a row with no room left
                 assert 1 not in feedback.shadow_proposed[b] or feedback.plan.shadow[1][b] == 4
                 self.kept += 1
+                self.kept_with_draft += bool(expected)
 
 
-@pytest.mark.parametrize("least", [1, 3])
-def test_a_preempting_drafter_serves_the_rows_its_draft_is_long_enough_for(target, drafter, least):
-    """Plan.preempt: prompt lookup drafts first; rows it proposes `least` tokens or more for verify
-    its draft and the planned drafter skips them, the others keep their drafter and the lookup draft
-    is their shadow draft; the output is plain generate's."""
+@pytest.mark.parametrize("least, min_match", [(1, 0), (3, 0), (1, 3)])
+def test_a_preempting_drafter_serves_the_rows_its_draft_is_long_enough_for(target, drafter, least, min_match):
+    """Plan.preempt: prompt lookup drafts first; rows it proposes `least` tokens or more for, from a
+    match of `min_match` tokens or more, verify its draft and the planned drafter skips them, the
+    others keep their drafter and the lookup draft is their shadow draft; the output is plain
+    generate's. With min_match 3 some rows keep their drafter although lookup had a draft for them."""
     pool = hf_spin.AssistantPool([drafter, "prompt_lookup"])
     engine = SpinEngine(target, pool)
-    policy = engine.policy = PreemptingPolicy(lambda: engine.rows, least)
+    policy = engine.policy = PreemptingPolicy(lambda: engine.rows, least, min_match)
     ps = [p * 3 for p in prompts(3, seed=2)]  # repeated prompts: prompt lookup finds matches
     rows = run(engine, {0: [request(p, 12) for p in ps]})
     assert [r.generated for r in rows] == [alone(target, p, 12) for p in ps]
     assert policy.preempted >= 1 and policy.kept >= 1, (policy.preempted, policy.kept)
+    if min_match > 1:
+        assert policy.kept_with_draft >= 1

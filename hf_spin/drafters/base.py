@@ -47,6 +47,9 @@ class Draft:
 
     tokens: list[list[int]]  # b lists, row i has at most k[i] tokens
     q: list[torch.Tensor | None]  # per row [len(tokens[i]), V_target] draft probabilities, or None (one-hot)
+    # per row, how many trailing tokens of the sequence the draft's source matched (prompt lookup: the
+    # n-gram found earlier; a longer match is a more reliable draft); None: no such notion (model drafters)
+    match_lengths: list[int | None] | None = None
 
 
 class Drafter(ABC):

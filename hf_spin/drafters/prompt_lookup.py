@@ -22,18 +22,22 @@ class PromptLookupDrafter(Drafter):
         self.min_ngram = min_ngram
 
     def draft(self, request: DraftRequest) -> Draft:
-        tokens = [self.lookup(request.sequences[row], k) for row, k in zip(request.rows, request.k)]
-        return Draft(tokens=tokens, q=[None] * len(tokens))
+        found = [self.find(request.sequences[row], k) for row, k in zip(request.rows, request.k)]
+        return Draft(tokens=[t for t, _ in found], q=[None] * len(found), match_lengths=[n for _, n in found])
 
     def lookup(self, sequence: list[int], k: int) -> list[int]:
         """Up to k tokens following the latest earlier match of the longest trailing n-gram."""
+        return self.find(sequence, k)[0]
+
+    def find(self, sequence: list[int], k: int) -> tuple[list[int], int]:
+        """(`lookup`'s draft, the length n of the n-gram it continues; 0 without a match)."""
         if k <= 0:
-            return []
+            return [], 0
         seq = torch.tensor(sequence)  # [L]
         for n in range(min(self.max_ngram, len(sequence) - 1), self.min_ngram - 1, -1):
             windows = seq[:-1].unfold(0, n, 1)  # [L - n, n] every n-gram that has a successor
             hits = (windows == seq[-n:]).all(dim=1).nonzero()
             if len(hits):
                 start = int(hits[-1]) + n  # latest match, first token after it
-                return sequence[start : start + k]
-        return []
+                return sequence[start : start + k], n
+        return [], 0

@@ -66,10 +66,12 @@ class Plan:
     vote_weights: list[float] | None = None  # [num_drafters] weights of the vote tree, when voting
     prefill: dict[int, list[int]] = field(default_factory=dict)  # idle drafter -> batch rows to catch up
     shadow: dict[int, dict[int, int]] = field(default_factory=dict)  # drafter -> {batch row: k}: draft, not verified (see StepFeedback)
-    # drafter -> {batch row: (k, min tokens)}: drafts for the row before the planned drafters; where
-    # it proposes at least min tokens the row verifies that draft and its planned drafters skip it
-    # this step, else the draft counts as a shadow draft (a cheap drafter's match, used when it has one)
-    preempt: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    # drafter -> {batch row: (k, min tokens, min match)}: drafts for the row before the planned
+    # drafters; where it proposes at least min tokens continuing a match of at least min match tokens
+    # (`Draft.match_lengths`; a drafter that reports none: any) the row verifies that draft and its
+    # planned drafters skip it this step, else the draft counts as a shadow draft (a cheap drafter's
+    # match, used when it has one)
+    preempt: dict[int, dict[int, tuple[int, int, int]]] = field(default_factory=dict)
 
 
 def shadow_lengths(plan: Plan, shadows: list[dict[int, list[int]]]) -> dict[int, dict[int, int]]:
@@ -101,6 +103,7 @@ class StepFeedback:
     shadow_proposed: list[dict[int, int]] = field(default_factory=list)  # [B] drafter -> tokens it shadow-proposed
     shadow_matched: list[dict[int, int]] = field(default_factory=list)  # [B] drafter -> how many match the committed tokens
     padded: bool = False  # the verify forward pads every row to the longest draft (rectangular cache), else packs them
+    match_lengths: list[dict[int, int]] = field(default_factory=list)  # [B] drafter -> the match its draft (served or shadow) continued, where it reports one (`Draft.match_lengths`)
 
     @property
     def batch_size(self) -> int:
