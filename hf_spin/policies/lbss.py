@@ -824,10 +824,10 @@ class LBSSPolicy(Policy):
         """`Plan.preempt`: a drafter measured by shadow drafts (prompt lookup) drafts first for each
         row it does not serve; the row verifies that draft in its drafter's place when it has at
         least m tokens and continues a match of at least n tokens, the shortest whose goodput beats
-        the row's plan (`preempt_rule`). A lookup draft
-        exists only where the text repeats (a copy: summaries, retrieval, code), it costs next to
-        nothing, and its per-token acceptance on the row at the length of the match it continues
-        (`match_acceptance`) says what its L tokens commit, E[tokens | L] = sum_{i<=L} alpha^i; against it, the row's
+        the row's plan (`preempt_rule`). A lookup draft exists only where the text repeats (a copy:
+        summaries, retrieval, code), it costs next to nothing, and its per-token acceptance on the
+        row at the length of the match it continues (`match_acceptance`) says what its L tokens
+        commit, E[tokens | L] = sum_{i<=L} alpha^i; against it, the row's
         drafter at its posterior mean tokens over its t_row (plain decoding: 1 over a plain step's
         share). Per step, not per request: a row on SmolLM2 takes lookup's matches when it has
         them and SmolLM2's drafts when it has none, which no single drafter does (on the 128-token
@@ -881,9 +881,11 @@ class LBSSPolicy(Policy):
         first: per match length the row's hits / (hits + misses) shrunk toward every row's by
         MATCH_PRIOR pseudo-drafts. Prompt lookup's drafts differ most by the n-gram they continue:
         on 24 recorded Spec-Bench requests (32 tokens), 1-token matches gave 0.40 accepted tokens
-        a draft, 2-token 1.19 and 3-token 2.55, and one acceptance per row let a row that a few
-        3-token matches had served well take every 1-token match too. A drafter that reports no
-        match length: [(0, the row's acceptance over all its drafts, Laplace-smoothed)]."""
+        a draft, 2-token 1.19 and 3-token 2.55. Where that split is sharp (the sim: 3-token matches
+        95% right, 1-token 10%) one acceptance per row either takes every match or none, 0.85-0.9x
+        the goodput of this rule; on the Spec-Bench replay the two are level (a row's one
+        acceptance already stops most 1-token preempts there). A drafter that reports no match
+        length: [(0, the row's acceptance over all its drafts, Laplace-smoothed)]."""
         pooled = self.by_match[drafter].by_match
         arm = row.arms[drafter]
         if not pooled:
