@@ -1338,3 +1338,22 @@ def test_lbss_preempt_rule_takes_the_shortest_match_length_that_beats_the_row():
     assert policy.preempt_rule(row, 1, 5.0, 1) is None  # not even five right tokens' worth
     row.arms[1].by_match = {1: [10, 0]}
     assert policy.preempt_rule(row, 1, 2.0, 1)[1] == 1
+
+
+@pytest.mark.parametrize("shadow_optimism, expected", [(2.0, 1), (0.5, 0)])
+def test_lbss_ranks_a_shadowed_drafter_at_shadow_optimism(shadow_optimism, expected):
+    """Hand-built posteriors: the model drafter commits 2.0 tokens a step at its mean (x1.1 per sd),
+    prompt lookup 1.6 (x1.5 per sd: its effect varies most between requests), at equal step costs.
+    Ranked two sds up, as a model drafter is, lookup wins the row (3.6 tokens against 2.42), though
+    its shadow drafts would measure it on the model's steps anyway; half an sd up (the default) the
+    model does (2.10 against 1.96)."""
+    policy = lbss(shadow_optimism=shadow_optimism)
+    policy.bind([DrafterInfo("model", "model", 100, True), DrafterInfo("lookup", "prompt_lookup", 0, False)])
+    view = BatchView([3], [40], [0], [True, True], 0, [32])
+    policy.start_rows(view, [0])
+    row = policy._row(view, 0)
+    policy.tokens_model.expected_tokens = lambda rid, d, z: (2.0 * 1.1**z, 1.6 * 1.5**z)[d]
+    policy.row_seconds = lambda d, k, B, fill=None: 1.0
+    choice = [None]
+    policy._match(view, [row], [policy.stage(row.age)], [1, 1], choice)
+    assert choice == [expected]

@@ -60,7 +60,8 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
 
   g(row, d): the tokens of d's next step on the row under the `TokensModel` posterior (earlier
   requests, the row's other drafters and its own steps with d, each weighed by its measured
-  reliability), taken `optimism` (2) posterior sds up, over tau = t_row: an upper confidence
+  reliability), taken `optimism` (2) posterior sds up (`shadow_optimism`, 0.5, for a drafter measured
+  by shadow drafts: `rank_optimism`), over tau = t_row: an upper confidence
   bound that puts a drafter the row has not drafted with at the best its drafts can commit, until
   the row's own steps say otherwise (`expected_tokens`). g_plain = B / t_verify(N = B): the
   goodput of a plain step; W': W with `plain_optimism` (1) sds up, d*: the row's best drafter.
@@ -163,6 +164,7 @@ class LBSSConfig:
     prefill_min_tokens: int = 8  # ...and only when it lags this many tokens: a forward for 1-2 tokens costs more than it saves
     optimism: float = 2.0  # exploiting, drafters are ranked at their posterior log tokens this many sds up (an upper confidence bound; see `expected_tokens`)
     plain_optimism: float = 1.0  # ...and weighed against plain decoding (never_slower) this many sds up (shadowed drafters: 0, `careful_optimism`)
+    shadow_optimism: float = 0.5  # drafters measured by shadow drafts are ranked this many sds up instead of `optimism` (`rank_optimism`)
     shadow_margin: float = 0.1  # never_slower: a row leaves plain decoding for a drafter measured by shadow drafts only when it leads plain decoding's goodput by this fraction
     prior_spread: float = 0.3  # prior sd over requests of a drafter's log goodput around its mean (0.3: +-35%)
     catch_up_margin: float = 0.1  # a catch-up pays off (`pays_off`) when a drafter this fraction faster than plain decoding would repay it over the steps left
@@ -197,6 +199,7 @@ class LBSSConfig:
         check_int(owner, "prefill_min_tokens", self.prefill_min_tokens, 1)
         check_float(owner, "optimism", self.optimism, 0.0, 10.0)
         check_float(owner, "plain_optimism", self.plain_optimism, 0.0, 10.0)
+        check_float(owner, "shadow_optimism", self.shadow_optimism, 0.0, 10.0)
         check_float(owner, "shadow_margin", self.shadow_margin, 0.0, 1.0)
         check_float(owner, "prior_spread", self.prior_spread, 0.0, 10.0, open_low=True)
         check_float(owner, "catch_up_margin", self.catch_up_margin, 0.0, 1.0, open_low=True)
@@ -503,6 +506,17 @@ class LBSSPolicy(Policy):
         0.02-0.06: the model drafters' bounds then outrank it where a cheap lookup pays)."""
         return 0.0 if self.shadowed[drafter] else self.config.plain_optimism
 
+    def rank_optimism(self, drafter: int) -> float:
+        """The sds up at which `drafter` is ranked against the other drafters: `optimism`, an upper
+        confidence bound that gets a drafter tried; `shadow_optimism` for a drafter measured by
+        shadow drafts, which is measured on every row whatever serves it, so an upper bound buys no
+        measurement. At 2 sds up prompt lookup, whose effect varies most from request to request,
+        served the first two or three steps of nearly every 32-token request on the Spec-Bench
+        replays, mostly accepting nothing; 0.5 sds up gained 0.011 and 0.015 of plain decoding's
+        speed on two question sets (1 sd: 0.009 / 0.011; the mean: 0.000 / 0.016, where the model
+        drafters' upper bounds outrank it on rows where a cheap lookup pays)."""
+        return self.config.shadow_optimism if self.shadowed[drafter] else self.config.optimism
+
     def plain_margin(self, drafter: int | None) -> float:
         """The fraction by which `drafter` must lead plain decoding (at `careful_optimism`) for a row
         to leave plain decoding for it: `shadow_margin` for a drafter measured by shadow drafts, 0
@@ -735,9 +749,9 @@ class LBSSPolicy(Policy):
         columns = [[j for j, e in enumerate(slots) if e == d] for d in range(len(cap))]  # [num_drafters] its slots
         g_plain = self.costs.plain_goodput(B) if c.never_slower else None
         ks = [rows[b].ks for b in todo]  # [R][num_drafters]
-        # tokens of each drafter's next step on each row, at optimism and at plain_optimism: the
+        # tokens of each drafter's next step on each row, at rank_optimism and at plain_optimism: the
         # same on every pass of the fixed-point loop below (only the step's split of seconds moves)
-        tokens = [[self.expected_tokens(rows[b], d, ks[i][d]) for d in range(len(cap))] for i, b in enumerate(todo)]  # [R][num_drafters]
+        tokens = [[self.expected_tokens(rows[b], d, ks[i][d], self.rank_optimism(d)) for d in range(len(cap))] for i, b in enumerate(todo)]  # [R][num_drafters]
         careful_tokens = [[self.expected_tokens(rows[b], d, ks[i][d], self.careful_optimism(d)) for d in range(len(cap))] for i, b in enumerate(todo)]
         horizons = [min(stages[b].epoch_end - rows[b].age, self.steps_left(rows[b])) for b in todo]
         allowed = [[self.may_switch(rows[b], d) for d in range(len(cap))] for b in todo]  # [R][num_drafters]
