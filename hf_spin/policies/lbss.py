@@ -513,8 +513,10 @@ class LBSSPolicy(Policy):
         measurement. At 2 sds up prompt lookup, whose effect varies most from request to request,
         served the first two or three steps of nearly every 32-token request on the Spec-Bench
         replays, mostly accepting nothing; 0.5 sds up gained 0.011 and 0.015 of plain decoding's
-        speed on two question sets (1 sd: 0.009 / 0.011; the mean: 0.000 / 0.016, where the model
-        drafters' upper bounds outrank it on rows where a cheap lookup pays)."""
+        speed on two question sets and 0.028 on a third recorded after the choice (1 sd: 0.009 /
+        0.011 / 0.045; the mean: 0.000 / 0.016 / 0.047, where the model drafters' upper bounds
+        outrank it on rows where a cheap lookup pays). Two real runs, before and after, differ by
+        less than one run's spread (RESULTS.md, nineteenth measurement)."""
         return self.config.shadow_optimism if self.shadowed[drafter] else self.config.optimism
 
     def plain_margin(self, drafter: int | None) -> float:
