@@ -135,6 +135,13 @@ PRIOR_NOISE = 0.5  # prior step-to-step sd of log goodput (accepted + 1 in 1..k+
 # more than half is not probed again (the measurement drifts with context length by far less).
 PROBE_MARGIN = 0.5
 PREFILL_KINDS = frozenset({"model", "translation"})  # drafters that keep a per-row cache to pre-fill
+# d log(draft seconds) / d log(parameters), pricing a drafter before its first draft from one
+# measured (`draft_seconds`): on a CPU at batch 1, 5-token drafts cost Qwen2.5-0.5B (630M
+# parameters) 2.06x and Gemma-3-270M (268M) 1.16x what SmolLM2-135M's cost (135M), fitted on the
+# 24 requests of a policy_replay recording: elasticities 0.47 and 0.21. On a GPU a small
+# drafter's forward is bound by latency, not size (elasticity ~0), so 0.5 prices a larger drafter
+# high there until its first draft measures it.
+DRAFT_SIZE_ELASTICITY = 0.5
 MATCH_PRIOR = 2.0  # pseudo-drafts at the acceptance pooled over every row behind a row's acceptance per match length (`match_acceptance`)
 
 
@@ -601,7 +608,7 @@ class LBSSPolicy(Policy):
         verify = max(costs.verify_seconds(B, B + added) - costs.verify_seconds(B, B), 0.0) / drafting
         served = self.served[drafter].mean or B
         forwards = max(1.0, longest_draft(k, fill, served))
-        return plain / B + verify + costs.draft_seconds(drafter, forwards, k * fill * served) / served
+        return plain / B + verify + self.draft_seconds(drafter, forwards, k * fill * served) / served
 
     def explore_weights(self, row: RowState, drafters: list[int], age: int) -> list[float]:
         """Exploration value of each drafter for the row's chunk starting at `age`: least-tried on
@@ -618,15 +625,32 @@ class LBSSPolicy(Policy):
         cost = self.config.switch_cost
         if cost is not None:
             return cost[drafter] if isinstance(cost, tuple) else cost
-        measured = self.costs.catch_up_seconds(drafter)
+        costs = self.costs
+        return costs.catch_up_seconds(drafter) or self.by_size(drafter, costs.catch_up_seconds, lambda e: costs.catch_up[e].weight, 1.0)
+
+    def draft_seconds(self, drafter: int, forwards: float, row_tokens: float) -> float:
+        """Predicted seconds of `drafter`'s drafts (`CostModel.draft_seconds`); before its first
+        steady step, those of the model drafter measured most, scaled by the square root of their
+        parameter counts (`DRAFT_SIZE_ELASTICITY`). Priced at 0 (the fit's default), a model drafter
+        that a cold first request happened not to explore looked as cheap as prompt lookup, and
+        later requests served it at its prior's upper bound: Qwen2.5-0.5B on 7 of 11 and 6 of 9
+        steps of two 32-token qa requests, at 0.43 s a 5-token draft against SmolLM2-135M's 0.21 s
+        (RESULTS.md, nineteenth measurement)."""
+        costs = self.costs
+        if costs.draft[drafter].count > 0:
+            return costs.draft_seconds(drafter, forwards, row_tokens)
+        return self.by_size(drafter, lambda e: costs.draft_seconds(e, forwards, row_tokens), lambda e: costs.draft[e].count, DRAFT_SIZE_ELASTICITY)
+
+    def by_size(self, drafter: int, measured, weight, elasticity: float) -> float:
+        """A cost of `drafter` not measured yet: `measured(e)` of the drafter e with parameters whose
+        measurement has the most `weight(e)`, times (parameters of `drafter` / of e) ^ `elasticity`;
+        0 for a drafter without parameters or before any is measured."""
         size = self.drafters[drafter].num_parameters
-        if measured or not size:
-            return measured
-        known = [e for e in range(len(self.drafters)) if self.drafters[e].num_parameters and self.costs.catch_up_seconds(e)]
-        if not known:
+        known = [e for e in range(len(self.drafters)) if e != drafter and self.drafters[e].num_parameters and weight(e) > 0 and measured(e)]
+        if not size or not known:
             return 0.0
-        e = max(known, key=lambda e: self.costs.catch_up[e].weight)
-        return self.costs.catch_up_seconds(e) * size / self.drafters[e].num_parameters
+        e = max(known, key=weight)
+        return measured(e) * (size / self.drafters[e].num_parameters) ** elasticity
 
     def lag(self, row: RowState, drafter: int) -> int:
         """Tokens `drafter` must catch up before it can draft for `row` (beyond the usual one)."""
