@@ -273,9 +273,9 @@ def test_lbss_warm_start_lowers_regret_on_later_requests():
     requests measured (history) lets later ones start on the drafter the posterior expects best and
     leave it when their own steps pull it below another, optimistically (`LBSSConfig.optimism`,
     `plain_optimism`). The control forgets every ended request (history=0: each request starts cold
-    and explores). Measured on these 3 seeds: 54 against 82 (49 with optimism 1, the default before
-    the Spec-Bench replays); without either optimism the warm rows were at 83: one step with
-    nothing accepted sent a row to plain decoding for the rest of its request."""
+    and explores). Measured on these 3 seeds: 65 against 111 at the default optimism (2.5); without
+    either optimism the warm rows were at 109: one step with nothing accepted sent a row to plain
+    decoding for the rest of its request."""
     warm = sum(late_regret(64, seed) for seed in range(3))
     cold = sum(late_regret(0, seed) for seed in range(3))
     assert warm < 0.7 * cold, (warm / 3, cold / 3)
@@ -299,10 +299,12 @@ def test_lbss_explores_only_drafters_worth_a_chunk():
     (`LBSSConfig.knowledge_gradient`, `worth_exploring`) a row re-explores only a drafter whose
     estimate is close enough to its incumbent's, or uncertain enough, to pay for a chunk over the
     steps it has left. The three drafters here are >= 35% apart on every row type, so later waves
-    should hardly re-explore. Control: the same waves without it. Measured on these 3 seeds: 13%
-    of the later waves' row-steps on a drafter other than the best and a regret of 23 against 22%
-    and 38 without (level with it, within noise, on 48- and 64-token requests, which are too short
-    for a full exploration after the first requests)."""
+    should hardly re-explore. Control: the same waves without it. Measured on these 3 seeds (at
+    `optimism` 2.5): 13% of the later waves' row-steps on a drafter other than the best and a
+    regret of 80 against 21% and 118 without (at 2 sds 14% and 67 against 22% and 115; at 3 sds
+    the wider bound's own tries dilute the gate, 18% and 115 against 23% and 130; level with it,
+    within noise, on 48- and 64-token requests, which are too short for a full exploration after
+    the first requests)."""
     late = {}
     for gate in (True, False):
         runs = [run_waves(64, seed, waves=6, max_new_tokens=192, knowledge_gradient=gate) for seed in range(3)]
@@ -1373,10 +1375,10 @@ def test_lbss_preempt_rule_takes_the_shortest_match_length_that_beats_the_row():
 def test_lbss_ranks_a_shadowed_drafter_at_shadow_optimism(shadow_optimism, expected):
     """Hand-built posteriors: the model drafter commits 2.0 tokens a step at its mean (x1.1 per sd),
     prompt lookup 1.6 (x1.5 per sd: its effect varies most between requests), at equal step costs.
-    Ranked two sds up, as a model drafter is, lookup wins the row (3.6 tokens against 2.42), though
-    its shadow drafts would measure it on the model's steps anyway; half an sd up (the default) the
-    model does (2.10 against 1.96)."""
-    policy = lbss(shadow_optimism=shadow_optimism)
+    Ranked two sds up, as the model drafter is here, lookup wins the row (3.6 tokens against 2.42),
+    though its shadow drafts would measure it on the model's steps anyway; half an sd up (the
+    default) the model does (2.42 against 1.96)."""
+    policy = lbss(optimism=2.0, shadow_optimism=shadow_optimism)
     policy.bind([DrafterInfo("model", "model", 100, True), DrafterInfo("lookup", "prompt_lookup", 0, False)])
     view = BatchView([3], [40], [0], [True, True], 0, [32])
     policy.start_rows(view, [0])

@@ -38,7 +38,7 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
   each, the drafters fewer than `settle` ended requests measured: at batch 1 the cold first
   request tries each drafter for one chunk, and with optimism 1 and without later chunks that one
   decided a drafter's rank for the rest of the bench (88f1d0d: SmolLM2, the best single drafter,
-  on 1% of the steps). With optimism 2 a drafter the row has not tried is ranked at its cap
+  on 1% of the steps). With optimism 2 or more a drafter the row has not tried is ranked at its cap
   anyway, and `settle` 1, 2 or 3 replay within 0.02 of each other at batch 1; but `settle` also
   gates `may_switch`, and at 1 the bench's 4-token warm-up request settled every drafter: the
   cold batch-4 first batch then exploited Qwen2.5-0.5B at its cap (0.66x plain; 3 kept).
@@ -60,7 +60,7 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
 
   g(row, d): the tokens of d's next step on the row under the `TokensModel` posterior (earlier
   requests, the row's other drafters and its own steps with d, each weighed by its measured
-  reliability), taken `optimism` (2) posterior sds up (`shadow_optimism`, 0.5, for a drafter measured
+  reliability), taken `optimism` (2.5) posterior sds up (`shadow_optimism`, 0.5, for a drafter measured
   by shadow drafts: `rank_optimism`), over tau = t_row: an upper confidence
   bound that puts a drafter the row has not drafted with at the best its drafts can commit, until
   the row's own steps say otherwise (`expected_tokens`). g_plain = B / t_verify(N = B): the
@@ -169,7 +169,7 @@ class LBSSConfig:
     plain_probe: int | None = 32  # never_slower: a whole plain step once a batch-size bucket went this many steps without one (None: never)
     prefill_margin: float = 0.1  # pre-fill an exploiting row's runner-up drafter when within this fraction of the best (and its catch-up within this fraction of a step)
     prefill_min_tokens: int = 8  # ...and only when it lags this many tokens: a forward for 1-2 tokens costs more than it saves
-    optimism: float = 2.0  # exploiting, drafters are ranked at their posterior log tokens this many sds up (an upper confidence bound; see `expected_tokens`)
+    optimism: float = 2.5  # exploiting, drafters are ranked at their posterior log tokens this many sds up (an upper confidence bound; see `expected_tokens`)
     plain_optimism: float = 1.0  # ...and weighed against plain decoding (never_slower) this many sds up (shadowed drafters: 0, `careful_optimism`)
     shadow_optimism: float = 0.5  # drafters measured by shadow drafts are ranked this many sds up instead of `optimism` (`rank_optimism`)
     shadow_margin: float = 0.1  # never_slower: a row leaves plain decoding for a drafter measured by shadow drafts only when it leads plain decoding's goodput by this fraction
@@ -547,12 +547,21 @@ class LBSSPolicy(Policy):
         many requests showed). A drafter no request has measured counts as good as the best
         measured one, so it gets tried. Capped at what d's drafts can commit, k x fill_d + 1.
 
-        Two upper bounds, because they answer two questions. Ranking drafters (`optimism`, 2 sds):
+        Two upper bounds, because they answer two questions. Ranking drafters (`optimism`, 2.5 sds):
         a drafter the row has not drafted with reaches the cap, the best its drafts can do, and
         the row's own steps pull it down; on Spec-Bench replays (`benchmarks/policy_replay.py`),
         1 sd kept rows on drafters whose prior was off (the prior of a drafter measured mostly on
         its first steps of a request sat at 0.66 of what it then committed, another's at 1.2), and
-        ran at 0.95 of the best single drafter, 2 sds at 1.00-1.03. Against plain decoding
+        ran at 0.95 of the best single drafter, 2 sds at 1.00-1.03. On the replays recorded after
+        their verify timings were corrected (a3fa38f), against 2 sds, 20 seeds: 2.5 sds gained
+        0.009 / 0.017 / 0.004 of plain decoding's speed on three 32-token question sets and 0.033
+        at 128 tokens, 3 sds 0.010 / 0.023 / 0.015 and 0.036 (se 0.002-0.009), mostly on
+        translation, math and mt_bench, where 2 sds moved rows off SmolLM2-135M to Gemma-3 or
+        Qwen2.5-0.5B on a few steps' evidence. But the wider the bound, the longer a row keeps
+        trying drafters its own steps put below its best: on the simulated pool of drafters >= 35%
+        apart (192-token waves, `test_lbss_explores_only_drafters_worth_a_chunk`), regret 67 at 2
+        sds, 80 at 2.5, 115 at 3. 2.5 takes most of the real pool's gain at a fraction of that cost
+        (RESULTS.md, twentieth measurement). Against plain decoding
         (`plain_optimism`, 1 sd): enough that one unlucky step (no token accepted) does not send a
         row to plain decoding for the rest of a request that skips its exploration stages; 2 sds
         drafted on a third of the row-steps of a simulated batch 4 where drafting ran at 0.8x plain."""
