@@ -116,6 +116,14 @@ class Proposal:
     match_lengths: list[dict[int, int]]  # [B] drafter -> the match its draft (served or shadow) continued, where it reports one
 
 
+def note_matches(draft: Draft, served: list[int], d_idx: int, match_lengths: list[dict[int, int]]) -> None:
+    """Record in `match_lengths` ([B] drafter -> length) the match each of `served`'s drafts continued,
+    where the drafter reports one (`Draft.match_lengths`)."""
+    for b, match in zip(served, draft.match_lengths or []):
+        if match is not None:
+            match_lengths[b][d_idx] = match
+
+
 def _prefill_kwargs(model, attention_mask: torch.Tensor) -> dict:
     """The model inputs `generate` prepares for a prefill of left-padded rows (mask, positions, logits_to_keep)."""
     kwargs = {"attention_mask": attention_mask, "use_cache": True}
@@ -410,9 +418,8 @@ class SpinEngine:
         for d_idx, wanted in (plan.preempt if plan is not None else {}).items():
             eligible = [b for b in sorted(wanted) if b < B and self.usable[d_idx] and d_idx not in rows[b].banned and d_idx not in chosen[b]]
             cap = {b: k for b in eligible if (k := min(wanted[b][0], rows[b].room)) > 0}  # k capped by the room left
-            for b, (tokens, q, match) in self._draft_rows(d_idx, list(cap), cap, sequences, score_fn, plan.min_confidence, draft_seconds).items():
-                if match is not None:
-                    match_lengths[b][d_idx] = match
+            for b, (tokens, q) in self._draft_rows(d_idx, list(cap), cap, sequences, score_fn, plan.min_confidence, draft_seconds, match_lengths).items():
+                match = match_lengths[b].get(d_idx)
                 if len(tokens) >= wanted[b][1] and (match is None or match >= wanted[b][2]):
                     chosen[b], ks[b] = (d_idx,), cap[b]
                     proposals[b][d_idx], q_of[b][d_idx] = tokens, q
@@ -420,10 +427,8 @@ class SpinEngine:
                     firsts[b][d_idx] = tokens
         for d_idx in range(len(self.drafters)):
             served = [b for b in range(B) if d_idx in chosen[b] and ks[b] > 0 and d_idx not in proposals[b]]
-            for b, (tokens, q, match) in self._draft_rows(d_idx, served, ks, sequences, score_fn, plan.min_confidence if plan else 0.0, draft_seconds).items():
+            for b, (tokens, q) in self._draft_rows(d_idx, served, ks, sequences, score_fn, plan.min_confidence if plan else 0.0, draft_seconds, match_lengths).items():
                 proposals[b][d_idx], q_of[b][d_idx] = tokens, q
-                if match is not None:
-                    match_lengths[b][d_idx] = match
         shadows = self._shadow_drafts(plan, chosen, sequences, score_fn, draft_seconds, firsts, match_lengths)
         drafts: list[list[int]] = [[] for _ in range(B)]
         qs: list[torch.Tensor | None] = [None] * B
@@ -436,10 +441,10 @@ class SpinEngine:
                 drafts[b] = heaviest_path(proposals[b], weights)[: ks[b]]
         return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows, match_lengths)
 
-    def _draft_rows(self, d_idx: int, served: list[int], ks, sequences, score_fn, min_confidence: float, draft_seconds: list[float]) -> dict[int, tuple[list[int], torch.Tensor | None, int | None]]:
+    def _draft_rows(self, d_idx: int, served: list[int], ks, sequences, score_fn, min_confidence: float, draft_seconds: list[float], match_lengths: list[dict[int, int]]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
         """One drafter's drafts for the batch rows `served` (ks[b] tokens each): batch row -> (tokens,
-        q, match length or None). A call that raises is retried on halves to find the row(s) at fault
-        (`isolate_faults`)."""
+        q); the match lengths it reports go into `match_lengths`. A call that raises is retried on
+        halves to find the row(s) at fault (`isolate_faults`)."""
         rows, out = self.rows, {}
         todo = [served]
         while todo and todo[-1]:
@@ -457,9 +462,9 @@ class SpinEngine:
             )
             got: list[Draft] = []
             if self._guarded(d_idx, lambda: got.append(self.drafters[d_idx].draft(request)), draft_seconds, served, ban=len(served) == 1):
-                matches = got[0].match_lengths or [None] * len(served)
-                for b, tokens, q, match in zip(served, got[0].tokens, got[0].q, matches):
-                    out[b] = (list(tokens), q, match)
+                for b, tokens, q in zip(served, got[0].tokens, got[0].q):
+                    out[b] = (list(tokens), q)
+                note_matches(got[0], served, d_idx, match_lengths)
             elif self.isolate_faults and self.usable[d_idx] and len(served) > 1:
                 todo += [served[: len(served) // 2], served[len(served) // 2 :]]
         return out
@@ -480,11 +485,9 @@ class SpinEngine:
             request = DraftRequest(served, sequences, [min(wanted[b], rows[b].room) for b in served], False, score_fn, plan.min_confidence)
             out: list[Draft] = []
             if self._guarded(d_idx, lambda: out.append(self.drafters[d_idx].draft(request)), draft_seconds, served, ban=len(served) == 1):
-                matches = out[0].match_lengths or [None] * len(served)
-                for b, tokens, match in zip(served, out[0].tokens, matches):
+                for b, tokens in zip(served, out[0].tokens):
                     shadows[b][d_idx] = list(tokens)
-                    if match is not None:
-                        match_lengths[b][d_idx] = match
+                note_matches(out[0], served, d_idx, match_lengths)
         return shadows
 
     # -- 5-7. Verify, commit, roll back --------------------------------------------------------------

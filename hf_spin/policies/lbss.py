@@ -655,8 +655,10 @@ class LBSSPolicy(Policy):
         measurement has the most `weight(e)`, times (parameters of `drafter` / of e) ^ `elasticity`;
         0 for a drafter without parameters or before any is measured."""
         size = self.drafters[drafter].num_parameters
+        if not size:
+            return 0.0
         known = [e for e in range(len(self.drafters)) if e != drafter and self.drafters[e].num_parameters and weight(e) > 0 and measured(e)]
-        if not size or not known:
+        if not known:
             return 0.0
         e = max(known, key=weight)
         return measured(e) * (size / self.drafters[e].num_parameters) ** elasticity
