@@ -16,7 +16,9 @@ noisy numbers. With several runs of the same questions:
 - per task: every method's summed speed over all runs (tokens over the whole call's seconds, as
   the bench's speed-ups: the ratio to plain is its Spec-Bench speed-up pooled over the runs), as a
   ratio to the reference method's, and the policy's fraction of the oracle (row goodput, as the
-  bench's oracle fraction).
+  bench's oracle fraction);
+- `--skip N`: the policy's ratio again without each run's first N requests (in the bench's order),
+  where a cold pool pays for what it learns.
 
 Reads each directory's newest `pool_bench-*.json` (or the files named), at one batch size (the
 first requested in the first run, or --batch-size); only the requests every run has.
@@ -98,23 +100,35 @@ def per_task(runs: list[dict[int, dict]], qids: list[int], policy: str, referenc
     return table
 
 
-def markdown(paths: list[Path], bs: int, qids: list[int], runs: list[dict[int, dict]], policy: str, reference: str) -> str:
+def after_first(run: dict[int, dict], qids: list[int], skip: int) -> list[int]:
+    """The shared requests in the run's own order (the bench's), less its first `skip`: a cold pool
+    pays for what it learns on its first requests, and the rest shows what it does once it has."""
+    shared = set(qids)
+    return [q for q in run if q in shared][skip:]
+
+
+def markdown(paths: list[Path], bs: int, qids: list[int], runs: list[dict[int, dict]], policy: str, reference: str, skip: int = 0) -> str:
     methods = list(runs[0][qids[0]]["methods"])
     lines = [f"{len(runs)} runs at batch {bs}, {len(qids)} requests each: " + ", ".join(str(p) for p in paths), ""]
     lines += ["| method | one run's sd of a request's log goodput |", "|---|---|"]
     lines += [f"| {m} | {s:.3f} |" for m, s in spreads(runs, qids, methods).items()]
     noise = oracle_noise(runs, qids) if len(runs) > 1 else []
-    lines += ["", "| run | oracle in hindsight / oracle chosen in the other runs | " + f"{policy} / {reference} | {policy} oracle fraction |", "|---|---|---|---|"]
+    warm = f" | {policy} / {reference} after the first {skip}" if skip else ""
+    lines += ["", "| run | oracle in hindsight / oracle chosen in the other runs | " + f"{policy} / {reference} | {policy} oracle fraction{warm} |", "|---|---|---|---|" + ("---|" if skip else "")]
     for i, (path, run) in enumerate(zip(paths, runs)):
         table = per_task([run], qids, policy, reference)["ALL"]
         crossed = f"{noise[i]:.3f}" if noise else "-"
-        lines.append(f"| {path} | {crossed} | {table[policy]:.3f} | {table['oracle fraction']:.3f} |")
+        later = f" | {per_task([run], after_first(run, qids, skip), policy, reference)['ALL'][policy]:.3f}" if skip else ""
+        lines.append(f"| {path} | {crossed} | {table[policy]:.3f} | {table['oracle fraction']:.3f}{later} |")
     table = per_task(runs, qids, policy, reference)
     tasks = sorted(t for t in table if t != "ALL") + ["ALL"]
     lines += ["", f"Summed speed over all runs, / {reference} (oracle fraction: row goodput):", "", "| method | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
     for m in methods + ["oracle fraction"]:
         label = f"{policy} oracle fraction" if m == "oracle fraction" else m
         lines.append(f"| {label} | " + " | ".join(f"{table[t][m]:.3f}" for t in tasks) + " |")
+    if skip:
+        later = per_task(runs, after_first(runs[0], qids, skip), policy, reference)["ALL"]
+        lines += ["", f"After the first {skip} requests of each run, over all runs: {policy} / {reference} {later[policy]:.3f}, oracle fraction {later['oracle fraction']:.3f}."]
     return "\n".join(lines) + "\n"
 
 
@@ -124,6 +138,7 @@ def main() -> None:
     ap.add_argument("--policy", default="policy:lbss", help="the method read against the reference and the oracle")
     ap.add_argument("--reference", default="spin:smollm2-135m", help="the method the per-task ratios divide by (e.g. the best single drafter)")
     ap.add_argument("--batch-size", type=int, default=None, help="the batch size read (default: the first in the first run)")
+    ap.add_argument("--skip", type=int, default=0, help="also read each run without its first N requests (a cold pool's learning cost)")
     args = ap.parse_args()
     bs, first = load(args.runs[0], args.batch_size)
     runs = [first] + [load(p, bs)[1] for p in args.runs[1:]]
@@ -133,7 +148,9 @@ def main() -> None:
     for name in (args.policy, args.reference):
         if any(name not in run[q]["methods"] for run in runs for q in qids):
             raise SystemExit(f"{name!r} is not in every run; methods of the first: {list(runs[0][qids[0]]['methods'])}")
-    print(markdown(args.runs, bs, qids, runs, args.policy, args.reference))
+    if not 0 <= args.skip < len(qids):
+        raise SystemExit(f"--skip {args.skip} leaves no request of the {len(qids)} the runs share")
+    print(markdown(args.runs, bs, qids, runs, args.policy, args.reference, args.skip))
 
 
 if __name__ == "__main__":

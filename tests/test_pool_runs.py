@@ -60,6 +60,21 @@ def test_per_task_ratios_to_the_reference_and_oracle_fraction():
     assert table["ALL"]["oracle fraction"] == 1.0  # the policy matches the best method on each request
 
 
+def test_a_run_without_its_first_requests():
+    # bench order 2, 1, 3: the policy is slow on its first request (2) and matches spin:a after it
+    by_id = run(2.0, 2.0)
+    by_id[2]["methods"]["policy:p"]["seconds"] = 8.0
+    by_id[1]["methods"]["policy:p"]["seconds"] = 2.0
+    by_id[3] = record(3, "x", {"plain": 5.0, "spin:a": 2.0, "spin:b": 4.0, "policy:p": 2.0})
+    ordered = {q: by_id[q] for q in (2, 1, 3)}
+    assert pool_runs.after_first(ordered, [1, 2, 3], 1) == [1, 3]
+    assert pool_runs.per_task([ordered], pool_runs.after_first(ordered, [1, 2, 3], 1), "policy:p", "spin:a")["ALL"]["policy:p"] == 1.0
+    assert pool_runs.per_task([ordered], [1, 2, 3], "policy:p", "spin:a")["ALL"]["policy:p"] == pytest.approx((5 + 1.25 + 5) / (5 + 2.5 + 5))
+    text = pool_runs.markdown([Path("r")], 1, [1, 2, 3], [ordered], "policy:p", "spin:a", skip=1)
+    assert "policy:p / spin:a after the first 1 |" in text
+    assert "After the first 1 requests of each run, over all runs: policy:p / spin:a 1.000" in text
+
+
 def test_load_reads_the_newest_json_at_the_batch_size(tmp_path):
     records = list(run(2.0, 2.0).values()) + [{**record(3, "x", {"plain": 1.0}), "batch_size": 4, "requested_batch_size": 4}]
     (tmp_path / "pool_bench-20260101-000000.json").write_text(json.dumps({"records": []}))
