@@ -113,12 +113,13 @@ def markdown(paths: list[Path], bs: int, qids: list[int], runs: list[dict[int, d
     lines += ["| method | one run's sd of a request's log goodput |", "|---|---|"]
     lines += [f"| {m} | {s:.3f} |" for m, s in spreads(runs, qids, methods).items()]
     noise = oracle_noise(runs, qids) if len(runs) > 1 else []
+    later_qids = after_first(runs[0], qids, skip)  # the runs share the bench's order (`main` checks)
     warm = f" | {policy} / {reference} after the first {skip}" if skip else ""
     lines += ["", "| run | oracle in hindsight / oracle chosen in the other runs | " + f"{policy} / {reference} | {policy} oracle fraction{warm} |", "|---|---|---|---|" + ("---|" if skip else "")]
     for i, (path, run) in enumerate(zip(paths, runs)):
         table = per_task([run], qids, policy, reference)["ALL"]
         crossed = f"{noise[i]:.3f}" if noise else "-"
-        later = f" | {per_task([run], after_first(run, qids, skip), policy, reference)['ALL'][policy]:.3f}" if skip else ""
+        later = f" | {per_task([run], later_qids, policy, reference)['ALL'][policy]:.3f}" if skip else ""
         lines.append(f"| {path} | {crossed} | {table[policy]:.3f} | {table['oracle fraction']:.3f}{later} |")
     table = per_task(runs, qids, policy, reference)
     tasks = sorted(t for t in table if t != "ALL") + ["ALL"]
@@ -127,7 +128,7 @@ def markdown(paths: list[Path], bs: int, qids: list[int], runs: list[dict[int, d
         label = f"{policy} oracle fraction" if m == "oracle fraction" else m
         lines.append(f"| {label} | " + " | ".join(f"{table[t][m]:.3f}" for t in tasks) + " |")
     if skip:
-        later = per_task(runs, after_first(runs[0], qids, skip), policy, reference)["ALL"]
+        later = per_task(runs, later_qids, policy, reference)["ALL"]
         lines += ["", f"After the first {skip} requests of each run, over all runs: {policy} / {reference} {later[policy]:.3f}, oracle fraction {later['oracle fraction']:.3f}."]
     return "\n".join(lines) + "\n"
 
@@ -150,6 +151,8 @@ def main() -> None:
             raise SystemExit(f"{name!r} is not in every run; methods of the first: {list(runs[0][qids[0]]['methods'])}")
     if not 0 <= args.skip < len(qids):
         raise SystemExit(f"--skip {args.skip} leaves no request of the {len(qids)} the runs share")
+    if args.skip and any(after_first(run, qids, 0) != after_first(runs[0], qids, 0) for run in runs):
+        raise SystemExit(f"--skip {args.skip}: the runs ran their shared requests in different orders, so their first requests differ")
     print(markdown(args.runs, bs, qids, runs, args.policy, args.reference, args.skip))
 
 
