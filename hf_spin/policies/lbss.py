@@ -6,15 +6,11 @@ The reward is goodput, factored into what the request decides and what the machi
     g(row, d) = E[tokens | row, d] / t_row(B, d, k)
 
 - tokens = accepted + 1, what a step of d commits on the row: a property of the request and the
-  drafter, the same at any batch size. It is the only per-request quantity learned (`TokensModel`,
-  a posterior shared across requests).
+  drafter, the same at any batch size, and the only per-request quantity learned (`TokensModel`, a
+  posterior shared across requests).
 - t_row: the row's share of a step at the batch size B being planned (`row_seconds`), from the
-  step-cost fits (`CostModel`): an equal part of a plain step, its part of the positions the drafts
-  add and of d's forwards. It depends on B and the device, not on the request. Learned as one
-  number per (request, drafter), goodput did not carry across batch sizes: on a CPU, 4 rows
-  verifying 6 positions take 2x a plain step at batch 4, so a drafter 1.36x faster than plain
-  decoding at batch 1 is ~0.85x at batch 4, and rewards measured at batch 1 (a warm-up, a batch
-  that shrank) sent batch-4 rows to drafters slower than plain decoding.
+  step-cost fits (`CostModel`): it depends on B and the device, not on the request (goodput learned
+  per request and drafter did not carry across batch sizes: RESULTS.md, seventh measurement).
 - A switch's catch-up is neither: it is charged once, in the matching, as a switching cost (below).
 
 Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it has been in the batch:
@@ -23,86 +19,53 @@ Each row runs its own schedule of epochs e = 1, 2, ... counted in the steps it h
 
 - Exploration: at the start of each chunk the row gets a drafter (alpha = beta x drafters steps by
   default, drafters measured by shadow drafts not counted) and keeps it for the chunk: the first
-  step of a chunk pays the catch-up, the others measure steady goodput. Each exploration stage
-  re-measures every drafter: least-tried on the row first, one maximum-weight matching of rows to
-  drafter slots (drafter j repeated B_j times), so no drafter serves more than B_j rows; ties go
-  by one random order of the drafters shared by the rows, so rows starting a chunk together
-  explore the same drafter and share its forwards. Past the first epoch, a row skips an
-  exploration stage when the request cannot finish the epoch (`steps_left`). Cold (no ended
-  request informs the estimates yet) the row runs all the others;
-  warm (`TokensModel`: what earlier requests measured), only those of epochs whose exploitation
-  stage is at least alpha steps long (2^e >= alpha), and exploits through the earlier ones. A request
-  too short to amortise re-measuring every drafter (tens of steps) then starts on the drafter the
-  posterior expects best for it (its prompt length included) and leaves it when its own steps pull
-  that drafter's posterior below another's. In those earlier stages it still explores, one chunk
-  each, the drafters fewer than `settle` ended requests measured: at batch 1 the cold first
-  request tries each drafter for one chunk, and with optimism 1 and without later chunks that one
-  decided a drafter's rank for the rest of the bench (88f1d0d: SmolLM2, the best single drafter,
-  on 1% of the steps). With optimism 2 or more a drafter the row has not tried is ranked at its cap
-  anyway, and `settle` 1, 2 or 3 replay within 0.02 of each other at batch 1; but `settle` also
-  gates `may_switch`, and at 1 the bench's 4-token warm-up request settled every drafter: the
-  cold batch-4 first batch then exploited Qwen2.5-0.5B at its cap (0.66x plain; 3 kept).
-  Cold or warm, a drafter whose catch-up on the row cannot pay for itself in the steps left (`pays_off`: a long prompt, a large batch, a late step) is explored only as a last
-  resort, and a row with no other drafter to explore exploits instead. Before a drafter has
-  caught a row up, its catch-up is priced from one that has, in proportion to their parameters
-  (cold at batch 4 on a CPU, exploring all three model drafters on ~700-token prompts cost more
-  than their drafts could save: the first batch ran at 0.82x plain). And a drafter that `settle`
-  ended requests measured is explored only when what a chunk of it could teach repays the chunk
-  over the steps the row has left (`worth_exploring`, a knowledge gradient on the posterior): a
-  long request keeps re-measuring drafters whose estimates are close to its best or uncertain,
-  not one measured well below it; the first requests still explore as Spin does (what they
-  measure informs every later request's prior).
+  step pays the catch-up, the others measure steady goodput. A stage re-measures every drafter,
+  least-tried on the row first, by one maximum-weight matching of rows to drafter slots (drafter j
+  repeated B_j times); ties go by one random order of the drafters shared by the rows, so rows
+  starting a chunk together share a drafter's forwards. Which stages run, and what they explore, is
+  `explorable`: past the first epoch, none the request cannot finish (`steps_left`); warm (ended
+  requests inform the estimates), in epochs with 2^e < alpha only drafters fewer than `settle`
+  ended requests measured, so a short request starts on the drafter the posterior expects best for
+  it (its prompt length included) and leaves it when its own steps pull it below another; and only
+  drafters whose catch-up can pay off (`pays_off`) and whose chunk repays what it could teach
+  (`worth_exploring`), the others as a last resort. A row with no drafter to explore exploits.
 - Exploitation: each step, a maximum-weight matching (`scipy.optimize.linear_sum_assignment`) of the
   rows to the free drafter slots, and to plain decoding (unlimited slots), on
 
       W[row, d]     = g(row, d) - g(row, d) s / (s + T tau)     s = c_d x lag(row, d)
       W[row, plain] = g_plain (1 + m_d*) x W[row, d*] / W'[row, d*]   (never-slower; see below)
 
-  g(row, d): the tokens of d's next step on the row under the `TokensModel` posterior (earlier
-  requests, the row's other drafters and its own steps with d, each weighed by its measured
-  reliability), taken `optimism` (2.5) posterior sds up (`shadow_optimism`, 0.5, for a drafter measured
-  by shadow drafts: `rank_optimism`), over tau = t_row: an upper confidence
-  bound that puts a drafter the row has not drafted with at the best its drafts can commit, until
-  the row's own steps say otherwise (`expected_tokens`). g_plain = B / t_verify(N = B): the
-  goodput of a plain step; W': W with `plain_optimism` (1) sds up, d*: the row's best drafter.
-  A row goes plain when W'[row, d*] < g_plain (1 + m_d*): against plain decoding, drafters count one sd up
-  (a row that skips its exploration stages is not sent to plain decoding by one step that
-  accepted nothing), not two (two drafted where drafting was slower than plain); a drafter measured
-  by shadow drafts at its posterior mean (`careful_optimism`) and only when it leads g_plain by
-  `shadow_margin` (`plain_margin`). A row's t_row
-  depends on the others' choices (the drafting rows share the padded positions): the first matching assumes every row drafts, the next ones split the positions
-  as the previous matching did, until one repeats;
-  c_d: seconds per token of catch-up (learned from feedback: what steps with a catch-up took
-  beyond a steady step's f x forwards + t x row tokens, per catch-up token; or `switch_cost`);
-  lag: tokens d's cache is behind on the row; T: steps left in the stage, at most the steps the
-  request may still take (its room over its tokens per step: a catch-up late in a request has few
-  steps to pay off). The penalty is exactly the goodput lost by paying s seconds once over T
-  steps: g - T g tau / (T tau + s). It is only as good as g: a drafter the row has not drafted
-  with is priced by the prior's upper bound, so, until `settle` ended requests have measured it,
-  the row may move to it only where an exploration chunk could (`may_switch`: its catch-up pays off).
-  Exploitation stages grow as 2^e, so exploration costs O(alpha log T) steps: regret is sublinear.
+  g(row, d): the tokens of d's next step on the row, `rank_optimism` posterior sds up (an upper
+  confidence bound, `expected_tokens`), over tau = t_row. g_plain = B / t_verify(N = B): the
+  goodput of a plain step; W': W at `careful_optimism` sds up; d*: the row's best drafter; m_d*:
+  `plain_margin`. A row goes plain when W'[row, d*] < g_plain (1 + m_d*). A row's t_row depends on
+  the others' choices (the drafting rows share the padded positions): the first matching assumes
+  every row drafts, the next ones split the positions as the previous one did, until one repeats.
+  c_d: seconds per token of catch-up (`catch_up_seconds`: learned by `CostModel`, or
+  `switch_cost`); lag: tokens d's cache is behind on the row; T: steps left in the stage, at most
+  the steps the request may still take. The penalty is exactly the goodput lost by paying s
+  seconds once over T steps: g - T g tau / (T tau + s). To a drafter priced by the prior's upper
+  bound the row may move only where an exploration chunk could (`may_switch`). Exploitation stages
+  grow as 2^e, so exploration costs O(alpha log T) steps: regret is sublinear.
 - Never slower: while exploiting, a row is matched to plain decoding when no drafter's estimate
-  beats g_plain, the goodput of a plain step: the verify-cost fit at zero drafts, corrected by how
-  far steps that drafted nothing sat from it. That fit, extrapolated from steps that verified several tokens
-  a row, can be far off (on a CPU it made plain decoding look ~40% slower than it was at batch
-  4), so a plain probe (`plain_probe`) decodes a whole step plainly when its batch-size bucket
-  has gone that many steps without a plain one and no row is exploring: always the bucket's first,
-  later ones only when every row's best drafter is within PROBE_MARGIN of the measured g_plain
-  (the decision is close and the probe costs little). A probe takes a step of each row's schedule. A row decoding plainly tries the drafters again in the next
-  exploration stage, which comes after an exploitation stage twice as long as the last: when
-  drafting never pays, the row decodes plainly in all but O(alpha log T) of T steps. Cold, the
-  exploration stages a request can finish are never skipped and each re-measures every drafter,
-  so one unlucky early estimate cannot lock a row out of a drafter; warm, a request skips the
-  stages it is too short to amortise, so a short request decoding plainly is not probed again.
+  beats g_plain: the verify-cost fit at zero drafts, corrected by how far steps that drafted nothing
+  sat from it. Extrapolated from steps that verified several tokens a row, that fit can be far off
+  (RESULTS.md, fifth measurement), so a plain probe (`plain_probe`) decodes a whole step plainly
+  (taking a step of each row's schedule) when its batch-size bucket has gone that many steps
+  without one and no row is exploring: always the bucket's first, later ones only when every row's
+  best drafter is within PROBE_MARGIN of the measured g_plain. A row decoding plainly tries the
+  drafters again at its next exploration stage, after an exploitation stage twice as long as the
+  last, so when drafting never pays it decodes plainly in all but O(alpha log T) of T steps. Cold,
+  every stage a request can finish runs, so one unlucky early estimate cannot lock a row out of a
+  drafter; warm, a short request decoding plainly is not probed again.
 - Shadow drafts (`shadow`): a drafter without parameters (prompt lookup) costs next to nothing to
   run, so it drafts every row it does not serve (`Plan.shadow`), unverified, and is never given an
-  exploration chunk. Its would-be reward on the row: the tokens the step would have committed
-  (matches with the committed tokens + 1; when every committed token matched and more were
-  proposed, the rest at the row's per-token acceptance hits / (hits + misses), the estimate of a
-  censored geometric).
+  exploration chunk. Its would-be reward on the row: matches with the committed tokens + 1; when
+  every committed token matched and more were proposed, the rest at the row's per-token acceptance
+  hits / (hits + misses), the estimate of a censored geometric.
 - Preempting (`preempt`): at batch 1 and on packed rows, such a drafter also drafts first, and a
   row verifies its draft in place of its drafter's on the steps it is long enough, and continues a
-  long enough match, to beat it (`preempt_plan`): a selection per step on top of the selection per
+  long enough match, to beat it (`preempt_plan`): a selection per step on top of the one per
   request.
 - Fast switching: `Plan.prefill` names, for each idle model drafter, the rows it is likely to serve
   next (the next exploration chunk, drawn a step ahead; an exploiting row's runner-up within
@@ -136,11 +99,9 @@ PRIOR_NOISE = 0.5  # prior step-to-step sd of log goodput (accepted + 1 in 1..k+
 PROBE_MARGIN = 0.5
 PREFILL_KINDS = frozenset({"model", "translation"})  # drafters that keep a per-row cache to pre-fill
 # d log(draft seconds) / d log(parameters), pricing a drafter before its first draft from one
-# measured (`draft_seconds`): on a CPU at batch 1, 5-token drafts cost Qwen2.5-0.5B (630M
-# parameters) 2.06x and Gemma-3-270M (268M) 1.16x what SmolLM2-135M's cost (135M), fitted on the
-# 24 requests of a policy_replay recording: elasticities 0.47 and 0.21. On a GPU a small
-# drafter's forward is bound by latency, not size (elasticity ~0), so 0.5 prices a larger drafter
-# high there until its first draft measures it.
+# measured (`draft_seconds`): 0.21-0.47 on a CPU at batch 1 (RESULTS.md, twentieth measurement).
+# On a GPU a small drafter's forward is bound by latency, not size (elasticity ~0), so 0.5 prices
+# a larger drafter high there until its first draft measures it.
 DRAFT_SIZE_ELASTICITY = 0.5
 MATCH_PRIOR = 2.0  # pseudo-drafts at the acceptance pooled over every row behind a row's acceptance per match length (`match_acceptance`)
 
@@ -374,12 +335,12 @@ class LBSSPolicy(Policy):
         """The drafters the row may explore at this age; the others are slots of last resort.
         None outside an exploration stage, nor past the first epoch in one the request cannot
         finish (what it measures must have steps left to pay off; the first always runs, or a
-        short request would never measure anything): the drafters not measured by shadow drafts
-        whose catch-up can pay off (`pays_off`). Warm, in an epoch whose exploitation stage is
-        shorter than a full exploration (2^e < alpha), only those of them that fewer than `settle`
-        ended requests measured and the row has not tried: one or two steps of a drafter on the
-        first request (batch 1, a cold exploration) do not tell its mean effect, and a drafter
-        they put low would never be chosen again."""
+        short request would never measure anything); else the drafters not measured by shadow
+        drafts that pass `pays_off` and `worth_exploring`. Warm, in an epoch whose exploitation
+        stage is shorter than a full exploration (2^e < alpha), only those of them that fewer than
+        `settle` ended requests measured and the row has not tried: one or two steps of a drafter
+        on the first request do not tell its mean effect, and a drafter they put low would never
+        be chosen again (RESULTS.md, eighth and ninth measurements)."""
         st = self.stage(age)
         if not st.explore or (st.epoch > 1 and self.steps_left(row) < st.epoch_end - age):
             return set()
@@ -393,15 +354,13 @@ class LBSSPolicy(Policy):
         """Whether catching `drafter` up on the row (seconds s = c_d x lag) can pay for itself:
         s at most the time a drafter `catch_up_margin` faster than plain decoding would save over
         the steps the row has left, steps_left x t x margin, t = the row's share of a plain step at
-        this batch size (1 / g_plain). A model drafter explored on a long prompt late in a request
-        costs a prefill of the prompt (3-7 s for Qwen2.5-0.5B on a 740-token retrieval prompt, on
-        a CPU) for a few steps of use; at batch 4 a row's share of a plain step is a quarter of
-        batch 1's, so the same catch-up needs four times the steps to pay off. The margin was the
-        prior spread's e^0.3 - 1 = 0.26 until 3-set replays (`benchmarks/policy_replay.py`, batch 1
-        and 4) put 0.1 ahead: cold batch 4 0.92-0.97x plain -> 0.97-1.02x, batch 1 level or ahead
-        (a drafter's margin over plain at batch 4 on a CPU is ~0 and rarely above 0.3 at batch 1;
-        its upper bound in place of a constant repaid the catch-ups of cold rows, whose bounds sit
-        at the cap: 0.85-0.95x). True while either cost is unknown."""
+        this batch size (1 / g_plain). A long prompt late in a request costs a model drafter a
+        prefill for a few steps of use, and at batch 4 a row's share of a plain step is a quarter of
+        batch 1's, so the same catch-up needs four times the steps. The margin is a small constant:
+        a drafter's margin over plain decoding is ~0 at batch 4 on a CPU and rarely above 0.3 at
+        batch 1, and a margin from its upper bound let cold rows, whose bounds sit at the cap, pay
+        catch-ups they could not repay (RESULTS.md, fourteenth measurement). True while either
+        cost is unknown."""
         s = self.catch_up_seconds(drafter) * self.lag(row, drafter)
         g_plain = self.costs.plain_goodput(self.batch_size)
         if s <= 0 or not g_plain:
@@ -422,19 +381,15 @@ class LBSSPolicy(Policy):
         a step over the steps left after it (the knowledge gradient), in the incumbent's steps (t_0
         seconds of the row each). The chunk costs what its beta steps of t_d seconds give up at the
         incumbent's goodput, beta (t_d / t_0) (1 - e^min(delta, 0)) of those steps, plus the
-        catch-up's seconds over t_0. (Without t_d / t_0, a drafter several times the incumbent's
-        step cost looked cheap to measure: on a cold 128-token batch-4 trace, three rows decoding
-        plainly waited on Qwen2.5-0.5B's 0.4-0.5 s drafts for a fourth's 10 exploring steps, 5 s of
-        a batch that ran at 0.85x plain `generate`.) Spin's
-        exploration stages re-measure every drafter each epoch whatever the estimates say: on
-        128-token Spec-Bench requests at batch 1, later requests re-explored drafters that the
-        requests before had put 10-25% below the best (Gemma-3 and Qwen2.5-0.5B on 15 of a math
-        request's 48 steps; 0.90 of SmolLM2 alone there; 128-token replays 1.463x -> 1.486x). A long
-        request still explores (the gain grows with the steps left), a short one explores only
-        drafters whose estimate is close or uncertain. True for a drafter fewer than `settle` ended
-        requests measured (a chunk on one of the first requests also informs every later request's
-        prior, which the row's steps left do not count) and while anything is unknown: no step
-        costs, no length limit."""
+        catch-up's seconds over t_0 (without t_d / t_0, a drafter several times the incumbent's step
+        cost looked cheap to measure, and on a cold batch-4 trace plain rows waited on one row's
+        exploring drafts). Spin's stages re-measure every drafter each epoch whatever the estimates
+        say, and spent a quarter of a long request's steps on drafters measured 10-25% below the
+        best (RESULTS.md, seventeenth measurement); here a long request still explores (the gain
+        grows with the steps left), a short one only drafters whose estimate is close or uncertain.
+        True for a drafter fewer than `settle` ended requests measured (a chunk on one of the first
+        requests also informs every later request's prior, which the row's steps left do not count)
+        and while anything is unknown: no step costs, no length limit."""
         if not self.config.knowledge_gradient or self.tokens_model.requests(drafter) < self.config.settle:
             return True
         steps = self.steps_left(row) - self.config.beta
@@ -475,10 +430,11 @@ class LBSSPolicy(Policy):
         """Exploiting, whether the row may move to `drafter`: always to one it has drafted with (its
         estimate has the row's own steps) or one that `settle` ended requests measured (the prior is
         informed), the switch penalty weighing the catch-up against the estimate; to any other only
-        if the catch-up can pay (`pays_off`), as for an exploration chunk. Its estimate is then the
-        upper bound of a prior one step of one request may have set, up to k + 1 tokens, and
-        against it the penalty let a cold batch-4 row exploit, on its third step, a drafter it could
-        not explore: an 80-token catch-up at 0.25 s, a plain step of the whole batch."""
+        if the catch-up can pay (`pays_off`), as for an exploration chunk: its estimate is then the
+        upper bound of a prior one step of one request may have set, up to k + 1 tokens, against
+        which the penalty looks small (RESULTS.md, twelfth measurement). This gate is also why
+        `settle` is not 1: at 1 the bench's 4-token warm-up request settled every drafter, and a
+        cold batch-4 batch moved to Qwen2.5-0.5B at its capped estimate (thirteenth measurement)."""
         tm = self.tokens_model
         return tm.steps(row.row_id, drafter) > 0 or tm.requests(drafter) >= self.config.settle or self.pays_off(row, drafter)
 
@@ -504,13 +460,11 @@ class LBSSPolicy(Policy):
         """The sds up at which `drafter` is weighed against plain decoding: `plain_optimism`, so
         a row that stops drafting is not locked out of a drafter by one unlucky step; 0 for a
         drafter measured by shadow drafts, which keeps measuring the row while it decodes plainly
-        and wins it back as soon as its steps say so. One sd up, prompt lookup's bursty tokens
-        (nothing on most steps, 3-5 tokens on a few) put every row of the bench's first cold batch-4
-        batch on it after one match on one row (predicted 1.66 tokens a step, measured 1.27), each
-        step verifying a lone 5-token draft padded over four rows at ~1.9x a plain step's time;
-        at the posterior mean, batch-4 replays on three question sets gained 0.003-0.018 of plain
-        decoding and batch 1 stayed level (ranking the drafters at the mean too, batch 1 lost
-        0.02-0.06: the model drafters' bounds then outrank it where a cheap lookup pays)."""
+        and wins it back as soon as its steps say so. One sd up, prompt lookup's bursty tokens put
+        a whole cold batch-4 batch on it after one match on one row, each step verifying a lone
+        draft padded over four rows; at the mean among drafters too, batch 1 lost, the model
+        drafters' bounds then outranking a cheap lookup that pays (RESULTS.md, fifteenth
+        measurement)."""
         return 0.0 if self.shadowed[drafter] else self.config.plain_optimism
 
     def rank_optimism(self, drafter: int) -> float:
@@ -518,26 +472,22 @@ class LBSSPolicy(Policy):
         confidence bound that gets a drafter tried; `shadow_optimism` for a drafter measured by
         shadow drafts, which is measured on every row whatever serves it, so an upper bound buys no
         measurement. At 2 sds up prompt lookup, whose effect varies most from request to request,
-        served the first two or three steps of nearly every 32-token request on the Spec-Bench
-        replays, mostly accepting nothing; 0.5 sds up gained 0.011 and 0.015 of plain decoding's
-        speed on two question sets and 0.028 on a third recorded after the choice (1 sd: 0.009 /
-        0.011 / 0.045; the mean: 0.000 / 0.016 / 0.047, where the model drafters' upper bounds
-        outrank it on rows where a cheap lookup pays). Two real runs, before and after, differ by
-        less than one run's spread (RESULTS.md, nineteenth measurement)."""
+        served the first steps of nearly every 32-token request on the replays, mostly accepting
+        nothing. 0.5 sds up gained 0.011-0.028 of plain decoding's speed on three question sets; the
+        mean gained 0.000-0.047, nothing on the first set, where the model drafters' bounds then
+        outrank lookup on rows where it pays (RESULTS.md, nineteenth measurement)."""
         return self.config.shadow_optimism if self.shadowed[drafter] else self.config.optimism
 
     def plain_margin(self, drafter: int | None) -> float:
         """The fraction by which `drafter` must lead plain decoding (at `careful_optimism`) for a row
         to leave plain decoding for it: `shadow_margin` for a drafter measured by shadow drafts, 0
         for the others. At batch 4 on a CPU prompt lookup and plain decoding sit within a few
-        percent of each other in the estimates (a bursty drafter's posterior, cost fits that
-        traces put 1-16% off), and real runs after the warm-up flipped between them: 0.94-0.99x
-        plain with lookup on most rows, 1.01-1.11x decoding plainly, where lookup alone runs at
-        0.78-0.98x. Such a drafter keeps being measured while its rows decode plainly, so the
-        margin locks no row out of it; it gives up one that truly leads by less. A model drafter
-        gets none: a row sent to plain decoding by an early, unlucky estimate measures it again
-        only at its next exploration stage (a 10% margin kept a drafter 1.4x faster than plain off
-        0.84 and 0.43 of a 1000-step request's steps on two of eight seeds, in the sim)."""
+        percent of each other in the estimates, and real runs flipped between them on timing noise.
+        Such a drafter keeps being measured while its rows decode plainly, so the margin locks no
+        row out of it; it gives up one that truly leads by less. A model drafter gets none: a row
+        sent to plain decoding by an early, unlucky estimate measures it again only at its next
+        exploration stage, and in the sim a 10% margin kept one 1.4x faster than plain off much of
+        a long request (RESULTS.md, sixteenth measurement)."""
         return self.config.shadow_margin if drafter is not None and self.shadowed[drafter] else 0.0
 
     def expected_tokens(self, row: RowState, drafter: int, k: int, z: float | None = None) -> float:
@@ -548,23 +498,14 @@ class LBSSPolicy(Policy):
         measured one, so it gets tried. Capped at what d's drafts can commit, k x fill_d + 1.
 
         Two upper bounds, because they answer two questions. Ranking drafters (`optimism`, 2.5 sds):
-        a drafter the row has not drafted with reaches the cap, the best its drafts can do, and
-        the row's own steps pull it down; on Spec-Bench replays (`benchmarks/policy_replay.py`),
-        1 sd kept rows on drafters whose prior was off (the prior of a drafter measured mostly on
-        its first steps of a request sat at 0.66 of what it then committed, another's at 1.2), and
-        ran at 0.95 of the best single drafter, 2 sds at 1.00-1.03. On the replays recorded after
-        their verify timings were corrected (a3fa38f), against 2 sds, 20 seeds: 2.5 sds gained
-        0.009 / 0.017 / 0.004 of plain decoding's speed on three 32-token question sets and 0.033
-        at 128 tokens, 3 sds 0.010 / 0.023 / 0.015 and 0.036 (se 0.002-0.009), mostly on
-        translation, math and mt_bench, where 2 sds moved rows off SmolLM2-135M to Gemma-3 or
-        Qwen2.5-0.5B on a few steps' evidence. But the wider the bound, the longer a row keeps
-        trying drafters its own steps put below its best: on the simulated pool of drafters >= 35%
-        apart (192-token waves, `test_lbss_explores_only_drafters_worth_a_chunk`), regret 67 at 2
-        sds, 80 at 2.5, 115 at 3. 2.5 takes most of the real pool's gain at a fraction of that cost
-        (RESULTS.md, twentieth measurement). Against plain decoding
-        (`plain_optimism`, 1 sd): enough that one unlucky step (no token accepted) does not send a
-        row to plain decoding for the rest of a request that skips its exploration stages; 2 sds
-        drafted on a third of the row-steps of a simulated batch 4 where drafting ran at 0.8x plain."""
+        a drafter the row has not drafted with reaches the cap, the best its drafts can do, until
+        the row's own steps pull it down. Narrower bounds kept rows on drafters whose prior was off,
+        or moved them off the best on a few steps' evidence; wider ones keep a row trying drafters
+        its own steps put below its best; 2.5 took most of the replays' gain at a fraction of that
+        cost (RESULTS.md, thirteenth and twentieth measurements). Against plain decoding
+        (`plain_optimism`, 1 sd): one unlucky step (no token accepted) must not send a row to plain
+        decoding for the rest of a request that skips its exploration stages, but 2 sds drafted
+        where drafting was slower than plain (sixth and thirteenth measurements)."""
         z = self.config.optimism if z is None else z
         tokens = self.tokens_model.expected_tokens(row.row_id, drafter, z)
         if tokens is None:
@@ -589,23 +530,20 @@ class LBSSPolicy(Policy):
         n: packed, the drafting rows' own drafts, drafting x k x fill_d (fill_d: the fraction of k
         that d's drafts reach). Padded, every row verifies the longest draft, and the drafting rows
         share those positions (a lone drafting row pays them all): n = B x k x (1 - (1 - fill_d) ^
-        drafting), the longest of `drafting` drafts that each reach k with probability fill_d. That
-        is exact for drafts that are all or nothing (prompt lookup: a match or none) and an upper
-        bound for drafts that stop part-way. The mean draft (B x k x fill_d) is not: on the bench's
-        first batch-4 batch, prompt lookup matched on 4 of 24 row-steps (fill 0.17) and 4 of those
-        6 steps verified its 5 tokens on every row, 13 added positions a step where the mean
-        predicted 3.3 (this formula: 10.6), so it was chosen where it was slower than plain.
+        drafting), the longest of `drafting` drafts that each reach k with probability fill_d: exact
+        for drafts that are all or nothing (prompt lookup), an upper bound for drafts that stop
+        part-way. The mean draft (B x k x fill_d) under-priced lookup's padding and chose it where
+        it was slower than plain (RESULTS.md, eighth measurement).
 
         F: d's forwards, one per token of the longest of its s_d drafts, k x (1 - (1 - fill_d) ^ s_d)
         and at least 1, by the same argument; the draft fit is on the tokens drafted
         (`DraftObservation`), so a drafter whose confidence stop ends drafts after a token or two
-        is priced for those, not for k.
+        is priced for those, not for k (tenth measurement).
 
         s_d: the rows d has served per step (decayed mean; B before any): the draft fit separates
         forwards from row tokens only as far as s_d has varied, so it is read where it was measured
-        (on the simulated drafters, read at one row where it had served two, it made a drafter look
-        twice its cost). `fill`: in place of fill_d (1: a draft known to have k tokens). None before
-        any step."""
+        (read elsewhere, on the simulated drafters, it doubled a drafter's cost). `fill`: in place
+        of fill_d (1: a draft known to have k tokens). None before any step."""
         B, costs = self.batch_size, self.costs
         plain = costs.plain_seconds(B)
         if plain is None:
@@ -630,7 +568,9 @@ class LBSSPolicy(Policy):
     def catch_up_seconds(self, drafter: int) -> float:
         """Seconds per token of catch-up for `drafter`: configured, or learned from feedback; before
         `drafter` has caught a row up, the measured cost of the drafter measured most, scaled by
-        their parameter counts (a prefill's cost grows with the model's size); 0 before any."""
+        their parameter counts (a prefill's cost grows with the model's size; priced at 0, cold
+        batch-4 rows caught every model drafter up on long prompts at a loss: RESULTS.md, eleventh
+        measurement); 0 before any."""
         cost = self.config.switch_cost
         if cost is not None:
             return cost[drafter] if isinstance(cost, tuple) else cost
@@ -642,9 +582,7 @@ class LBSSPolicy(Policy):
         steady step, those of the model drafter measured most, scaled by the square root of their
         parameter counts (`DRAFT_SIZE_ELASTICITY`). Priced at 0 (the fit's default), a model drafter
         that a cold first request happened not to explore looked as cheap as prompt lookup, and
-        later requests served it at its prior's upper bound: Qwen2.5-0.5B on 7 of 11 and 6 of 9
-        steps of two 32-token qa requests, at 0.43 s a 5-token draft against SmolLM2-135M's 0.21 s
-        (RESULTS.md, nineteenth measurement)."""
+        later requests served it at its prior's upper bound (RESULTS.md, twentieth measurement)."""
         costs = self.costs
         if costs.draft[drafter].count > 0:
             return costs.draft_seconds(drafter, forwards, row_tokens)
@@ -875,21 +813,15 @@ class LBSSPolicy(Policy):
         """`Plan.preempt`: a drafter measured by shadow drafts (prompt lookup) drafts first for each
         row it does not serve; the row verifies that draft in its drafter's place when it has at
         least m tokens and continues a match of at least n tokens, the shortest whose goodput beats
-        the row's plan (`preempt_rule`). A lookup draft exists only where the text repeats (a copy:
-        summaries, retrieval, code), it costs next to nothing, and its per-token acceptance on the
-        row at the length of the match it continues (`match_acceptance`) says what its L tokens
-        commit, E[tokens | L] = sum_{i<=L} alpha^i; against it, the row's
-        drafter at its posterior mean tokens over its t_row (plain decoding: 1 over a plain step's
-        share). Per step, not per request: a row on SmolLM2 takes lookup's matches when it has
-        them and SmolLM2's drafts when it has none, which no single drafter does (on the 128-token
-        batch-1 recordings, `benchmarks/policy_replay.py`, lookup-first-else-SmolLM2 ran 1.61x plain
-        decoding where SmolLM2 alone ran 1.47x and lookup alone 1.51x). The model drafter then
-        measures and serves only the steps lookup has no match for; an exploration chunk is not
-        preempted (in the sim, chunks whose steps lookup took left the model unmeasured, and rows
-        went plain with lookup preempting on every step). Not on a padded batch of
-        several rows: there one row's draft makes every row verify its length, which this per-row
-        rule does not price (batch-4 replays on three question sets: 0.94-0.99x plain with it,
-        0.98-1.04x without)."""
+        the row's plan (`preempt_rule`): its L tokens commit E[tokens | L] = sum_{i<=L} alpha^i,
+        alpha its per-token acceptance on the row at that match length (`match_acceptance`), against
+        the row's drafter at its posterior mean tokens over its t_row (plain decoding: 1 over a
+        plain step's share). A lookup draft exists only where the text repeats (a copy: summaries,
+        retrieval, code) and costs next to nothing, so per step, not per request, a row takes
+        lookup's matches and its drafter's drafts elsewhere, which no single drafter does. Not in an
+        exploration chunk (its steps must measure its drafter), nor on a padded batch of several
+        rows, where one row's draft makes every row verify its length, which this per-row rule does
+        not price (RESULTS.md, eighteenth measurement)."""
         B = view.batch_size
         if not self.config.preempt or (self.padded and B > 1):
             return {}
@@ -930,13 +862,11 @@ class LBSSPolicy(Policy):
     def match_acceptance(self, row: RowState, drafter: int) -> list[tuple[int, float]]:
         """[(match length, per-token acceptance)] of `drafter`'s drafts on the row, shortest match
         first: per match length the row's hits / (hits + misses) shrunk toward every row's by
-        MATCH_PRIOR pseudo-drafts. Prompt lookup's drafts differ most by the n-gram they continue:
-        on 24 recorded Spec-Bench requests (32 tokens), 1-token matches gave 0.40 accepted tokens
-        a draft, 2-token 1.19 and 3-token 2.55. Where that split is sharp (the sim: 3-token matches
-        95% right, 1-token 10%) one acceptance per row either takes every match or none, 0.85-0.9x
-        the goodput of this rule; on the Spec-Bench replay the two are level (a row's one
-        acceptance already stops most 1-token preempts there). A drafter that reports no match
-        length: [(0, the row's acceptance over all its drafts, Laplace-smoothed)]."""
+        MATCH_PRIOR pseudo-drafts. Prompt lookup's drafts differ most by the n-gram they continue
+        (longer matches accept several times more), and where that split is sharp one acceptance
+        per row takes every match or none (RESULTS.md, nineteenth measurement; on the Spec-Bench
+        replay the two are level). A drafter that reports no match length: [(0, the row's
+        acceptance over all its drafts, Laplace-smoothed)]."""
         pooled = self.by_match[drafter].by_match
         arm = row.arms[drafter]
         if not pooled:
