@@ -10,6 +10,7 @@ import collections
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 import hf_spin
@@ -1105,6 +1106,38 @@ def test_plain_goodput_is_measured_where_the_fit_extrapolates_wrongly():
     before = linear.plain_goodput(4)
     linear.update(step_feedback([0] * 4, 0.14 * 1.05))  # agrees with the fit within timing noise: the fit stays
     assert linear.plain_goodput(4) == pytest.approx(before, rel=0.02)
+
+
+def test_cached_estimates_follow_new_evidence():
+    """The fits' coefficients and TokensModel's posteriors are read many times a step and cached:
+    each read after new evidence must equal a fresh computation on it."""
+    from hf_spin.policies.estimates import DecayedLeastSquares, VerifyFit
+    from hf_spin.policies.tokens_model import TokensModel
+
+    fit, draft = VerifyFit(), DecayedLeastSquares(2)
+    for n in (4, 8, 12):
+        fit.add(n, 0.1 + 0.01 * n)
+        draft.add([1, n], 0.02 + 0.003 * n)
+        assert fit.coefficients() == fit._solve()  # the same numbers, whether cached or not
+        assert fit.coefficients() is fit.coefficients()
+    before_fit, before_draft = fit.coefficients(), draft.coefficients().copy()
+    fit.add(40, 1.0)
+    draft.add([5, 40], 2.0)
+    assert fit.coefficients() != before_fit and fit.coefficients() == fit._solve()
+    assert not np.allclose(draft.coefficients(), before_draft)
+    with pytest.raises(ValueError):
+        draft.coefficients()[0] = 0.0  # shared until the next add: read-only
+    model = TokensModel(2, prior_spread=0.3, prior_rows=2.0, prior_noise=0.5, history=64)
+    model.start(0, 100)
+    for tokens in (3, 4, 3):
+        model.add(0, 0, tokens)
+    model.add(0, 1, 2)
+    model.end(0)
+    model.start(1, 50)
+    first = model.predict(1, 0)
+    assert first == model._predict(1, 0)
+    model.add(1, 0, 1)  # the row's own step pulls drafter 0 down
+    assert model.predict(1, 0) == model._predict(1, 0) and model.predict(1, 0)[0] < first[0]
 
 
 def test_cost_fits():

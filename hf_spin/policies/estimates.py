@@ -89,11 +89,13 @@ class VerifyFit:
     def __init__(self, decay: float = COST_DECAY):
         self.decay = decay
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self._ab: tuple[float, float] | None = None  # coefficients() since the last add (a policy reads them ~50x a step)
 
     def add(self, n_tokens: float, seconds: float) -> None:
         d = self.decay
         self.w, self.sx, self.sy = self.w * d + 1, self.sx * d + n_tokens, self.sy * d + seconds
         self.sxx, self.sxy = self.sxx * d + n_tokens * n_tokens, self.sxy * d + n_tokens * seconds
+        self._ab = None
 
     @property
     def count(self) -> float:
@@ -103,6 +105,11 @@ class VerifyFit:
         """(a, b) or None before any observation."""
         if self.w <= 0:
             return None
+        if self._ab is None:
+            self._ab = self._solve()
+        return self._ab
+
+    def _solve(self) -> tuple[float, float]:
         mx, my = self.sx / self.w, self.sy / self.w
         cxx = self.sxx - self.sx * mx  # centred sums
         cxy = self.sxy - self.sx * my
@@ -125,18 +132,22 @@ class DecayedLeastSquares:
         self.xtx = np.zeros((n_features, n_features))
         self.xty = np.zeros(n_features)
         self.decay, self.ridge, self.count = decay, ridge, 0.0
+        self._theta: np.ndarray | None = None  # coefficients() since the last add
 
     def add(self, x: list[float], y: float) -> None:
         x = np.asarray(x, dtype=float)
         self.xtx = self.xtx * self.decay + np.outer(x, x)
         self.xty = self.xty * self.decay + x * y
         self.count = self.count * self.decay + 1
+        self._theta = None
 
     def coefficients(self) -> np.ndarray:
-        """theta clamped at >= 0 (costs are never negative)."""
-        ridge = np.diag(self.ridge * np.diag(self.xtx) + 1e-12)
-        theta = np.linalg.solve(self.xtx + ridge, self.xty)
-        return np.clip(theta, 0.0, None)
+        """theta clamped at >= 0 (costs are never negative); read-only (shared until the next add)."""
+        if self._theta is None:
+            ridge = np.diag(self.ridge * np.diag(self.xtx) + 1e-12)
+            self._theta = np.clip(np.linalg.solve(self.xtx + ridge, self.xty), 0.0, None)
+            self._theta.flags.writeable = False
+        return self._theta
 
 
 @dataclass

@@ -731,6 +731,7 @@ class LBSSPolicy(Policy):
         horizons = [min(stages[b].epoch_end - rows[b].age, self.steps_left(rows[b])) for b in todo]
         allowed = [[self.may_switch(rows[b], d) for d in range(len(cap))] for b in todo]  # [R][num_drafters]
         decided = [d for d in choice if d is not None]  # exploring rows: they draft (or not) whatever the matching does
+        seconds: dict[tuple[int, int, int], float | None] = {}  # (drafter, k, drafting) -> row_seconds: the same for every row
         guess: list[int] | None = None  # the previous matching ([R]); None: every row drafts
         for _ in range(len(todo) + 1):
             weights = np.full((len(todo), len(slots)), NO_PLAIN)  # [R, S]
@@ -740,7 +741,9 @@ class LBSSPolicy(Policy):
                 drafting = B if guess is None else 1 + sum(e != PLAIN for e in others)
                 ranked, careful = {}, {}  # d -> its weight at optimism, at plain_optimism (drafters the row may take)
                 for d in range(len(cap)):
-                    tau = self.row_seconds(d, ks[i][d], drafting)
+                    if (d, ks[i][d], drafting) not in seconds:
+                        seconds[d, ks[i][d], drafting] = self.row_seconds(d, ks[i][d], drafting)
+                    tau = seconds[d, ks[i][d], drafting]
                     goodputs[i, d] = goodput(tokens[i][d], tau)
                     penalty = self.switch_penalty(rows[b], d, goodputs[i, d], horizons[i], tau)
                     weights[i, columns[d]] = goodputs[i, d] - penalty if allowed[i][d] else LAST_RESORT

@@ -63,6 +63,7 @@ class TokensModel:
         self.b_var = [0.0] * num_drafters  # var(b_d): how well the requests that measured d pin its mean effect
         self.ended = [0] * num_drafters  # ended requests (of the kept history) that measured each drafter
         self.stale = True
+        self.predictions: dict[tuple[int, int], tuple[float, float] | None] = {}  # (row id, drafter) -> `predict`, until the evidence changes
 
     # --- evidence ------------------------------------------------------------------------------
 
@@ -71,6 +72,7 @@ class TokensModel:
         self.live.add(row_id)
         if prompt_length is not None:
             self.x[row_id] = math.log(max(prompt_length, 1))
+        self.predictions = {}  # the fit reads only rows with steps, so it stands; a new row's x does not
 
     def end(self, row_id: int) -> None:
         self.live.discard(row_id)
@@ -109,6 +111,7 @@ class TokensModel:
         if not self.stale:
             return
         self.stale = False
+        self.predictions = {}
         D = self.num_drafters
         seen = {r: [d for d in range(D) if s[d].n] for r, s in self.rows.items()}
         seen = {r: ds for r, ds in seen.items() if ds}
@@ -192,6 +195,12 @@ class TokensModel:
         c_d (x_row - x_d), a_row from the row's other drafters (`row_effect`), with variance
         var(a_row) + tau_d^2 + var(b_d), updated by the row's own n steps with d. None if never measured."""
         self.fit()
+        key = (row_id, drafter)
+        if key not in self.predictions:  # a policy reads each (row, drafter) several times a step
+            self.predictions[key] = self._predict(row_id, drafter)
+        return self.predictions[key]
+
+    def _predict(self, row_id: int, drafter: int) -> tuple[float, float] | None:
         if self.b[drafter] is None:
             return None
         a, a_var = self.row_effect(row_id, exclude=drafter)
