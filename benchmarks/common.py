@@ -26,14 +26,18 @@ def task_of(category: str) -> str:
 
 
 def load_questions(path: Path, per_group: int, limit: int | None, group_by: str = "category") -> list[dict]:
-    """The first `per_group` questions of every category (or task group), in file order, at most `limit`."""
+    """The first `per_group` questions of every category (or task group), in file order, at most `limit`
+    (read with `datasets`: the JSON lines' schema, their parsing and a cache keyed by the file's hash)."""
     if not path.exists():
         raise FileNotFoundError(f"Spec-Bench questions not found at {path}; pass --questions PATH/question.jsonl")
+    try:
+        from datasets import load_dataset
+    except ImportError as err:
+        raise ImportError("the benchmarks read Spec-Bench with `datasets`: pip install -e '.[bench]'") from err
     key = task_of if group_by == "task" else (lambda c: c)
     taken: dict[str, int] = defaultdict(int)
     questions = []
-    for line in path.read_text().splitlines():
-        q = json.loads(line)
+    for q in load_dataset("json", data_files=str(path), split="train"):
         group = key(q["category"])
         if taken[group] < per_group:
             taken[group] += 1

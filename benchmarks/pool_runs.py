@@ -18,7 +18,10 @@ noisy numbers. With several runs of the same questions:
   ratio to the reference method's, and the policy's fraction of the oracle (row goodput, as the
   bench's oracle fraction);
 - `--skip N`: the policy's ratio again without each run's first N requests (in the bench's order),
-  where a cold pool pays for what it learns.
+  where a cold pool pays for what it learns;
+- `--plot PATH`: per run, the policy's speed over the reference's on each request in the bench's
+  order, and that ratio summed so far (what the run's overall ratio would be, had it stopped
+  there): where a cold pool's learning cost sits and how far it is repaid.
 
 Reads each directory's newest `pool_bench-*.json` (or the files named), at one batch size (the
 first requested in the first run, or --batch-size); only the requests every run has.
@@ -59,6 +62,13 @@ def oracle_goodput(record: dict, chosen_in: dict | None = None) -> float:
     return row_goodput(record, oracle_pick(pick, [m for m in pick["methods"] if m.startswith("spin:")]))
 
 
+def shared_methods(runs: list[dict[int, dict]], qids: list[int]) -> list[str]:
+    """The methods timed on every request of every run (the first run's order): runs of one workload
+    may differ in what else they ran (assisted generation, other policies) or where a baseline crashed."""
+    first = runs[0][qids[0]]["methods"]
+    return [m for m in first if all("seconds" in run[q]["methods"].get(m, {}) for run in runs for q in qids)]
+
+
 def spreads(runs: list[dict[int, dict]], qids: list[int], methods: list[str]) -> dict[str, float]:
     """Per method, one run's sd of log goodput of a request (pairwise differences / sqrt(2))."""
     out = {}
@@ -84,13 +94,13 @@ def per_task(runs: list[dict[int, dict]], qids: list[int], policy: str, referenc
     policy's summed row goodput over the oracle's (`oracle fraction`)."""
     speeds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     goodputs: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    methods = shared_methods(runs, qids)
     for run in runs:
         for q in qids:
             r = run[q]
             for task in (r["task"], "ALL"):
-                for m in r["methods"]:
-                    if "seconds" in r["methods"][m]:
-                        speeds[task][m] += speed(r, m)
+                for m in methods:
+                    speeds[task][m] += speed(r, m)
                 goodputs[task][policy] += row_goodput(r, policy)
                 goodputs[task]["oracle"] += oracle_goodput(r)
     table = {}
@@ -107,8 +117,51 @@ def after_first(run: dict[int, dict], qids: list[int], skip: int) -> list[int]:
     return [q for q in run if q in shared][skip:]
 
 
+def learning_curve(run: dict[int, dict], qids: list[int], policy: str, reference: str) -> tuple[list[float], list[float]]:
+    """([R] the policy's speed over the reference's per request, [R] the same of their speeds summed
+    over the requests so far), the shared requests in the run's (the bench's) order."""
+    ratios, cumulative, total_p, total_r = [], [], 0.0, 0.0
+    for q in after_first(run, qids, 0):
+        p, r = speed(run[q], policy), speed(run[q], reference)
+        total_p, total_r = total_p + p, total_r + r
+        ratios.append(p / r)
+        cumulative.append(total_p / total_r)
+    return ratios, cumulative
+
+
+def plot(out: Path, paths: list[Path], runs: list[dict[int, dict]], qids: list[int], policy: str, reference: str) -> None:
+    """`learning_curve` of every run, one colour each: points per request, a line for the running sum."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display on the benchmark machines
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, MaxNLocator
+    except ImportError as err:
+        raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from err
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for i, (path, run) in enumerate(zip(paths, runs)):
+        ratios, cumulative = learning_curve(run, qids, policy, reference)
+        x = range(1, len(ratios) + 1)
+        ax.scatter(x, ratios, s=14, color=f"C{i}", alpha=0.6)
+        ax.plot(x, cumulative, color=f"C{i}", label=f"{path.name} (summed so far)")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_yscale("log")
+    ratio = FuncFormatter(lambda v, _: f"{v:g}")  # 0.9, not 9 x 10^-1
+    ax.yaxis.set_major_formatter(ratio)
+    ax.yaxis.set_minor_formatter(ratio)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("request, in the bench's order")
+    ax.set_ylabel(f"{policy} / {reference}, speed")
+    ax.set_title(f"{policy} against {reference}, per request (points) and summed so far (lines)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 def markdown(paths: list[Path], bs: int, qids: list[int], runs: list[dict[int, dict]], policy: str, reference: str, skip: int = 0) -> str:
-    methods = list(runs[0][qids[0]]["methods"])
+    methods = shared_methods(runs, qids)
     lines = [f"{len(runs)} runs at batch {bs}, {len(qids)} requests each: " + ", ".join(str(p) for p in paths), ""]
     lines += ["| method | one run's sd of a request's log goodput |", "|---|---|"]
     lines += [f"| {m} | {s:.3f} |" for m, s in spreads(runs, qids, methods).items()]
@@ -140,20 +193,25 @@ def main() -> None:
     ap.add_argument("--reference", default="spin:smollm2-135m", help="the method the per-task ratios divide by (e.g. the best single drafter)")
     ap.add_argument("--batch-size", type=int, default=None, help="the batch size read (default: the first in the first run)")
     ap.add_argument("--skip", type=int, default=0, help="also read each run without its first N requests (a cold pool's learning cost)")
+    ap.add_argument("--plot", type=Path, default=None, help="write the policy's per-request ratio to the reference, in the bench's order, to this image (needs matplotlib)")
     args = ap.parse_args()
     bs, first = load(args.runs[0], args.batch_size)
     runs = [first] + [load(p, bs)[1] for p in args.runs[1:]]
     qids = sorted(set.intersection(*(set(r) for r in runs)))
     if not qids:
         raise SystemExit("the runs share no request")
+    shared = shared_methods(runs, qids)
     for name in (args.policy, args.reference):
-        if any(name not in run[q]["methods"] for run in runs for q in qids):
-            raise SystemExit(f"{name!r} is not in every run; methods of the first: {list(runs[0][qids[0]]['methods'])}")
+        if name not in shared:
+            raise SystemExit(f"{name!r} is not timed on every request of every run; the methods that are: {shared}")
     if not 0 <= args.skip < len(qids):
         raise SystemExit(f"--skip {args.skip} leaves no request of the {len(qids)} the runs share")
     if args.skip and any(after_first(run, qids, 0) != after_first(runs[0], qids, 0) for run in runs):
         raise SystemExit(f"--skip {args.skip}: the runs ran their shared requests in different orders, so their first requests differ")
     print(markdown(args.runs, bs, qids, runs, args.policy, args.reference, args.skip))
+    if args.plot:
+        plot(args.plot, args.runs, runs, qids, args.policy, args.reference)
+        print(f"written: {args.plot}")
 
 
 if __name__ == "__main__":

@@ -75,6 +75,34 @@ def test_a_run_without_its_first_requests():
     assert "After the first 1 requests of each run, over all runs: policy:p / spin:a 1.000" in text
 
 
+def test_learning_curve_and_its_plot(tmp_path):
+    # bench order 2, 1, 3: the policy at half spin:a's speed on its first request, level after it
+    by_id = run(2.0, 2.0)
+    by_id[2]["methods"]["policy:p"]["seconds"] = 8.0  # spin:a: 4 s on request 2
+    by_id[3] = record(3, "x", {"plain": 5.0, "spin:a": 2.0, "spin:b": 4.0, "policy:p": 2.0})
+    ordered = {q: by_id[q] for q in (2, 1, 3)}
+    ratios, cumulative = pool_runs.learning_curve(ordered, [1, 2, 3], "policy:p", "spin:a")
+    assert ratios == pytest.approx([0.5, 1.0, 1.0])  # speeds 10/8 against 10/4, then equal
+    assert cumulative == pytest.approx([0.5, (1.25 + 5) / (2.5 + 5), (1.25 + 5 + 5) / (2.5 + 5 + 5)])
+    out = tmp_path / "curve.png"
+    pool_runs.plot(out, [Path("cold"), Path("warm")], [ordered, run(2.0, 2.0)], [1, 2], "policy:p", "spin:a")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_runs_with_other_methods_are_read_on_the_methods_they_share():
+    # one run also timed assisted generation, and in both an assisted baseline crashed on request 2
+    wider, narrower = run(2.0, 2.0), run(2.0, 2.0)
+    for r in wider.values():
+        r["methods"]["assisted:a"] = {"seconds": 3.0, "identical": True}
+    for r in (wider, narrower):
+        r[1]["methods"]["assisted:b"] = {"seconds": 3.0, "identical": True}
+        r[2]["methods"]["assisted:b"] = {"error": "RuntimeError()"}
+    runs = [wider, narrower]
+    assert pool_runs.shared_methods(runs, [1, 2]) == ["plain", "spin:a", "spin:b", "policy:p"]
+    assert set(pool_runs.per_task(runs, [1, 2], "policy:p", "spin:a")["ALL"]) == {"plain", "spin:a", "spin:b", "policy:p", "oracle fraction"}
+    assert "assisted:" not in pool_runs.markdown([Path("a"), Path("b")], 1, [1, 2], runs, "policy:p", "spin:a")
+
+
 def test_load_reads_the_newest_json_at_the_batch_size(tmp_path):
     records = list(run(2.0, 2.0).values()) + [{**record(3, "x", {"plain": 1.0}), "batch_size": 4, "requested_batch_size": 4}]
     (tmp_path / "pool_bench-20260101-000000.json").write_text(json.dumps({"records": []}))
