@@ -27,7 +27,7 @@ def task_of(category: str) -> str:
 
 def load_questions(path: Path, per_group: int, limit: int | None, group_by: str = "category") -> list[dict]:
     """The first `per_group` questions of every category (or task group), in file order, at most `limit`
-    (read with `datasets`: the JSON lines' schema, their parsing and a cache keyed by the file's hash)."""
+    (read with `datasets`: the JSON lines' schema and parsing, cached by the file's path and modification time)."""
     if not path.exists():
         raise FileNotFoundError(f"Spec-Bench questions not found at {path}; pass --questions PATH/question.jsonl")
     try:

@@ -42,12 +42,11 @@ import transformers
 import hf_spin
 from hf_spin import models
 
-from common import new_tokens, timed
+from common import DEFAULT_QUESTIONS, load_questions, new_tokens, timed
 from hf_spin.cache import RaggedCache, forward_ragged
 from hf_spin.drafters.fuzzy import LayerParallelForward
 from hf_spin.drafters.streaming import StreamingCache
 
-DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
 SECTIONS = ("easyspec", "fuzzy_cost", "magicdec", "cost")
 LONG_PROMPT_CATEGORIES = ("rag", "summarization")
 LONG_PROMPT_INSTRUCTION = "\n\nSummarize the documents above in a few sentences."
@@ -231,17 +230,6 @@ def time_forwards(settings: dict, reps: int) -> dict[str, float]:
 # --- easyspec ------------------------------------------------------------------------------------
 
 
-def load_questions(path: Path, per_category: int, limit: int | None) -> list[dict]:
-    taken: dict[str, int] = defaultdict(int)
-    questions = []
-    for line in path.read_text().splitlines():
-        q = json.loads(line)
-        if taken[q["category"]] < per_category:
-            taken[q["category"]] += 1
-            questions.append(q)
-    return questions[:limit]
-
-
 def chat(tok, text: str) -> str:
     return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
 
@@ -364,8 +352,8 @@ def magicdec_configs(target, drafter, args) -> dict:
 
 
 def run_magicdec(target, drafter, tok, args, rec: Recorder) -> None:
-    texts = [json.loads(line) for line in args.questions.read_text().splitlines()]
-    texts = [q["turns"][0] for q in texts if q["category"] in LONG_PROMPT_CATEGORIES]
+    questions = load_questions(args.questions, per_group=10**6, limit=None)  # all of them, in file order
+    texts = [q["turns"][0] for q in questions if q["category"] in LONG_PROMPT_CATEGORIES]
     configs = magicdec_configs(target, drafter, args)
     warm_up(target, tok, configs, args)
     for L in args.lengths:

@@ -55,11 +55,11 @@ def load(path: Path, batch_size: int | None) -> tuple[int, dict[int, dict]]:
     return bs, {r["question_id"]: r for r, s in zip(records, sizes) if s == bs}
 
 
-def oracle_goodput(record: dict, chosen_in: dict | None = None) -> float:
-    """The request's row goodput under the oracle's method, chosen on `chosen_in` (the same request
-    in another run; default: this record, the oracle in hindsight)."""
+def oracle_goodput(record: dict, singles: list[str], chosen_in: dict | None = None) -> float:
+    """The request's row goodput under the oracle's method (the best of `singles` and plain decoding),
+    chosen on `chosen_in` (the same request in another run; default: this record, the oracle in hindsight)."""
     pick = chosen_in or record
-    return row_goodput(record, oracle_pick(pick, [m for m in pick["methods"] if m.startswith("spin:")]))
+    return row_goodput(record, oracle_pick(pick, singles))
 
 
 def shared_methods(runs: list[dict[int, dict]], qids: list[int]) -> list[str]:
@@ -67,6 +67,11 @@ def shared_methods(runs: list[dict[int, dict]], qids: list[int]) -> list[str]:
     may differ in what else they ran (assisted generation, other policies) or where a baseline crashed."""
     first = runs[0][qids[0]]["methods"]
     return [m for m in first if all("seconds" in run[q]["methods"].get(m, {}) for run in runs for q in qids)]
+
+
+def single_drafters(runs: list[dict[int, dict]], qids: list[int]) -> list[str]:
+    """The oracle's candidates: the single-drafter methods every run timed on every request."""
+    return [m for m in shared_methods(runs, qids) if m.startswith("spin:")]
 
 
 def spreads(runs: list[dict[int, dict]], qids: list[int], methods: list[str]) -> dict[str, float]:
@@ -81,10 +86,11 @@ def spreads(runs: list[dict[int, dict]], qids: list[int], methods: list[str]) ->
 def oracle_noise(runs: list[dict[int, dict]], qids: list[int]) -> list[float]:
     """Per run: its oracle in hindsight over the mean (over the other runs) of an oracle that chose
     each request's method in another run and is read in this one."""
+    singles = single_drafters(runs, qids)
     out = []
     for i, run in enumerate(runs):
-        hindsight = sum(oracle_goodput(run[q]) for q in qids)
-        crossed = [sum(oracle_goodput(run[q], other[q]) for q in qids) for j, other in enumerate(runs) if j != i]
+        hindsight = sum(oracle_goodput(run[q], singles) for q in qids)
+        crossed = [sum(oracle_goodput(run[q], singles, other[q]) for q in qids) for j, other in enumerate(runs) if j != i]
         out.append(hindsight / statistics.mean(crossed))
     return out
 
@@ -94,7 +100,7 @@ def per_task(runs: list[dict[int, dict]], qids: list[int], policy: str, referenc
     policy's summed row goodput over the oracle's (`oracle fraction`)."""
     speeds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     goodputs: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    methods = shared_methods(runs, qids)
+    methods, singles = shared_methods(runs, qids), single_drafters(runs, qids)
     for run in runs:
         for q in qids:
             r = run[q]
@@ -102,7 +108,7 @@ def per_task(runs: list[dict[int, dict]], qids: list[int], policy: str, referenc
                 for m in methods:
                     speeds[task][m] += speed(r, m)
                 goodputs[task][policy] += row_goodput(r, policy)
-                goodputs[task]["oracle"] += oracle_goodput(r)
+                goodputs[task]["oracle"] += oracle_goodput(r, singles)
     table = {}
     for task, s in speeds.items():
         table[task] = {m: v / s[reference] for m, v in s.items()}
@@ -119,7 +125,8 @@ def after_first(run: dict[int, dict], qids: list[int], skip: int) -> list[int]:
 
 def learning_curve(run: dict[int, dict], qids: list[int], policy: str, reference: str) -> tuple[list[float], list[float]]:
     """([R] the policy's speed over the reference's per request, [R] the same of their speeds summed
-    over the requests so far), the shared requests in the run's (the bench's) order."""
+    over the requests so far), the shared requests in the run's (the bench's) order. At batch > 1
+    the rows of a batch share its time: each of them repeats the batch's ratio."""
     ratios, cumulative, total_p, total_r = [], [], 0.0, 0.0
     for q in after_first(run, qids, 0):
         p, r = speed(run[q], policy), speed(run[q], reference)
@@ -147,9 +154,9 @@ def plot(out: Path, paths: list[Path], runs: list[dict[int, dict]], qids: list[i
         ax.plot(x, cumulative, color=f"C{i}", label=f"{path.name} (summed so far)")
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_yscale("log")
-    ratio = FuncFormatter(lambda v, _: f"{v:g}")  # 0.9, not 9 x 10^-1
-    ax.yaxis.set_major_formatter(ratio)
-    ax.yaxis.set_minor_formatter(ratio)
+    ax.set_yticks([t for t in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0) if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]])
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 0.9, not 9 x 10^-1
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("request, in the bench's order")
     ax.set_ylabel(f"{policy} / {reference}, speed")

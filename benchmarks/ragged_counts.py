@@ -38,7 +38,7 @@ from hf_spin.cache import PackedCache, RaggedCache
 from hf_spin.kernels.decomposition import plan_decomposition
 from hf_spin.policies import DEFAULT_DRAFT_LENGTH
 
-DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
+from common import DEFAULT_QUESTIONS, load_questions
 PATHS = ("padded", "holes", "decomposed", "packed")
 
 
@@ -77,7 +77,7 @@ def bytes_per_token(config) -> int:
 
 
 def prompt_lengths(path: Path, tokenizer, seed: int) -> list[tuple[str, int]]:
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = load_questions(path, per_group=10**6, limit=None)  # all of them, in file order
     random.Random(seed).shuffle(records)
     out = []
     for r in records:

@@ -76,6 +76,7 @@ def test_a_run_without_its_first_requests():
 
 
 def test_learning_curve_and_its_plot(tmp_path):
+    pytest.importorskip("matplotlib")  # in the [test] extra; a bare install reads the curve but cannot draw it
     # bench order 2, 1, 3: the policy at half spin:a's speed on its first request, level after it
     by_id = run(2.0, 2.0)
     by_id[2]["methods"]["policy:p"]["seconds"] = 8.0  # spin:a: 4 s on request 2
@@ -91,9 +92,11 @@ def test_learning_curve_and_its_plot(tmp_path):
 
 def test_runs_with_other_methods_are_read_on_the_methods_they_share():
     # one run also timed assisted generation, and in both an assisted baseline crashed on request 2
+    # and one run timed a third single drafter, faster than the others: not an oracle candidate
     wider, narrower = run(2.0, 2.0), run(2.0, 2.0)
     for r in wider.values():
         r["methods"]["assisted:a"] = {"seconds": 3.0, "identical": True}
+        r["methods"]["spin:c"] = {"seconds": 1.0, "identical": True}
     for r in (wider, narrower):
         r[1]["methods"]["assisted:b"] = {"seconds": 3.0, "identical": True}
         r[2]["methods"]["assisted:b"] = {"error": "RuntimeError()"}
@@ -101,6 +104,9 @@ def test_runs_with_other_methods_are_read_on_the_methods_they_share():
     assert pool_runs.shared_methods(runs, [1, 2]) == ["plain", "spin:a", "spin:b", "policy:p"]
     assert set(pool_runs.per_task(runs, [1, 2], "policy:p", "spin:a")["ALL"]) == {"plain", "spin:a", "spin:b", "policy:p", "oracle fraction"}
     assert "assisted:" not in pool_runs.markdown([Path("a"), Path("b")], 1, [1, 2], runs, "policy:p", "spin:a")
+    assert pool_runs.single_drafters(runs, [1, 2]) == ["spin:a", "spin:b"]
+    assert pool_runs.oracle_noise(runs, [1, 2]) == [1.0, 1.0]
+    assert pool_runs.per_task(runs, [1, 2], "policy:p", "spin:a")["ALL"]["oracle fraction"] == 1.0
 
 
 def test_load_reads_the_newest_json_at_the_batch_size(tmp_path):
