@@ -25,8 +25,8 @@ def task_of(category: str) -> str:
     return "mt_bench" if category in MT_BENCH else category
 
 
-def load_questions(path: Path, per_group: int, limit: int | None, group_by: str = "category") -> list[dict]:
-    """The first `per_group` questions of every category (or task group), in file order, at most `limit`
+def load_questions(path: Path, per_group: int | None = None, limit: int | None = None, group_by: str = "category") -> list[dict]:
+    """The first `per_group` questions of every category (or task group; None: all), in file order, at most `limit`
     (read with `datasets`: the JSON lines' schema and parsing, cached by the file's path and modification time)."""
     if not path.exists():
         raise FileNotFoundError(f"Spec-Bench questions not found at {path}; pass --questions PATH/question.jsonl")
@@ -39,7 +39,7 @@ def load_questions(path: Path, per_group: int, limit: int | None, group_by: str 
     questions = []
     for q in load_dataset("json", data_files=str(path), split="train"):
         group = key(q["category"])
-        if taken[group] < per_group:
+        if per_group is None or taken[group] < per_group:
             taken[group] += 1
             questions.append({**q, "group": group})
     return questions[:limit]

@@ -352,7 +352,7 @@ def magicdec_configs(target, drafter, args) -> dict:
 
 
 def run_magicdec(target, drafter, tok, args, rec: Recorder) -> None:
-    questions = load_questions(args.questions, per_group=10**6, limit=None)  # all of them, in file order
+    questions = load_questions(args.questions)  # all of them, in file order
     texts = [q["turns"][0] for q in questions if q["category"] in LONG_PROMPT_CATEGORIES]
     configs = magicdec_configs(target, drafter, args)
     warm_up(target, tok, configs, args)

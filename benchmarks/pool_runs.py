@@ -69,9 +69,9 @@ def shared_methods(runs: list[dict[int, dict]], qids: list[int]) -> list[str]:
     return [m for m in first if all("seconds" in run[q]["methods"].get(m, {}) for run in runs for q in qids)]
 
 
-def single_drafters(runs: list[dict[int, dict]], qids: list[int]) -> list[str]:
-    """The oracle's candidates: the single-drafter methods every run timed on every request."""
-    return [m for m in shared_methods(runs, qids) if m.startswith("spin:")]
+def single_drafters(methods: list[str]) -> list[str]:
+    """The oracle's candidates among `methods` (`shared_methods`: timed on every request of every run)."""
+    return [m for m in methods if m.startswith("spin:")]
 
 
 def spreads(runs: list[dict[int, dict]], qids: list[int], methods: list[str]) -> dict[str, float]:
@@ -86,7 +86,7 @@ def spreads(runs: list[dict[int, dict]], qids: list[int], methods: list[str]) ->
 def oracle_noise(runs: list[dict[int, dict]], qids: list[int]) -> list[float]:
     """Per run: its oracle in hindsight over the mean (over the other runs) of an oracle that chose
     each request's method in another run and is read in this one."""
-    singles = single_drafters(runs, qids)
+    singles = single_drafters(shared_methods(runs, qids))
     out = []
     for i, run in enumerate(runs):
         hindsight = sum(oracle_goodput(run[q], singles) for q in qids)
@@ -100,7 +100,8 @@ def per_task(runs: list[dict[int, dict]], qids: list[int], policy: str, referenc
     policy's summed row goodput over the oracle's (`oracle fraction`)."""
     speeds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     goodputs: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    methods, singles = shared_methods(runs, qids), single_drafters(runs, qids)
+    methods = shared_methods(runs, qids)
+    singles = single_drafters(methods)
     for run in runs:
         for q in qids:
             r = run[q]

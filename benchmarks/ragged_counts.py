@@ -77,7 +77,7 @@ def bytes_per_token(config) -> int:
 
 
 def prompt_lengths(path: Path, tokenizer, seed: int) -> list[tuple[str, int]]:
-    records = load_questions(path, per_group=10**6, limit=None)  # all of them, in file order
+    records = load_questions(path)  # all of them, in file order
     random.Random(seed).shuffle(records)
     out = []
     for r in records:

@@ -239,7 +239,7 @@ def main() -> int:
         ap.error("--requests, --max-new-tokens and --concurrency must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
 
-    questions = load_questions(args.questions, per_group=10**6, limit=None)
+    questions = load_questions(args.questions)
     # round-robin over categories, so a short run still mixes tasks
     by_cat: dict[str, list[str]] = {}
     for q in questions:

@@ -104,7 +104,7 @@ def test_runs_with_other_methods_are_read_on_the_methods_they_share():
     assert pool_runs.shared_methods(runs, [1, 2]) == ["plain", "spin:a", "spin:b", "policy:p"]
     assert set(pool_runs.per_task(runs, [1, 2], "policy:p", "spin:a")["ALL"]) == {"plain", "spin:a", "spin:b", "policy:p", "oracle fraction"}
     assert "assisted:" not in pool_runs.markdown([Path("a"), Path("b")], 1, [1, 2], runs, "policy:p", "spin:a")
-    assert pool_runs.single_drafters(runs, [1, 2]) == ["spin:a", "spin:b"]
+    assert pool_runs.single_drafters(pool_runs.shared_methods(runs, [1, 2])) == ["spin:a", "spin:b"]
     assert pool_runs.oracle_noise(runs, [1, 2]) == [1.0, 1.0]
     assert pool_runs.per_task(runs, [1, 2], "policy:p", "spin:a")["ALL"]["oracle fraction"] == 1.0
 
