@@ -529,6 +529,8 @@ class SpinEngine:
                 row.stats.drafters[self.names[d_idx]] += 1
                 own = accepted[b] if len(p.proposals[b]) == 1 else min(matched[b][d_idx], len(tokens))
                 self.drafter_stats[self.names[d_idx]].add(len(tokens), own, len(new))
+        for d_idx in sorted({d for prop in p.proposals for d in prop}):
+            self.drafter_stats[self.names[d_idx]].steps += 1
         self.cache.rollback(torch.tensor([len(r.sequence) - 1 for r in rows], device=self.cache.device))
 
         # 7. Fast switching: idle drafters named by the plan catch up on rows they may serve next.

@@ -38,7 +38,6 @@ from .stats import DrafterStats, GenerationStats
 
 # Most micro-batches the heuristic may try.
 MAX_MICRO_BATCHES = 8
-STATS_FIELDS = ("drafted", "accepted", "target_forwards", "new_tokens", "draft_seconds", "failures")
 
 
 class _LockedPolicy:
@@ -132,8 +131,7 @@ class Pipeline:
         total: dict[str, DrafterStats] = {name: DrafterStats() for name in self.pool.names}
         for stats in [self._retired_stats] + [lane.drafter_stats for lane in self.lanes]:
             for name, d in stats.items():
-                for f in STATS_FIELDS:
-                    setattr(total[name], f, getattr(total[name], f) + getattr(d, f))
+                total[name].merge(d)
         return total
 
     @property
@@ -213,9 +211,7 @@ class Pipeline:
             if i >= self.count.current and not lane.has_work and id(lane) not in self._in_flight:
                 lane.close()
                 for name, d in lane.drafter_stats.items():
-                    total = self._retired_stats.setdefault(name, DrafterStats())
-                    for f in STATS_FIELDS:
-                        setattr(total, f, getattr(total, f) + getattr(d, f))
+                    self._retired_stats.setdefault(name, DrafterStats()).merge(d)
             else:
                 keep.append(lane)
         self.lanes = keep

@@ -146,6 +146,4 @@ class AssistantPool:
     def record(self, stats: GenerationStats) -> None:
         self.last_stats = stats
         for name, d in stats.drafters.items():
-            total = self.totals.setdefault(name, DrafterStats())
-            for field in ("drafted", "accepted", "target_forwards", "new_tokens", "draft_seconds", "failures"):
-                setattr(total, field, getattr(total, field) + getattr(d, field))
+            self.totals.setdefault(name, DrafterStats()).merge(d)

@@ -22,12 +22,20 @@ class Counts:
     target_forwards: int = 0  # verification forwards (prefill not counted)
     new_tokens: int = 0  # tokens produced (accepted + recovered/bonus, cut at a stop)
     draft_seconds: float = 0.0
+    longest_draft: int = 0  # most draft tokens verified in one forward (a model drafter's confidence stop keeps it below k)
 
     def add(self, drafted: int, accepted: int, new_tokens: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
         self.new_tokens += new_tokens
         self.target_forwards += 1
+        self.longest_draft = max(self.longest_draft, drafted)
+
+    @property
+    def rejected(self) -> int:
+        """Draft tokens the target rejected: a step that rejects cuts its draft at the first rejection,
+        so rejected > 0 exactly when some step took the rejection path."""
+        return self.drafted - self.accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -51,6 +59,21 @@ class RowStats(Counts):
 @dataclass
 class DrafterStats(Counts):
     failures: int = 0  # calls in which the drafter raised and was dropped
+    steps: int = 0  # verification steps in which it served at least one row (target_forwards counts rows)
+
+    @classmethod
+    def total(cls, parts) -> DrafterStats:
+        """The sum of several drafters' or calls' counts (longest_draft: the longest of them)."""
+        out = cls()
+        for part in parts:
+            out.merge(part)
+        return out
+
+    def merge(self, other: DrafterStats) -> None:
+        """Add another call's (or lane's) counts to these."""
+        for name in ("drafted", "accepted", "target_forwards", "new_tokens", "draft_seconds", "failures", "steps"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.longest_draft = max(self.longest_draft, other.longest_draft)
 
 
 @dataclass
@@ -80,7 +103,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         """JSON-ready: raw counts plus the derived rates."""
-        derived = ("acceptance_rate", "mean_accepted_length")
+        derived = ("acceptance_rate", "mean_accepted_length", "rejected")
 
         def counts(c):
             return {**asdict(c), **{k: getattr(c, k) for k in derived}}
@@ -106,7 +129,7 @@ class GenerationStats:
         for name, d in self.drafters.items():
             lines.append(
                 f"  {name}: drafted {d.drafted}, accepted {d.accepted} ({d.acceptance_rate:.1%}), "
-                f"{d.target_forwards} steps, {d.draft_seconds:.2f}s drafting"
+                f"longest draft {d.longest_draft}, {d.steps} steps, {d.draft_seconds:.2f}s drafting"
                 + (f", failed {d.failures}x" if d.failures else "")
             )
         return "\n".join(lines)

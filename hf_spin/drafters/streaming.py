@@ -135,6 +135,7 @@ class StreamingDrafter(ModelDrafter):
             self.name += f"-streaming{sink_tokens}+{window_tokens}"
         self.seeded = False  # whether the last start() got the target's own cache to copy exact KV from
         self.target_cache: RaggedCache | None = None  # read only, never changed
+        self.rebuilds = 0  # rows rebuilt from nothing since this drafter was made (a rollback into evicted tokens)
 
     @property
     def budget(self) -> int:
@@ -160,7 +161,10 @@ class StreamingDrafter(ModelDrafter):
     def _keep(self, row: int, common: int) -> int:
         keep = super()._keep(row, common)  # seeded: no further than the KV copied from the target
         evicted = int(self.cache.evicted[row])
-        return 0 if evicted and keep < self.sink_tokens + evicted else keep  # 0: rebuild the row
+        if evicted and keep < self.sink_tokens + evicted:  # the tokens to keep reach into evicted ones
+            self.rebuilds += 1
+            return 0  # rebuild the row
+        return keep
 
     def _forward(self, chunks: list[list[int]], keep: list[int] | None) -> torch.Tensor:
         if keep is not None:

@@ -1,0 +1,60 @@
+"""Checks that a lossless test exercised speculation, so that it can fail.
+
+Greedy identity with plain `generate` holds trivially when nothing is drafted (plain decoding), and
+says nothing about multi-token acceptance or rollback when every draft is one token long. A lossless
+test therefore also asserts, on the call's statistics, what its claim needs: drafts longer than one
+token, some accepted, some rejected where a rejection path is claimed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import hf_spin
+from hf_spin.policies import FixedLength
+from hf_spin.stats import DrafterStats, GenerationStats
+
+from .archs import tiny_model
+
+# Draft length of the lossless tests, with no confidence stop: tiny random models are never 40% sure
+# of a token, so the default rule (k = 8, stop below 0.4) would draft one token per step.
+DRAFT_TOKENS = 4
+# Relative noise on the target's weights for a drafter that agrees with it often, not always
+# (acceptance 3-91% over archs.ARCHS at k = 4): accepted prefixes cut by rejections at any position.
+PERTURBATION = 0.2
+
+
+def perturbed(arch: str, scale: float = PERTURBATION, seed: int = 1, **overrides) -> torch.nn.Module:
+    """The seed-0 tiny model of `arch` with every weight tensor moved by `scale` times its own std of
+    seeded Gaussian noise: a drafter close to the target (a small model distilled from it, say)."""
+    model = tiny_model(arch, seed=0, **overrides)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.numel() > 1 and param.std() > 0:
+                param.add_(torch.randn(param.shape, generator=g) * param.std() * scale)
+    return model
+
+
+def assert_speculated(stats: GenerationStats | DrafterStats, *, accepted: bool = True, rejected: bool = True, longest: int = 2, what: str = "") -> None:
+    """The call drafted at least one draft of `longest` tokens and, if `accepted` / `rejected`,
+    accepted / rejected some draft tokens (a call's stats: summed over its drafters; or one drafter's)."""
+    d = stats if isinstance(stats, DrafterStats) else DrafterStats.total(stats.drafters.values())
+    context = f"{what}\n{stats}" if what else str(stats)
+    assert d.failures == 0, f"a drafter raised during the call: {context}"
+    assert d.longest_draft >= longest, f"longest draft {d.longest_draft} < {longest}: multi-token drafts not exercised: {context}"
+    if accepted:
+        assert d.accepted > 0, f"no draft token accepted: the acceptance path was not exercised: {context}"
+    if rejected:
+        assert d.rejected > 0, f"no draft token rejected: the rejection path was not exercised: {context}"
+
+
+def multi_token(k: int = DRAFT_TOKENS) -> FixedLength:
+    """A draft rule of k tokens a step that never stops a draft early."""
+    return FixedLength(k, min_confidence=0.0)
+
+
+def pool(entries, **kwargs) -> hf_spin.AssistantPool:
+    """An AssistantPool drafting DRAFT_TOKENS tokens a step unless draft_length is given."""
+    kwargs.setdefault("draft_length", multi_token())
+    return hf_spin.AssistantPool(entries, **kwargs)
