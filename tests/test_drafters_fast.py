@@ -26,6 +26,7 @@ from hf_spin.drafters.fuzzy import SUPPORTED_MODEL_TYPES, LayerParallelForward, 
 from hf_spin.drafters.streaming import StreamingCache
 
 from .archs import VOCAB, ragged_batch, tiny_model
+from .speculation import assert_speculated, perturbed, pool as spin_pool
 
 LAYERS = 6  # enough for sets of 2, 3 and 4 between the first and last layer
 MAX_NEW_TOKENS = 24
@@ -38,8 +39,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @functools.lru_cache(maxsize=None)
 def _models(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(target, other-seed drafter), both LAYERS deep."""
-    return tiny_model(arch, seed=0, num_hidden_layers=LAYERS), tiny_model(arch, seed=1, num_hidden_layers=LAYERS)
+    """(target, perturbed target), both LAYERS deep."""
+    return tiny_model(arch, seed=0, num_hidden_layers=LAYERS), perturbed(arch, num_hidden_layers=LAYERS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,16 +56,15 @@ def _case(arch: str, batch: int) -> tuple[dict, torch.Tensor]:
     raise AssertionError(f"{arch}: every prompt seed stops early")
 
 
-def _assert_lossless(arch: str, batch: int, drafter) -> hf_spin.GenerationStats:
+def _assert_lossless(arch: str, batch: int, drafter, rejected: bool = True) -> hf_spin.GenerationStats:
+    """Output equal to plain generate's with 4-token drafts, which were accepted and (`rejected`) rejected."""
     target = _models(arch)[0]
     inputs, reference = _case(arch, batch)
-    pool = hf_spin.AssistantPool([drafter])
+    pool = spin_pool([drafter])
     out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
     assert torch.equal(out, reference), f"{drafter.name}: output differs from plain generate\n{out}\n{reference}"
-    stats = pool.last_stats
-    (d,) = stats.drafters.values()
-    assert d.failures == 0 and d.drafted > 0, str(stats)
-    return stats
+    assert_speculated(pool.last_stats, rejected=rejected)
+    return pool.last_stats
 
 
 # --- greedy output equals plain generate -----------------------------------------------------------
@@ -72,9 +72,11 @@ def _assert_lossless(arch: str, batch: int, drafter) -> hf_spin.GenerationStats:
 FUZZY_KINDS = {
     "self-N2": lambda target, other: hf_spin.FuzzyDrafter(target, group_size=2),  # accepted drafts, calibration refills
     "self-N4-uncalibrated": lambda target, other: hf_spin.FuzzyDrafter(target, group_size=4, calibrate=False),
-    "other-N3": lambda target, other: hf_spin.FuzzyDrafter(other, group_size=3),  # mostly rejected: rollback
+    "other-N3": lambda target, other: hf_spin.FuzzyDrafter(other, group_size=3),  # accepted and rejected: rollback
     "self-N2-per-layer": lambda target, other: hf_spin.FuzzyDrafter(target, group_size=2, batched=False),
 }
+# Kinds whose drafts may all be right (fuzzy N = 2 of the target itself can match it exactly).
+MAY_BE_EXACT = {"self-N2", "self-N2-per-layer"}
 STREAMING_KINDS = {
     "self": lambda target, other: hf_spin.StreamingDrafter(target, sink_tokens=2, window_tokens=6),  # seeded from the target
     "self-window<k": lambda target, other: hf_spin.StreamingDrafter(target, sink_tokens=1, window_tokens=2),  # row rebuilds
@@ -87,7 +89,7 @@ STREAMING_KINDS = {
 @pytest.mark.parametrize("arch", SUPPORTED_MODEL_TYPES)
 def test_fuzzy_greedy_equivalence(arch, kind, batch):
     drafter = FUZZY_KINDS[kind](*_models(arch))
-    stats = _assert_lossless(arch, batch, drafter)
+    stats = _assert_lossless(arch, batch, drafter, rejected=kind not in MAY_BE_EXACT)
     if kind == "self-N2":  # fuzzy drafts of the target itself, calibrated: still mostly right
         assert stats.acceptance_rate > 0.5, str(stats)
 
@@ -97,8 +99,10 @@ def test_fuzzy_greedy_equivalence(arch, kind, batch):
 @pytest.mark.parametrize("arch", STREAMING_ARCHS)
 def test_streaming_greedy_equivalence(arch, kind, batch):
     drafter = STREAMING_KINDS[kind](*_models(arch))
-    _assert_lossless(arch, batch, drafter)
+    _assert_lossless(arch, batch, drafter, rejected=kind == "other")
     assert drafter.seeded == kind.startswith("self")  # the target drafting for itself copies its prefill
+    if kind == "self-window<k":  # a draft longer than the window: rollback reaches evicted tokens
+        assert drafter.rebuilds > 0
 
 
 @pytest.mark.parametrize("kind", ("fuzzy", "streaming"))
@@ -108,18 +112,20 @@ def test_round_robin_catch_up(kind):
     target, other = _models("qwen2")
     drafter = hf_spin.FuzzyDrafter(target, group_size=2) if kind == "fuzzy" else hf_spin.StreamingDrafter(target, 2, 6)
     inputs, reference = _case("qwen2", 4)
-    pool = hf_spin.AssistantPool([drafter, "prompt_lookup"], policy="round_robin")
+    pool = spin_pool([drafter, "prompt_lookup"], policy="round_robin")
     out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
     assert torch.equal(out, reference)
     stats = pool.last_stats.drafters[pool.names[0]]
-    assert stats.failures == 0 and stats.target_forwards >= 2 and stats.accepted > 0, str(pool.last_stats)
+    assert_speculated(stats, rejected=False, what=str(pool.last_stats))
+    # served on two steps with a lookup step between: the catch-up spans tokens it did not draft
+    assert stats.steps >= 2 and pool.last_stats.drafters["prompt_lookup"].steps >= 1, str(pool.last_stats)
 
 
 @pytest.mark.parametrize("arch", ("llama", "gpt2"))
 def test_streaming_without_eviction_is_the_plain_drafter(arch):
     """A budget larger than any row never evicts: acceptance equals the plain self-drafter's (all accepted)."""
     target = _models(arch)[0]
-    stats = _assert_lossless(arch, 4, hf_spin.StreamingDrafter(target, sink_tokens=4, window_tokens=100))
+    stats = _assert_lossless(arch, 4, hf_spin.StreamingDrafter(target, sink_tokens=4, window_tokens=100), rejected=False)
     assert stats.acceptance_rate == 1.0, str(stats)
 
 
@@ -189,7 +195,7 @@ def test_fuzzy_drafter_leaves_the_model_alone():
     target = _models("qwen2")[0]
     state = {k: v.clone() for k, v in target.state_dict().items()}
     modules = list(target.modules())
-    _assert_lossless("qwen2", 4, hf_spin.FuzzyDrafter(target, group_size=3))
+    _assert_lossless("qwen2", 4, hf_spin.FuzzyDrafter(target, group_size=3), rejected=False)
     assert list(target.modules()) == modules
     assert all(torch.equal(state[k], v) for k, v in target.state_dict().items())
 
