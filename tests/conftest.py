@@ -47,7 +47,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def drafter():
-    """Another seed, one layer: a drafter whose drafts are sometimes accepted."""
-    from .archs import tiny_model
+    """The target with noise on its weights: drafts of several tokens, often accepted, not always."""
+    from .speculation import perturbed
 
-    return tiny_model("llama", seed=1, num_hidden_layers=1)
+    return perturbed("llama")

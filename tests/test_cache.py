@@ -12,6 +12,7 @@ import hf_spin
 from hf_spin.cache import RaggedCache, needs_contiguous_slots
 
 from .archs import COMMON, ragged_batch, tiny_model
+from .speculation import assert_speculated, multi_token, pool as spin_pool
 
 
 def mpt() -> torch.nn.Module:
@@ -31,7 +32,7 @@ def test_slot_counting_models_stay_exact_at_batch_4(make):
     ids, mask = ragged_batch(4, 14, seed=3)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
     for drafters in (["prompt_lookup"], [model]):
-        out = model.generate(**kwargs, custom_generate=hf_spin.generate, assistant_pool=hf_spin.AssistantPool(drafters))
+        out = model.generate(**kwargs, custom_generate=hf_spin.generate, assistant_pool=spin_pool(drafters))
         assert torch.equal(out, model.generate(**kwargs))
 
 

@@ -8,6 +8,7 @@ import hf_spin
 from hf_spin.drafters import Drafter
 
 from .archs import EOS, ragged_batch, tiny_model
+from .speculation import assert_speculated, multi_token, pool as spin_pool
 
 
 def spin(model, pool, **kwargs):
@@ -16,7 +17,7 @@ def spin(model, pool, **kwargs):
 
 def test_return_dict_carries_stats(target, drafter):
     ids, mask = ragged_batch(3, 10)
-    pool = hf_spin.AssistantPool([drafter, "prompt_lookup"], policy="round_robin")
+    pool = spin_pool([drafter, "prompt_lookup"], policy="round_robin")
     out = spin(target, pool, input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
     ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
     assert isinstance(out, hf_spin.SpinGenerateOutput) and torch.equal(out.sequences, ref.sequences)
@@ -39,7 +40,7 @@ def test_eos_list_and_rows_leaving_the_batch(target, drafter):
     eos = [EOS, int(ref[0, 14]), int(ref[2, 18])]
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False, eos_token_id=eos, pad_token_id=0)
     ref = target.generate(**kwargs)
-    out = spin(target, hf_spin.AssistantPool([drafter]), **kwargs)
+    out = spin(target, spin_pool([drafter]), **kwargs)
     assert torch.equal(out, ref)
     assert (out == 0).any(), "some row should have stopped early and been padded"
 
@@ -47,7 +48,7 @@ def test_eos_list_and_rows_leaving_the_batch(target, drafter):
 def test_min_new_tokens_and_repetition_penalty(target, drafter):
     ids, mask = ragged_batch(2, 8)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=15, do_sample=False, repetition_penalty=1.3, min_new_tokens=10)
-    assert torch.equal(spin(target, hf_spin.AssistantPool([drafter, "prompt_lookup"], policy="round_robin"), **kwargs), target.generate(**kwargs))
+    assert torch.equal(spin(target, spin_pool([drafter, "prompt_lookup"], policy="round_robin"), **kwargs), target.generate(**kwargs))
 
 
 class StopAfter(StoppingCriteria):
@@ -63,7 +64,7 @@ class StopAfter(StoppingCriteria):
 def test_custom_stopping_criteria(target):
     ids = torch.randint(3, 90, (1, 8))
     kwargs = dict(input_ids=ids, max_new_tokens=30, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfter(15)]))
-    out = spin(target, hf_spin.AssistantPool([target]), **kwargs)
+    out = spin(target, spin_pool([target]), **kwargs)
     assert torch.equal(out, target.generate(**kwargs)) and out.shape[1] == 15
 
 
@@ -86,7 +87,7 @@ def test_enable_streamer_and_plain_path_untouched(target, drafter):
     hf_spin.enable()
     try:
         streamer = Collect()
-        out = target.generate(input_ids=ids, max_new_tokens=12, do_sample=False, assistant_pool=hf_spin.AssistantPool([drafter]), streamer=streamer)
+        out = target.generate(input_ids=ids, max_new_tokens=12, do_sample=False, assistant_pool=spin_pool([drafter]), streamer=streamer)
         assert torch.equal(out, ref)
         assert streamer.ended and streamer.chunks[0] == ids[0].tolist()
         assert sum(streamer.chunks[1:], []) == out[0, 8:].tolist()
@@ -101,7 +102,7 @@ def test_seeded_sampling_is_deterministic(target, drafter):
     outs = []
     for _ in range(2):
         torch.manual_seed(123)
-        outs.append(spin(target, hf_spin.AssistantPool([drafter, "prompt_lookup"], policy="round_robin"), **kwargs))
+        outs.append(spin(target, spin_pool([drafter, "prompt_lookup"], policy="round_robin"), **kwargs))
     assert torch.equal(outs[0], outs[1])
 
 
@@ -114,7 +115,7 @@ class Broken(Drafter):
 
 def test_failing_drafter_is_dropped_and_output_stays_exact(target, drafter):
     ids, mask = ragged_batch(2, 8)
-    pool = hf_spin.AssistantPool([Broken(), drafter], policy="round_robin")
+    pool = spin_pool([Broken(), drafter], policy="round_robin")
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=15, do_sample=False)
     with pytest.warns(UserWarning, match="broken.*dropped"):
         out = spin(target, pool, **kwargs)

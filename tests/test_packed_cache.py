@@ -20,6 +20,7 @@ import hf_spin.kernels.attention as varlen_attention_module
 from hf_spin.cache import CACHE_ARG, PackedCache, forward_ragged, grow_capacity
 
 from .archs import ragged_batch, tiny_model
+from .speculation import assert_speculated, multi_token, pool as spin_pool
 
 ARCHS_CHECKED = ("llama", "qwen2", "mistral", "gpt2")
 PROMPT_LENGTH, MAX_NEW_TOKENS = 14, 24
@@ -68,7 +69,7 @@ def test_greedy_output_equals_plain_generate(arch, batch, drafter, packed_calls)
     target, other = _models(arch)
     inputs, reference = _case(arch, batch)
     drafters = {"other": [other], "self": [target], "prompt_lookup": ["prompt_lookup"], "round_robin": [other, "prompt_lookup"]}[drafter]
-    pool = hf_spin.AssistantPool(drafters, policy="round_robin" if drafter == "round_robin" else "fixed", ragged_attention=True)
+    pool = spin_pool(drafters, policy="round_robin" if drafter == "round_robin" else "fixed", ragged_attention=True)
     implementation = target.config._attn_implementation
     out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
     assert torch.equal(out, reference)
@@ -85,7 +86,7 @@ def test_sliding_windows_shorter_than_the_rows(arch, packed_calls):
     ids, mask = ragged_batch(4, PROMPT_LENGTH, seed=0)
     inputs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
     reference = target.generate(**inputs)
-    pool = hf_spin.AssistantPool([other, "prompt_lookup"], policy="round_robin", ragged_attention=True)
+    pool = spin_pool([other, "prompt_lookup"], policy="round_robin", ragged_attention=True)
     assert torch.equal(target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool), reference)
     assert len(packed_calls) > 0 and not pool.last_stats.drafters[pool.names[0]].failures
 
@@ -97,7 +98,7 @@ def test_refuses_models_without_attention_interface():
             input_ids=torch.tensor([[3, 4, 5]]),
             max_new_tokens=2,
             custom_generate=hf_spin.generate,
-            assistant_pool=hf_spin.AssistantPool(["prompt_lookup"], ragged_attention=True),
+            assistant_pool=spin_pool(["prompt_lookup"], ragged_attention=True),
         )
 
 
@@ -165,7 +166,7 @@ def test_engine_with_the_triton_kernel_under_the_interpreter(monkeypatch):
     ids, mask = ragged_batch(3, 8, seed=5)
     inputs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     reference = target.generate(**inputs)
-    pool = hf_spin.AssistantPool([target], ragged_attention=True, draft_length=3)
+    pool = spin_pool([target], ragged_attention=True, draft_length=3)
     assert torch.equal(target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool), reference)
 
 
@@ -175,7 +176,7 @@ def test_sampling_runs_on_the_packed_path(packed_calls):
     target, other = _models("llama")
     inputs, _ = _case("llama", 4)
     torch.manual_seed(0)
-    pool = hf_spin.AssistantPool([other], ragged_attention=True)
+    pool = spin_pool([other], ragged_attention=True)
     out = target.generate(**{**inputs, "do_sample": True, "temperature": 0.8}, custom_generate=hf_spin.generate, assistant_pool=pool)
     assert torch.equal(out[:, :PROMPT_LENGTH], inputs["input_ids"]) and out.shape[1] <= PROMPT_LENGTH + MAX_NEW_TOKENS
     assert len(packed_calls) > 0 and pool.last_stats.steps > 0

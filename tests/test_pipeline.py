@@ -17,6 +17,7 @@ from hf_spin.micro_batches import WINDOW_SECONDS, WINDOW_STEPS, MicroBatchCount
 from hf_spin.pipeline import Pipeline
 from hf_spin.rows import Request
 
+from .speculation import assert_speculated, pool as spin_pool
 from .test_engine import Wrapped, alone, prompts, request, run
 
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("ragged_attention", [False, True], ids=["ragged_cache", "packed_cache"])
 def test_pipelined_greedy_equals_plain_generate(target, drafter, micro_batches, ragged_attention, policy):
     """Lanes share one policy (LBSS: its per-request state and what ended requests taught it)."""
-    pool = hf_spin.AssistantPool([drafter, "prompt_lookup"], policy=policy, ragged_attention=ragged_attention)
+    pool = spin_pool([drafter, "prompt_lookup"], policy=policy, ragged_attention=ragged_attention)
     pipe = Pipeline(target, pool, micro_batches=micro_batches)
     ps = prompts(7, seed=11)
     lengths = [18, 6, 14, 20, 9, 3, 16]
@@ -47,8 +48,8 @@ def test_pipelined_seeded_sampling_equals_the_unpipelined_engine(target, drafter
     def reqs():
         return {0: [Request(prompt=p, max_new_tokens=12, do_sample=True, processors=procs, seed=100 + i) for i, p in enumerate(ps)]}
 
-    piped = run(Pipeline(target, hf_spin.AssistantPool([drafter]), micro_batches=2), reqs())
-    plain = run(SpinEngine(target, hf_spin.AssistantPool([drafter])), reqs())
+    piped = run(Pipeline(target, spin_pool([drafter]), micro_batches=2), reqs())
+    plain = run(SpinEngine(target, spin_pool([drafter])), reqs())
     assert [r.generated for r in piped] == [r.generated for r in plain]
 
 
@@ -74,7 +75,7 @@ class SlowTarget(Wrapped):
 def test_result_pool_holds_one_micro_batch_and_drafting_pauses(target):
     """With verification slower than drafting, the drafting thread spends its time blocked on the full
     result pool (back-pressure) instead of running ahead; the pool never holds more than one."""
-    pipe = Pipeline(SlowTarget(target), hf_spin.AssistantPool([Ticking()]), micro_batches=3)
+    pipe = Pipeline(SlowTarget(target), spin_pool([Ticking()]), micro_batches=3)
     rows = [pipe.add(request(p, 10)) for p in prompts(6, seed=13)]
     largest = 0
     while pipe.has_work:

@@ -20,6 +20,7 @@ from hf_spin.drafters import Draft, Drafter
 from hf_spin.serving import Limits, build_app
 from hf_spin.serving.server import Server
 
+from .speculation import assert_speculated, pool as spin_pool
 from .test_engine import POISON, PoisonProposer, PoisonTarget
 from .tiny_tokenizers import PROMPTS, char_tokenizer
 
@@ -68,7 +69,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(target, drafter, tok):
-    pool = hf_spin.AssistantPool([drafter, "prompt_lookup"], policy="round_robin")
+    pool = spin_pool([drafter, "prompt_lookup"], policy="round_robin")
     s = Served(build_app(target, tok, pool, model_id="tiny-llama", max_batch_size=4, max_queue=16, limits=Limits(max_input_tokens=64, max_total_tokens=128)))
     yield s
     s.stop()
@@ -138,7 +139,7 @@ def test_generate_greedy_equals_plain_generate_under_concurrency(served, target,
 
 @pytest.mark.parametrize("pipeline", [2, True], ids=["two_micro_batches", "spin_heuristic"])
 def test_pipelined_server_greedy_equals_plain_generate(target, drafter, tok, pipeline):
-    pool = hf_spin.AssistantPool([drafter, "prompt_lookup"], policy="round_robin")
+    pool = spin_pool([drafter, "prompt_lookup"], policy="round_robin")
     s = Served(build_app(target, tok, pool, max_batch_size=6, pipeline=pipeline, limits=Limits(max_input_tokens=64, max_total_tokens=128)))
     prompts = [p + suffix for p in PROMPTS for suffix in ("", " or")]
     lengths = [20, 7, 15, 25, 11, 6, 18, 22]
@@ -316,7 +317,7 @@ class SlowDrafter(Drafter):
 
 def slow_server(target, tok, **kwargs) -> Served:
     """One row at a time, >= 30 ms a step, and no EOS: a request runs until its length or its cancellation."""
-    s = Served(build_app(target, tok, hf_spin.AssistantPool([SlowDrafter()]), max_batch_size=1, limits=Limits(max_input_tokens=64, max_total_tokens=1024), **kwargs))
+    s = Served(build_app(target, tok, spin_pool([SlowDrafter()]), max_batch_size=1, limits=Limits(max_input_tokens=64, max_total_tokens=1024), **kwargs))
     s.service.eos_ids = set()
     return s
 
@@ -413,7 +414,7 @@ def test_prefill_budget_spreads_a_burst_of_long_prompts_over_steps():
 def test_a_failing_request_fails_alone(target, tok):
     """The target raises on one request's prompt (prefill) and on another's draft (verification): those
     two get a 500 saying why; the requests running beside them are answered exactly."""
-    pool = hf_spin.AssistantPool([PoisonProposer()])
+    pool = spin_pool([PoisonProposer()])
     s = Served(build_app(PoisonTarget(target), tok, pool, max_batch_size=8))
     poison_char = tok.convert_ids_to_tokens(POISON)
     mark_char = tok.convert_ids_to_tokens(PoisonProposer.MARK)
