@@ -31,6 +31,7 @@ def test_return_dict_carries_stats(target, drafter):
         assert r.accepted <= r.drafted and r.mean_accepted_length >= 1.0
     assert set(stats.to_dict()) >= {"goodput", "acceptance_rate", "mean_accepted_length", "rows", "drafters"}
     assert pool.totals[pool.names[0]].drafted == stats.drafters[pool.names[0]].drafted
+    assert_speculated(stats)
 
 
 def test_eos_list_and_rows_leaving_the_batch(target, drafter):
@@ -40,15 +41,19 @@ def test_eos_list_and_rows_leaving_the_batch(target, drafter):
     eos = [EOS, int(ref[0, 14]), int(ref[2, 18])]
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False, eos_token_id=eos, pad_token_id=0)
     ref = target.generate(**kwargs)
-    out = spin(target, spin_pool([drafter]), **kwargs)
+    pool = spin_pool([drafter])
+    out = spin(target, pool, **kwargs)
     assert torch.equal(out, ref)
     assert (out == 0).any(), "some row should have stopped early and been padded"
+    assert_speculated(pool.last_stats)
 
 
 def test_min_new_tokens_and_repetition_penalty(target, drafter):
     ids, mask = ragged_batch(2, 8)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=15, do_sample=False, repetition_penalty=1.3, min_new_tokens=10)
-    assert torch.equal(spin(target, spin_pool([drafter, "prompt_lookup"], policy="round_robin"), **kwargs), target.generate(**kwargs))
+    pool = spin_pool([drafter, "prompt_lookup"], policy="round_robin")
+    assert torch.equal(spin(target, pool, **kwargs), target.generate(**kwargs))
+    assert_speculated(pool.last_stats)
 
 
 class StopAfter(StoppingCriteria):
@@ -62,10 +67,12 @@ class StopAfter(StoppingCriteria):
 
 
 def test_custom_stopping_criteria(target):
-    ids = torch.randint(3, 90, (1, 8))
+    ids = ragged_batch(1, 8, seed=1)[0]
     kwargs = dict(input_ids=ids, max_new_tokens=30, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfter(15)]))
-    out = spin(target, spin_pool([target]), **kwargs)
+    pool = spin_pool([target])
+    out = spin(target, pool, **kwargs)
     assert torch.equal(out, target.generate(**kwargs)) and out.shape[1] == 15
+    assert_speculated(pool.last_stats, rejected=False)  # the criterion cuts an accepted draft
 
 
 class Collect:
@@ -82,15 +89,18 @@ class Collect:
 
 
 def test_enable_streamer_and_plain_path_untouched(target, drafter):
-    ids = torch.randint(3, 90, (1, 8))
+    ids = ragged_batch(1, 8, seed=1)[0]  # a prompt the target continues for all 12 tokens
     ref = target.generate(input_ids=ids, max_new_tokens=12, do_sample=False)
+    assert ref.shape[1] == 8 + 12
     hf_spin.enable()
     try:
-        streamer = Collect()
-        out = target.generate(input_ids=ids, max_new_tokens=12, do_sample=False, assistant_pool=spin_pool([drafter]), streamer=streamer)
+        streamer, pool = Collect(), spin_pool([drafter])
+        out = target.generate(input_ids=ids, max_new_tokens=12, do_sample=False, assistant_pool=pool, streamer=streamer)
         assert torch.equal(out, ref)
         assert streamer.ended and streamer.chunks[0] == ids[0].tolist()
         assert sum(streamer.chunks[1:], []) == out[0, 8:].tolist()
+        assert_speculated(pool.last_stats)
+        assert len(streamer.chunks) > 3  # the prompt, then the tokens of several steps
         assert torch.equal(target.generate(input_ids=ids, max_new_tokens=12, do_sample=False), ref)  # no pool: plain
     finally:
         hf_spin.disable()
@@ -102,7 +112,9 @@ def test_seeded_sampling_is_deterministic(target, drafter):
     outs = []
     for _ in range(2):
         torch.manual_seed(123)
-        outs.append(spin(target, spin_pool([drafter, "prompt_lookup"], policy="round_robin"), **kwargs))
+        pool = spin_pool([drafter, "prompt_lookup"], policy="round_robin")
+        outs.append(spin(target, pool, **kwargs))
+        assert_speculated(pool.last_stats)
     assert torch.equal(outs[0], outs[1])
 
 
@@ -121,7 +133,7 @@ def test_failing_drafter_is_dropped_and_output_stays_exact(target, drafter):
         out = spin(target, pool, **kwargs)
     assert torch.equal(out, target.generate(**kwargs))
     assert pool.last_stats.drafters["broken"].failures == 1
-    assert pool.last_stats.drafters[pool.names[1]].drafted > 0
+    assert_speculated(pool.last_stats.drafters[pool.names[1]])
 
 
 # --- refused input, each with a message saying what was given and what is supported ---------------
