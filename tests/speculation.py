@@ -14,7 +14,7 @@ import hf_spin
 from hf_spin.policies import FixedLength
 from hf_spin.stats import DrafterStats, GenerationStats
 
-from .archs import tiny_model
+from .archs import ragged_batch, tiny_model
 
 # Draft length of the lossless tests, with no confidence stop: tiny random models are never 40% sure
 # of a token, so the default rule (k = 8, stop below 0.4) would draft one token per step.
@@ -58,3 +58,22 @@ def pool(entries, **kwargs) -> hf_spin.AssistantPool:
     """An AssistantPool drafting DRAFT_TOKENS tokens a step unless draft_length is given."""
     kwargs.setdefault("draft_length", multi_token())
     return hf_spin.AssistantPool(entries, **kwargs)
+
+
+def greedy_case(target, batch: int, prompt_length: int, max_new_tokens: int) -> tuple[dict, torch.Tensor]:
+    """(generate kwargs, plain greedy output) of ragged left-padded prompts, for the first prompt seed on
+    which the longest row runs to max_new_tokens and prompt lookup drafts several tokens, some
+    accepted, some rejected. Random tiny models often emit EOS early, and on some prompts never repeat
+    themselves or only loop; either would make a vacuous test. Rows that stop early are kept (they
+    exercise row retirement)."""
+    for seed in range(256):
+        ids, mask = ragged_batch(batch, prompt_length, seed=seed)
+        inputs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+        reference = target.generate(**inputs)
+        if reference.shape[1] == prompt_length + max_new_tokens:
+            lookup = pool(["prompt_lookup"])
+            target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=lookup)
+            stats = lookup.last_stats.drafters["prompt_lookup"]
+            if stats.accepted > 0 and stats.rejected > 0 and stats.longest_draft > 1:
+                return inputs, reference
+    raise AssertionError(f"{target.config.model_type}: no prompt seed runs to the end with prompt lookup drafts accepted and rejected")

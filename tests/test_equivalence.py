@@ -38,8 +38,8 @@ import hf_spin.engine
 
 from hf_spin.stats import DrafterStats
 
-from .archs import ARCHS, ragged_batch, tiny_model
-from .speculation import assert_speculated, multi_token, perturbed, pool as spin_pool
+from .archs import ARCHS, tiny_model
+from .speculation import assert_speculated, greedy_case, multi_token, perturbed, pool as spin_pool
 from .tiny_tokenizers import PROMPTS, bpe_tokenizer, char_tokenizer
 
 MAX_NEW_TOKENS = 24
@@ -64,28 +64,9 @@ def _models(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     return tiny_model(arch, seed=0), perturbed(arch)
 
 
-def _inputs(batch: int, seed: int) -> dict:
-    ids, mask = ragged_batch(batch, PROMPT_LENGTH, seed=seed)
-    return dict(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-
-
 @functools.lru_cache(maxsize=None)
 def _case(arch: str, batch: int) -> tuple[dict, torch.Tensor]:
-    """(inputs, plain `generate`'s output) for the first prompt seed on which the longest row runs to
-    max_new_tokens and prompt lookup drafts several tokens, some accepted, some rejected. Random
-    tiny models often emit EOS early, and on some prompts never repeat themselves or only loop;
-    either would make a vacuous test. Rows that stop early are kept (they exercise row retirement)."""
-    target = _models(arch)[0]
-    for seed in range(256):
-        inputs = _inputs(batch, seed)
-        reference = target.generate(**inputs)
-        if reference.shape[1] == PROMPT_LENGTH + MAX_NEW_TOKENS:
-            lookup = spin_pool(["prompt_lookup"])
-            target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=lookup)
-            stats = lookup.last_stats.drafters["prompt_lookup"]
-            if stats.accepted > 0 and stats.rejected > 0 and stats.longest_draft > 1:
-                return inputs, reference
-    raise AssertionError(f"{arch}: no prompt seed runs to the end with a prompt lookup draft accepted; pick other seeds")
+    return greedy_case(_models(arch)[0], batch, PROMPT_LENGTH, MAX_NEW_TOKENS)
 
 
 def _first_difference(out: torch.Tensor, ref: torch.Tensor) -> str:
