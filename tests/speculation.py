@@ -25,9 +25,14 @@ PERTURBATION = 0.2
 
 
 def perturbed(arch: str, scale: float = PERTURBATION, seed: int = 1, **overrides) -> torch.nn.Module:
-    """The seed-0 tiny model of `arch` with every weight tensor moved by `scale` times its own std of
-    seeded Gaussian noise: a drafter close to the target (a small model distilled from it, say)."""
-    model = tiny_model(arch, seed=0, **overrides)
+    """The seed-0 tiny model of `arch` with noise on its weights (`perturb`): a drafter close to the
+    target (a small model distilled from it, say)."""
+    return perturb(tiny_model(arch, seed=0, **overrides), scale, seed)
+
+
+def perturb(model: torch.nn.Module, scale: float = PERTURBATION, seed: int = 1) -> torch.nn.Module:
+    """`model`, changed in place: every weight tensor moved by `scale` times its own std of seeded
+    Gaussian noise."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():

@@ -12,7 +12,7 @@ import hf_spin
 from hf_spin.cache import RaggedCache, needs_contiguous_slots
 
 from .archs import COMMON, ragged_batch, tiny_model
-from .speculation import assert_speculated, multi_token, pool as spin_pool
+from .speculation import assert_speculated, perturb, pool as spin_pool
 
 
 def mpt() -> torch.nn.Module:
@@ -31,9 +31,11 @@ def test_slot_counting_models_stay_exact_at_batch_4(make):
     assert needs_contiguous_slots(model.config)
     ids, mask = ragged_batch(4, 14, seed=3)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
-    for drafters in (["prompt_lookup"], [model]):
-        out = model.generate(**kwargs, custom_generate=hf_spin.generate, assistant_pool=spin_pool(drafters))
+    for drafters in (["prompt_lookup"], [perturb(make())]):  # a noisy copy: rejected drafts leave holes
+        pool = spin_pool(drafters)
+        out = model.generate(**kwargs, custom_generate=hf_spin.generate, assistant_pool=pool)
         assert torch.equal(out, model.generate(**kwargs))
+        assert_speculated(pool.last_stats, accepted=drafters != ["prompt_lookup"])
 
 
 def test_full_attention_qwen2_does_not_force_compaction():

@@ -19,6 +19,7 @@ import hf_spin
 from hf_spin.drafters import Draft, Drafter
 from hf_spin.serving import Limits, build_app
 from hf_spin.serving.server import Server
+from hf_spin.stats import DrafterStats
 
 from .speculation import assert_speculated, pool as spin_pool
 from .test_engine import POISON, PoisonProposer, PoisonTarget
@@ -75,6 +76,11 @@ def served(target, drafter, tok):
     s.stop()
 
 
+def served_totals(s: Served) -> DrafterStats:
+    """What the server's drafters did since it started, summed over drafters."""
+    return DrafterStats.total(s.service.metrics.drafter_totals().values())
+
+
 def plain(target, tok, text: str, n: int) -> list[int]:
     """Plain greedy `generate` on the prompt alone: its new tokens (EOS included when it stops there)."""
     ids = tok(text)["input_ids"]
@@ -124,7 +130,11 @@ def test_generate_greedy_equals_plain_generate_under_concurrency(served, target,
                 c.post("/generate", json={"inputs": p, "parameters": {"max_new_tokens": n, "details": True}}) for p, n in zip(prompts, lengths)
             ))
 
-    for r, p, n in zip(asyncio.run(go()), prompts, lengths):
+    before = served_totals(served)
+    responses = asyncio.run(go())
+    after = served_totals(served)
+    assert_speculated(DrafterStats(**{f: getattr(after, f) - getattr(before, f) for f in ("drafted", "accepted", "failures")}, longest_draft=after.longest_draft))
+    for r, p, n in zip(responses, prompts, lengths):
         assert r.status_code == 200, r.text
         body = r.json()
         ids = [t["id"] for t in body["details"]["tokens"]]
@@ -153,6 +163,7 @@ def test_pipelined_server_greedy_equals_plain_generate(target, drafter, tok, pip
         for r, p, n in zip(asyncio.run(go()), prompts, lengths):
             assert r.status_code == 200, r.text
             assert [t["id"] for t in r.json()["details"]["tokens"]] == plain(target, tok, p, n)
+        assert_speculated(served_totals(s))
         with s.client() as c:
             assert c.get("/info").json()["pipeline"] == ("auto" if pipeline is True else 2)
             assert "hf_spin_micro_batches" in c.get("/metrics").text

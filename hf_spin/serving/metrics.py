@@ -30,7 +30,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STEP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-FIELDS = ("drafted", "accepted", "target_forwards", "new_tokens", "draft_seconds", "failures")
 
 
 class _DrafterCollector:
@@ -106,6 +105,4 @@ class Metrics:
 
 def _add(into: dict[str, DrafterStats], stats: dict[str, DrafterStats]) -> None:
     for name, d in stats.items():
-        total = into.setdefault(name, DrafterStats())
-        for f in FIELDS:
-            setattr(total, f, getattr(total, f) + getattr(d, f))
+        into.setdefault(name, DrafterStats()).merge(d)
