@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 import hf_spin
+from hf_spin.drafters import PromptLookupDrafter
 from hf_spin.policies import FixedLength
 from hf_spin.stats import DrafterStats, GenerationStats
 
-from .archs import ragged_batch, tiny_model
+from .archs import EOS, ragged_batch, tiny_model
 
 # Draft length of the lossless tests, with no confidence stop: tiny random models are never 40% sure
 # of a token, so the default rule (k = 8, stop below 0.4) would draft one token per step.
@@ -65,20 +66,41 @@ def pool(entries, **kwargs) -> hf_spin.AssistantPool:
     return hf_spin.AssistantPool(entries, **kwargs)
 
 
+def lookup_would_speculate(sequence: list[int], prompt_length: int, k: int = DRAFT_TOKENS) -> tuple[bool, bool, bool]:
+    """(accepts, rejects, drafts several) of prompt lookup along a greedy sequence, read off the
+    sequence alone (no engine, so a bug in the engine cannot change which case a test picks): at each
+    generated position, lookup's draft from the tokens before it against the token there."""
+    lookup = PromptLookupDrafter()
+    accepts = rejects = False
+    several = 0  # positions with a draft of several tokens (the engine drafts at only some positions)
+    for i in range(prompt_length, len(sequence)):
+        draft = lookup.lookup(sequence[:i], k)
+        if draft:
+            accepts |= draft[0] == sequence[i]
+            rejects |= draft[0] != sequence[i]
+            several += len(draft) > 1
+    return accepts, rejects, several >= 3
+
+
 def greedy_case(target, batch: int, prompt_length: int, max_new_tokens: int) -> tuple[dict, torch.Tensor]:
     """(generate kwargs, plain greedy output) of ragged left-padded prompts, for the first prompt seed on
-    which the longest row runs to max_new_tokens and prompt lookup drafts several tokens, some
-    accepted, some rejected. Random tiny models often emit EOS early, and on some prompts never repeat
-    themselves or only loop; either would make a vacuous test. Rows that stop early are kept (they
-    exercise row retirement)."""
+    which the longest row runs to max_new_tokens and prompt lookup would draft several tokens, some
+    right, some wrong (`lookup_would_speculate`, over the rows). Random tiny models often emit EOS
+    early, and on some prompts never repeat themselves or only loop; either would make a vacuous
+    test. Rows that stop early are kept (they exercise row retirement)."""
     for seed in range(256):
         ids, mask = ragged_batch(batch, prompt_length, seed=seed)
         inputs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
         reference = target.generate(**inputs)
-        if reference.shape[1] == prompt_length + max_new_tokens:
-            lookup = pool(["prompt_lookup"])
-            target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=lookup)
-            stats = lookup.last_stats.drafters["prompt_lookup"]
-            if stats.accepted > 0 and stats.rejected > 0 and stats.longest_draft > 1:
-                return inputs, reference
-    raise AssertionError(f"{target.config.model_type}: no prompt seed runs to the end with prompt lookup drafts accepted and rejected")
+        if reference.shape[1] < prompt_length + max_new_tokens:
+            continue
+        found = [False, False, False]
+        for b in range(batch):
+            prompt = ids[b][mask[b].bool()].tolist()
+            generated = reference[b, prompt_length:].tolist()
+            if EOS in generated:
+                generated = generated[: generated.index(EOS) + 1]
+            found = [x or y for x, y in zip(found, lookup_would_speculate(prompt + generated, len(prompt)))]
+        if all(found):
+            return inputs, reference
+    raise AssertionError(f"{target.config.model_type}: no prompt seed runs to the end with prompt lookup drafts right and wrong")

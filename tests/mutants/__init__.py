@@ -1,0 +1,1 @@
+"""Deliberate bugs the suite must catch (the mutation check): `python -m tests.mutants` (docs/testing.md)."""

@@ -1,0 +1,114 @@
+"""The mutants: one deliberate bug each, and the tests that must fail on it.
+
+A mutant replaces one exact snippet of one package file (`old`, which must occur there exactly
+once, so that a refactor that moves the code makes the mutant fail loudly instead of silently
+testing nothing) with `new`. `tests` are pytest node ids, every one of which must fail. Add one per
+feature as it lands (docs/testing.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    why: str  # the bug, as a user would meet it
+    path: str  # package file, relative to the repository root
+    old: str
+    new: str
+    tests: tuple[str, ...]  # node ids that must fail
+
+
+EQ = "tests/test_equivalence.py::"
+SAMPLING = "tests/test_sampling.py::"
+
+MUTANTS = (
+    Mutant(
+        "greedy_accepts_every_draft",
+        "greedy verification accepts drafts the target would not have produced",
+        "hf_spin/verification.py",
+        "ok = (drafts == target_tokens[:, :K]) & _draft_mask(draft_lengths, K)",
+        "ok = _draft_mask(draft_lengths, K)",
+        (
+            "tests/test_verification.py::test_greedy_accepts_matching_prefix_then_corrects",
+            EQ + "test_greedy_equivalence[llama-other-1]",
+            EQ + "test_greedy_equivalence[gpt2-prompt_lookup-4]",
+        ),
+    ),
+    Mutant(
+        "sampling_accepts_every_draft",
+        "rejection sampling never rejects: the output follows q, not p",
+        "hf_spin/verification.py",
+        "ok = (r * q_draft < p_draft) & valid",
+        "ok = valid",
+        (
+            SAMPLING + "test_verifier_first_token_follows_p[model_q]",
+            SAMPLING + "test_engine_sampling_matches_target_distribution[model]",
+        ),
+    ),
+    Mutant(
+        "engine_drops_every_draft",
+        "every step decodes plainly: lossless, but no speculation at all",
+        "hf_spin/engine.py",
+        "return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows, match_lengths)",
+        "return Proposal(plan, chosen, ks, [[] for _ in drafts], [None] * B, proposals, draft_seconds, shadows, match_lengths)",
+        (
+            EQ + "test_greedy_equivalence[llama-prompt_lookup-1]",
+            EQ + "test_greedy_equivalence[llama-self-4]",
+            "tests/test_packed_cache.py::test_greedy_output_equals_plain_generate[prompt_lookup-llama-4]",
+            "tests/test_server.py::test_pipelined_server_greedy_equals_plain_generate[two_micro_batches]",
+        ),
+    ),
+    Mutant(
+        "target_cache_keeps_the_first_rejected_draft",
+        "after a rejection the target's cache keeps the rejected token's KV",
+        "hf_spin/engine.py",
+        "self.cache.rollback(torch.tensor([len(r.sequence) - 1 for r in rows], device=self.cache.device))",
+        "self.cache.rollback(torch.tensor([len(r.sequence) - 1 + (accepted[b] < len(p.drafts[b])) for b, r in enumerate(rows)], device=self.cache.device))",
+        (
+            EQ + "test_greedy_equivalence[llama-other-1]",
+            EQ + "test_greedy_equivalence[qwen2-other-4]",
+            "tests/test_packed_cache.py::test_greedy_output_equals_plain_generate[other-llama-4]",
+        ),
+    ),
+    Mutant(
+        "drafter_cache_never_rolled_back",
+        "a model drafter keeps the KV of its rejected drafts: lossless, but its drafts go wrong",
+        "hf_spin/drafters/model.py",
+        "        self.cache.rollback(torch.tensor(keep, device=self.cache.device))\n        return self._forward(chunks, keep), draft_seqs",
+        "        return self._forward(chunks, keep), draft_seqs",
+        ("tests/test_drafters.py::test_model_drafter_after_rollbacks_drafts_what_a_fresh_one_does",),
+    ),
+    Mutant(
+        "sampling_uses_the_first_positions_q",
+        "rejection sampling reads draft position 0's q at every position (lossy past the first draft token)",
+        "hf_spin/verification.py",
+        "        q = torch.where(deterministic, one_hot, q)\n",
+        "        q = torch.where(deterministic, one_hot, q)[:, :1].expand(-1, K, -1)\n",
+        (
+            SAMPLING + "test_verifier_second_token_follows_p",
+            SAMPLING + "test_engine_sampling_matches_target_distribution[model]",
+        ),
+    ),
+    Mutant(
+        "streaming_drafter_never_rebuilds",
+        "a streaming drafter rolls back into evicted tokens instead of rebuilding the row",
+        "hf_spin/drafters/streaming.py",
+        "if evicted and keep < self.sink_tokens + evicted:",
+        "if False:",
+        ("tests/test_drafters_fast.py::test_streaming_greedy_equivalence[llama-self-window<k-1]",),
+    ),
+    Mutant(
+        "recovered_token_from_p",
+        "after a rejection the recovered token is drawn from p instead of the residual max(0, p - q)",
+        "hf_spin/verification.py",
+        "dist = torch.where(rejected[:, None] & residual_ok, residual, p_next)",
+        "dist = p_next",
+        (
+            SAMPLING + "test_verifier_first_token_follows_p[model_q]",
+            SAMPLING + "test_engine_sampling_matches_target_distribution[model]",
+        ),
+    ),
+)
