@@ -8,6 +8,8 @@ token, some accepted, some rejected where a rejection path is claimed.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 import hf_spin
@@ -17,6 +19,8 @@ from hf_spin.stats import DrafterStats, GenerationStats
 
 from .archs import EOS, ragged_batch, tiny_model
 
+# Set to a path, every call of assert_speculated appends its test's node id there.
+COUNT_FILE = "HF_SPIN_SPECULATED_LOG"
 # Draft length of the lossless tests, with no confidence stop: tiny random models are never 40% sure
 # of a token, so the default rule (k = 8, stop below 0.4) would draft one token per step.
 DRAFT_TOKENS = 4
@@ -45,6 +49,9 @@ def perturb(model: torch.nn.Module, scale: float = PERTURBATION, seed: int = 1) 
 def assert_speculated(stats: GenerationStats | DrafterStats, *, accepted: bool = True, rejected: bool = True, longest: int = 2, what: str = "") -> None:
     """The call drafted at least one draft of `longest` tokens and, if `accepted` / `rejected`,
     accepted / rejected some draft tokens (a call's stats: summed over its drafters; or one drafter's)."""
+    if COUNT_FILE in os.environ:  # docs/testing.md: how many tests assert that speculation happened
+        with open(os.environ[COUNT_FILE], "a") as f:
+            f.write(os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0] + "\n")
     d = stats if isinstance(stats, DrafterStats) else DrafterStats.total(stats.drafters.values())
     context = f"{what}\n{stats}" if what else str(stats)
     assert d.failures == 0, f"a drafter raised during the call: {context}"
