@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -123,3 +124,73 @@ def verify_seeded(target_scores: torch.Tensor, drafts: torch.Tensor, draft_lengt
     drafts: [B, K]; draft_lengths: [B].
     """
     return verify_greedy(torch.log_softmax(target_scores, dim=-1) + noise, drafts, draft_lengths)
+
+
+class RowSampling(NamedTuple):
+    """How one row's tokens are chosen: greedy, sampled from torch's RNG, or seeded Gumbel-max."""
+
+    do_sample: bool
+    seed: int | None  # seeded rows: noise fixed by (seed, position)
+    position: int  # tokens the row generated so far: the position of its next token
+
+
+def verify_rows(
+    rows: list[int],
+    sampling: list[RowSampling],
+    scores: torch.Tensor,
+    drafts: list[list[int]],
+    qs: list[torch.Tensor | None],
+) -> Verdict:
+    """Verdicts for batch rows `rows` of a mixed batch: greedy rows by argmax, sampled rows by rejection
+    sampling, seeded rows by Gumbel-max with their own noise.
+
+    sampling: [B] per batch row; scores: [B, K + 1, V] processed target scores; drafts: [B] draft
+    token lists (k_b <= K); qs: [B] q [k_b, V] of a model drafter when sampling, else None (one-hot).
+    Returns accepted / next_token for `rows`, in their order ([B] when `rows` is every row).
+    """
+    B, K = scores.shape[0], scores.shape[1] - 1
+    device = scores.device
+    draft_lengths = torch.tensor([len(d) for d in drafts], device=device)  # [B]
+    draft_tokens = torch.tensor([d + [0] * (K - len(d)) for d in drafts], device=device).view(B, K)  # [B, K]
+    greedy = [b for b in rows if not sampling[b].do_sample]
+    shared = [b for b in rows if sampling[b].do_sample and sampling[b].seed is None]
+    seeded = [b for b in rows if sampling[b].do_sample and sampling[b].seed is not None]
+    everyone = rows == list(range(B))
+    if everyone and len(greedy) == B:
+        return verify_greedy(scores, draft_tokens, draft_lengths)
+    if everyone and len(shared) == B:
+        return _sample(scores, draft_tokens, draft_lengths, qs, drafts)
+    accepted = torch.zeros(B, dtype=torch.long, device=device)
+    next_token = torch.zeros(B, dtype=torch.long, device=device)
+    for group, kind in ((greedy, "greedy"), (shared, "sampled"), (seeded, "seeded")):
+        if not group:
+            continue
+        idx = torch.tensor(group, device=device)
+        if kind == "greedy":
+            v = verify_greedy(scores[idx], draft_tokens[idx], draft_lengths[idx])
+        elif kind == "sampled":
+            v = _sample(scores[idx], draft_tokens[idx], draft_lengths[idx], [qs[b] for b in group], [drafts[b] for b in group])
+        else:
+            noise = torch.zeros(len(group), *scores.shape[1:], device=device)  # [b, K + 1, V]
+            for i, b in enumerate(group):  # positions past a row's drafts are never read
+                noise[i, : len(drafts[b]) + 1] = gumbel_noise(sampling[b].seed, sampling[b].position, len(drafts[b]) + 1, scores.shape[-1], device)
+            v = verify_seeded(scores[idx], draft_tokens[idx], draft_lengths[idx], noise)
+        accepted[idx], next_token[idx] = v.accepted, v.next_token
+    return Verdict(accepted[rows], next_token[rows]) if not everyone else Verdict(accepted, next_token)
+
+
+def _sample(scores, draft_tokens, draft_lengths, qs, drafts) -> Verdict:
+    """Rejection sampling of rows whose scores are [b, K + 1, V], q stacked from the rows' own."""
+    K = draft_tokens.shape[1]
+    p = torch.softmax(scores, dim=-1)  # [b, K + 1, V]
+    q = _stack_q(qs, drafts, K, p) if any(x is not None for x in qs) else None
+    return verify_sampling(p, draft_tokens, draft_lengths, q)
+
+
+def _stack_q(qs: list[torch.Tensor | None], drafts: list[list[int]], K: int, p: torch.Tensor) -> torch.Tensor:
+    """Per-row q [k_b, V] (or None: deterministic proposal) -> [B, K, V], zero rows meaning one-hot."""
+    q = torch.zeros(p.shape[0], K, p.shape[2], dtype=p.dtype, device=p.device)
+    for b, qb in enumerate(qs):
+        if qb is not None and len(drafts[b]):
+            q[b, : len(drafts[b])] = qb[: len(drafts[b])].to(device=p.device, dtype=p.dtype)
+    return q

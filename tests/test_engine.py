@@ -18,7 +18,7 @@ from hf_spin.rows import CANCELLED, ERROR, LENGTH, STOPPED, Request
 from hf_spin.stats import DrafterStats
 
 from .archs import EOS, VOCAB
-from .speculation import assert_speculated, multi_token, pool as spin_pool
+from .speculation import assert_speculated, pool as spin_pool
 
 POISON = 77  # a token id the fault-injection tests refuse on
 

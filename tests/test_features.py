@@ -8,7 +8,7 @@ import hf_spin
 from hf_spin.drafters import Drafter
 
 from .archs import EOS, ragged_batch, tiny_model
-from .speculation import assert_speculated, multi_token, pool as spin_pool
+from .speculation import assert_speculated, pool as spin_pool
 
 
 def spin(model, pool, **kwargs):

@@ -10,7 +10,6 @@ import pytest
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
 
-import hf_spin
 from hf_spin.drafters import Draft, Drafter
 from hf_spin.engine import SpinEngine
 from hf_spin.micro_batches import WINDOW_SECONDS, WINDOW_STEPS, MicroBatchCount

@@ -15,7 +15,6 @@ import httpx
 import pytest
 import torch
 
-import hf_spin
 from hf_spin.drafters import Draft, Drafter
 from hf_spin.serving import Limits, build_app
 from hf_spin.serving.server import Server

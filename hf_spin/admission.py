@@ -1,0 +1,91 @@
+"""Admission: the target's prefill of rows joining the running batch, and their first token.
+
+A whole `generate` batch is prefilled exactly as `generate` prefills it (its own input tensors and
+model kwargs); rows joining a running batch (the server) are left-padded into one block. On packed
+rows (`ragged_attention`) only the new rows' tokens are fed. Either way the new rows' KV is appended
+to the batch's cache, after the rows already running.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .cache import CACHE_ARG, CACHE_NAMES, PackedCache, RaggedCache, forward_ragged, needs_contiguous_slots
+from .processors import GenerateBatch
+from .rows import Row
+from .verification import gumbel_noise
+
+# Token id that left-pads the prompts of rows prefilled together; masked, so any valid id works.
+JOIN_PAD_TOKEN = 0
+
+
+def prefill_kwargs(model, attention_mask: torch.Tensor) -> dict:
+    """The model inputs `generate` prepares for a prefill of left-padded rows (mask, positions, logits_to_keep)."""
+    kwargs = {"attention_mask": attention_mask, "use_cache": True}
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        position_ids = attention_mask.long().cumsum(-1) - 1
+        kwargs["position_ids"] = position_ids.masked_fill(attention_mask == 0, 0)
+    if model._supports_logits_to_keep():
+        kwargs["logits_to_keep"] = 1
+    return kwargs
+
+
+def prefill(model, cache, running: int, rows: list[Row], batch: GenerateBatch | None, packed: bool):
+    """Target forward over the joining rows' prompts, their KV appended after the `running` rows of
+    `cache` (None: a new batch). Returns (the batch's cache, logits [n, V] float32 at each new row's
+    last token)."""
+    if packed:  # a forward over the new rows' tokens only
+        if cache is None:
+            cache = PackedCache(0, device=model.device)
+        cache.add_empty_rows(len(rows))
+        try:
+            chunks = [[] for _ in range(running)] + [r.sequence for r in rows]
+            return cache, forward_ragged(model, cache, chunks, all_logits=False)[running:, -1].to(dtype=torch.float32)
+        except BaseException:
+            cache.select_rows(list(range(running)))
+            raise
+    if batch is not None:  # exactly what `generate` prepared
+        input_ids, kwargs = batch.input_ids, dict(batch.model_kwargs)
+        attention_mask = kwargs.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+    else:  # rows joining: left-pad their prompts into one block
+        width = max(len(r.sequence) for r in rows)
+        input_ids = torch.full((len(rows), width), JOIN_PAD_TOKEN, dtype=torch.long)  # [n, P]
+        attention_mask = torch.zeros(len(rows), width, dtype=torch.long)  # [n, P]
+        for i, r in enumerate(rows):
+            input_ids[i, width - len(r.sequence) :] = torch.tensor(r.sequence)
+            attention_mask[i, width - len(r.sequence) :] = 1
+        input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
+        kwargs = prefill_kwargs(model, attention_mask)
+    fresh = RaggedCache(attention_mask.bool(), contiguous=needs_contiguous_slots(model.config))
+    for name in CACHE_NAMES:  # generate's empty cache, under either name
+        kwargs.pop(name, None)
+    kwargs[CACHE_ARG] = fresh
+    inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **kwargs)
+    logits = model(**inputs, return_dict=True).logits[:, -1].to(dtype=torch.float32)  # [n, V]
+    if running and cache is not None:
+        cache.append_rows(fresh)
+        return cache, logits
+    return fresh, logits
+
+
+def first_tokens(rows: list[Row], scores: torch.Tensor, run_isolated) -> list[int]:
+    """The joining rows' first tokens from their processed scores [n, V]: greedy rows take the argmax,
+    sampled rows draw from softmax(scores), seeded rows by Gumbel-max with their own noise."""
+    first = scores.argmax(-1)  # [n]
+    shared = [i for i, r in enumerate(rows) if r.request.do_sample and r.request.seed is None and not r.done]
+    if shared and len(shared) == len(rows):
+        first = torch.multinomial(torch.softmax(scores, -1), 1)[:, 0]
+    elif shared:
+        idx = torch.tensor(shared, device=scores.device)
+        first[idx] = torch.multinomial(torch.softmax(scores[idx], -1), 1)[:, 0]
+    for i, row in enumerate(rows):
+        if row.request.do_sample and row.request.seed is not None and not row.done:
+            def draw(i=i, row=row):
+                noise = gumbel_noise(row.request.seed, 0, 1, scores.shape[-1], scores.device)[0]
+                first[i] = (torch.log_softmax(scores[i], -1) + noise).argmax()
+            run_isolated(row, draw)
+    return first.tolist()
