@@ -1,6 +1,6 @@
 """Verification: which draft tokens the target accepts, and the one token it adds.
 
-Notation (DESIGN.md glossary): p = target distribution, q = draft distribution, k = draft length.
+Notation (docs/design.md, glossary): p = target distribution, q = draft distribution, k = draft length.
 Row b brings `k[b]` draft tokens x_1..x_k; the target scored k + 1 positions (after the last
 accepted token and after each draft). Each row gets `accepted[b]` in 0..k[b] and one `next_token`:
 the *recovered* token after a rejection, or the *bonus* token when every draft was accepted.
