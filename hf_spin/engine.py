@@ -36,8 +36,9 @@ import torch
 
 from . import admission
 from .cache import PackedCache, RaggedCache, forward_ragged
-from .drafters import Draft, Drafter, DraftRequest
+from .drafters import Drafter
 from .drafters.model import common_prefix_length
+from .drafting import Drafting
 from .faults import Faults
 from .policies import BatchView, Plan, Policy, StepFeedback
 from .policies.base import shadow_lengths
@@ -46,7 +47,6 @@ from .processors import GenerateBatch, first_scores, row_processors, score_posit
 from .rows import CANCELLED, LENGTH, STOPPED, Request, Row
 from .stats import DrafterStats, GenerationStats
 from .verification import RowSampling, verify_rows
-from .vote_tree import heaviest_path
 
 
 @dataclass
@@ -62,14 +62,6 @@ class Proposal:
     draft_seconds: list[float]  # [num_drafters] wall time per drafter in this step (shadow drafts included)
     shadows: list[dict[int, list[int]]]  # [B] drafter -> its shadow draft (Plan.shadow): compared, never verified
     match_lengths: list[dict[int, int]]  # [B] drafter -> the match its draft (served or shadow) continued, where it reports one
-
-
-def note_matches(draft: Draft, served: list[int], d_idx: int, match_lengths: list[dict[int, int]]) -> None:
-    """Record in `match_lengths` ([B] drafter -> length) the match each of `served`'s drafts continued,
-    where the drafter reports one (`Draft.match_lengths`)."""
-    for b, match in zip(served, draft.match_lengths or []):
-        if match is not None:
-            match_lengths[b][d_idx] = match
 
 
 class SpinEngine:
@@ -269,89 +261,17 @@ class SpinEngine:
         else:
             chosen = [tuple(d for d in plan.drafters[b] if self.usable[d] and d not in rows[b].banned) for b in range(B)]
             ks = [max(0, min(plan.k[b], rows[b].room)) if chosen[b] else 0 for b in range(B)]
-        # 4. Draft, one call per drafter over the rows it serves; rows with several drafters take the
-        #    heaviest path of their vote tree. 4a: a preempting drafter drafts first; rows it proposes
-        #    enough for verify its draft instead of their planned drafters'.
-        proposals: list[dict[int, list[int]]] = [{} for _ in range(B)]
-        q_of: list[dict[int, torch.Tensor | None]] = [{} for _ in range(B)]
-        sequences = [r.sequence for r in rows]
-        score_fn = self._score_position if any(len(r.request.processors) for r in rows) else None
-        firsts: list[dict[int, list[int]]] = [{} for _ in range(B)]  # [B] preempting drafter -> its draft, where too short to serve
-        match_lengths: list[dict[int, int]] = [{} for _ in range(B)]
-        for d_idx, wanted in (plan.preempt if plan is not None else {}).items():
-            eligible = [b for b in sorted(wanted) if b < B and self.usable[d_idx] and d_idx not in rows[b].banned and d_idx not in chosen[b]]
-            cap = {b: k for b in eligible if (k := min(wanted[b][0], rows[b].room)) > 0}  # k capped by the room left
-            for b, (tokens, q) in self._draft_rows(d_idx, list(cap), cap, sequences, score_fn, plan.min_confidence, draft_seconds, match_lengths).items():
-                match = match_lengths[b].get(d_idx)
-                if len(tokens) >= wanted[b][1] and (match is None or match >= wanted[b][2]):
-                    chosen[b], ks[b] = (d_idx,), cap[b]
-                    proposals[b][d_idx], q_of[b][d_idx] = tokens, q
-                else:
-                    firsts[b][d_idx] = tokens
-        for d_idx in range(len(self.drafters)):
-            served = [b for b in range(B) if d_idx in chosen[b] and ks[b] > 0 and d_idx not in proposals[b]]
-            for b, (tokens, q) in self._draft_rows(d_idx, served, ks, sequences, score_fn, plan.min_confidence if plan else 0.0, draft_seconds, match_lengths).items():
-                proposals[b][d_idx], q_of[b][d_idx] = tokens, q
-        shadows = self._shadow_drafts(plan, chosen, sequences, score_fn, draft_seconds, firsts, match_lengths)
-        drafts: list[list[int]] = [[] for _ in range(B)]
-        qs: list[torch.Tensor | None] = [None] * B
-        for b in range(B):
-            if len(proposals[b]) == 1:
-                ((d_idx, drafts[b]),) = proposals[b].items()
-                qs[b] = q_of[b][d_idx]
-            elif proposals[b]:  # vote: a deterministic merge, verified as a one-hot proposal
-                weights = plan.vote_weights or [1.0] * len(self.drafters)
-                drafts[b] = heaviest_path(proposals[b], weights)[: ks[b]]
+        # 4. Draft: a preempting drafter first (4a), then each drafter over the rows it serves (4b), shadow
+        #    drafts for measurement (4c); rows with several drafters take their vote tree's heaviest path.
+        drafting = Drafting(self, plan, draft_seconds)
+        proposals: list[dict[int, list[int]]] = [{} for _ in range(B)]  # [B] drafter -> its draft
+        q_of: list[dict[int, torch.Tensor | None]] = [{} for _ in range(B)]  # [B] drafter -> its q
+        firsts = drafting.preempt(chosen, ks, proposals, q_of)
+        drafting.serve(chosen, ks, proposals, q_of)
+        shadows = drafting.shadows(chosen, firsts)
+        drafts, qs = drafting.merge(proposals, q_of, ks)
+        match_lengths = drafting.match_lengths
         return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows, match_lengths)
-
-    def _draft_rows(self, d_idx: int, served: list[int], ks, sequences, score_fn, min_confidence: float, draft_seconds: list[float], match_lengths: list[dict[int, int]]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
-        """One drafter's drafts for the batch rows `served` (ks[b] tokens each): batch row -> (tokens,
-        q); the match lengths it reports go into `match_lengths`. Isolating faults, a call that raises
-        is retried on halves to find the row(s) at fault."""
-        rows, out = self.rows, {}
-        todo = [served]
-        while todo and todo[-1]:
-            served = todo.pop()
-            # seeded rows draft greedily: their tokens come from their own noise, whatever the draft
-            sample = [rows[b].request.do_sample and rows[b].request.seed is None for b in served]
-            request = DraftRequest(
-                served,
-                sequences,
-                [ks[b] for b in served],
-                any(sample),
-                score_fn,
-                min_confidence,
-                sample if any(sample) and not all(sample) else None,  # greedy and sampled rows in one call
-            )
-            ok, draft = self.faults.drafter(d_idx, lambda: self.drafters[d_idx].draft(request), served, draft_seconds, ban=len(served) == 1)
-            if ok:
-                for b, tokens, q in zip(served, draft.tokens, draft.q):
-                    out[b] = (list(tokens), q)
-                note_matches(draft, served, d_idx, match_lengths)
-            elif self.isolate_faults and self.usable[d_idx] and len(served) > 1:
-                todo += [served[: len(served) // 2], served[len(served) // 2 :]]
-        return out
-
-    def _shadow_drafts(self, plan: Plan | None, chosen, sequences, score_fn, draft_seconds: list[float], firsts: list[dict[int, list[int]]], match_lengths: list[dict[int, int]]) -> list[dict[int, list[int]]]:
-        """4b. Drafts the plan asks of drafters for rows they do not serve (`Plan.shadow`), greedily:
-        only compared with the committed tokens after the step, so the policy measures them for free.
-        A preempting drafter's draft that did not serve (`firsts`) is its shadow draft. The match
-        lengths a drafter reports go into `match_lengths` ([B] drafter -> length)."""
-        rows = self.rows
-        shadows: list[dict[int, list[int]]] = [dict(f) for f in firsts]
-        for d_idx, wanted in (plan.shadow if plan is not None else {}).items():
-            if not self.usable[d_idx]:
-                continue
-            served = [b for b in sorted(wanted) if b < len(rows) and d_idx not in chosen[b] and d_idx not in rows[b].banned and d_idx not in shadows[b] and min(wanted[b], rows[b].room) > 0]
-            if not served:
-                continue
-            request = DraftRequest(served, sequences, [min(wanted[b], rows[b].room) for b in served], False, score_fn, plan.min_confidence)
-            ok, draft = self.faults.drafter(d_idx, lambda: self.drafters[d_idx].draft(request), served, draft_seconds, ban=len(served) == 1)
-            if ok:
-                for b, tokens in zip(served, draft.tokens):
-                    shadows[b][d_idx] = list(tokens)
-                note_matches(draft, served, d_idx, match_lengths)
-        return shadows
 
     # -- 5-7. Verify, commit, pre-fill ----------------------------------------------------------------
     @torch.no_grad()

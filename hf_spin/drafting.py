@@ -1,0 +1,127 @@
+"""Step 4 of a step: the drafters' calls for one plan (preempting drafts, served drafts, shadow drafts)
+and the merge of several drafters' drafts into the candidates each row verifies.
+
+    drafting = Drafting(engine, plan, draft_seconds)
+    firsts = drafting.preempt(chosen, ks, proposals, q_of)  # 4a: a preempting drafter drafts first
+    drafting.serve(chosen, ks, proposals, q_of)             # 4b: each drafter over the rows it serves
+    shadows = drafting.shadows(chosen, firsts)              # 4c: unverified drafts, for measurement
+    drafts, qs = drafting.merge(proposals, q_of, ks)        # one candidate list per row (a vote's path)
+
+Every drafter call goes through the engine's `Faults`, which times it and absorbs its faults.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .drafters import Draft, DraftRequest
+from .policies import Plan
+from .vote_tree import heaviest_path
+
+Proposals = list[dict[int, list[int]]]  # [B] drafter -> its draft for the row
+
+
+def note_matches(draft: Draft, served: list[int], d_idx: int, match_lengths: list[dict[int, int]]) -> None:
+    """Record in `match_lengths` ([B] drafter -> length) the match each of `served`'s drafts continued,
+    where the drafter reports one (`Draft.match_lengths`)."""
+    for b, match in zip(served, draft.match_lengths or []):
+        if match is not None:
+            match_lengths[b][d_idx] = match
+
+
+class Drafting:
+    """The drafters' calls of one step (engine: a SpinEngine; plan: its plan, or None without a pool;
+    draft_seconds: [num_drafters] wall time per drafter this step, added to)."""
+
+    def __init__(self, engine, plan: Plan | None, draft_seconds: list[float]):
+        self.engine, self.plan, self.draft_seconds = engine, plan, draft_seconds
+        self.rows = engine.rows
+        self.sequences = [r.sequence for r in self.rows]
+        self.score_fn = engine._score_position if any(len(r.request.processors) for r in self.rows) else None
+        self.min_confidence = plan.min_confidence if plan is not None else 0.0
+        self.match_lengths: list[dict[int, int]] = [{} for _ in self.rows]  # [B] drafter -> the match its draft continued
+
+    def preempt(self, chosen: list[tuple[int, ...]], ks: list[int], proposals: Proposals, q_of: list[dict]) -> Proposals:
+        """4a. A preempting drafter (`Plan.preempt`) drafts first; a row it proposes at least the plan's
+        minimum tokens for, continuing a long enough match, verifies that draft instead of its planned
+        drafters' (`chosen`, `ks` and `proposals` updated). Returns [B] the drafts too short to serve."""
+        engine, rows, firsts = self.engine, self.rows, [{} for _ in self.rows]
+        for d_idx, wanted in (self.plan.preempt if self.plan is not None else {}).items():
+            eligible = [b for b in sorted(wanted) if b < len(rows) and engine.usable[d_idx] and d_idx not in rows[b].banned and d_idx not in chosen[b]]
+            cap = {b: k for b in eligible if (k := min(wanted[b][0], rows[b].room)) > 0}  # k capped by the room left
+            for b, (tokens, q) in self.draft_rows(d_idx, list(cap), cap).items():
+                match = self.match_lengths[b].get(d_idx)
+                if len(tokens) >= wanted[b][1] and (match is None or match >= wanted[b][2]):
+                    chosen[b], ks[b] = (d_idx,), cap[b]
+                    proposals[b][d_idx], q_of[b][d_idx] = tokens, q
+                else:
+                    firsts[b][d_idx] = tokens
+        return firsts
+
+    def serve(self, chosen: list[tuple[int, ...]], ks: list[int], proposals: Proposals, q_of: list[dict]) -> None:
+        """4b. One call per drafter over the rows it serves and has not drafted for yet."""
+        for d_idx in range(len(self.engine.drafters)):
+            served = [b for b in range(len(self.rows)) if d_idx in chosen[b] and ks[b] > 0 and d_idx not in proposals[b]]
+            for b, (tokens, q) in self.draft_rows(d_idx, served, ks).items():
+                proposals[b][d_idx], q_of[b][d_idx] = tokens, q
+
+    def draft_rows(self, d_idx: int, served: list[int], ks) -> dict[int, tuple[list[int], torch.Tensor | None]]:
+        """One drafter's drafts for the batch rows `served` (ks[b] tokens each): batch row -> (tokens,
+        q). Isolating faults, a call that raises is retried on halves to find the row(s) at fault."""
+        engine, rows, out = self.engine, self.rows, {}
+        todo = [served]
+        while todo and todo[-1]:
+            served = todo.pop()
+            # seeded rows draft greedily: their tokens come from their own noise, whatever the draft
+            sample = [rows[b].request.do_sample and rows[b].request.seed is None for b in served]
+            request = DraftRequest(
+                served,
+                self.sequences,
+                [ks[b] for b in served],
+                any(sample),
+                self.score_fn,
+                self.min_confidence,
+                sample if any(sample) and not all(sample) else None,  # greedy and sampled rows in one call
+            )
+            ok, draft = engine.faults.drafter(d_idx, lambda: engine.drafters[d_idx].draft(request), served, self.draft_seconds, ban=len(served) == 1)
+            if ok:
+                for b, tokens, q in zip(served, draft.tokens, draft.q):
+                    out[b] = (list(tokens), q)
+                note_matches(draft, served, d_idx, self.match_lengths)
+            elif engine.isolate_faults and engine.usable[d_idx] and len(served) > 1:
+                todo += [served[: len(served) // 2], served[len(served) // 2 :]]
+        return out
+
+    def shadows(self, chosen: list[tuple[int, ...]], firsts: Proposals) -> Proposals:
+        """4c. Drafts the plan asks of drafters for rows they do not serve (`Plan.shadow`), greedily:
+        only compared with the committed tokens after the step, so the policy measures them for free.
+        A preempting drafter's draft that did not serve (`firsts`) is its shadow draft."""
+        engine, rows, plan = self.engine, self.rows, self.plan
+        shadows: Proposals = [dict(f) for f in firsts]
+        for d_idx, wanted in (plan.shadow if plan is not None else {}).items():
+            if not engine.usable[d_idx]:
+                continue
+            served = [b for b in sorted(wanted) if b < len(rows) and d_idx not in chosen[b] and d_idx not in rows[b].banned and d_idx not in shadows[b] and min(wanted[b], rows[b].room) > 0]
+            if not served:
+                continue
+            request = DraftRequest(served, self.sequences, [min(wanted[b], rows[b].room) for b in served], False, self.score_fn, plan.min_confidence)
+            ok, draft = engine.faults.drafter(d_idx, lambda: engine.drafters[d_idx].draft(request), served, self.draft_seconds, ban=len(served) == 1)
+            if ok:
+                for b, tokens in zip(served, draft.tokens):
+                    shadows[b][d_idx] = list(tokens)
+                note_matches(draft, served, d_idx, self.match_lengths)
+        return shadows
+
+    def merge(self, proposals: Proposals, q_of: list[dict], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """([B] the candidates each row verifies, [B] their q or None): a single drafter's draft and q,
+        or the heaviest path of several drafters' vote tree (a deterministic merge: one-hot q)."""
+        drafts: list[list[int]] = [[] for _ in proposals]
+        qs: list[torch.Tensor | None] = [None] * len(proposals)
+        for b, proposal in enumerate(proposals):
+            if len(proposal) == 1:
+                ((d_idx, drafts[b]),) = proposal.items()
+                qs[b] = q_of[b][d_idx]
+            elif proposal:
+                weights = self.plan.vote_weights or [1.0] * len(self.engine.drafters)
+                drafts[b] = heaviest_path(proposal, weights)[: ks[b]]
+        return drafts, qs
