@@ -275,17 +275,17 @@ class SpinEngine:
 
     # -- 5-7. Verify, commit, pre-fill ----------------------------------------------------------------
     @torch.no_grad()
-    def verify(self, p: Proposal) -> None:
+    def verify(self, proposal: Proposal) -> None:
         rows = self.rows
         # 5. Verify: one target forward over [last committed token] + drafts for every row.
         start = perf_counter()
-        chunks = [[r.sequence[-1]] + p.drafts[b] for b, r in enumerate(rows)]
+        chunks = [[r.sequence[-1]] + proposal.drafts[b] for b, r in enumerate(rows)]
         target_logits = self.faults.target_forward(self._forward_target, chunks)  # [B, K + 1, V], or None when every row failed
         if target_logits is None:
             return
-        scores = target_scores(rows, self._running_batch(), target_logits, p.drafts, self.faults.row)  # [B, K + 1, V]
+        scores = target_scores(rows, self._running_batch(), target_logits, proposal.drafts, self.faults.row)  # [B, K + 1, V]
         sampling = [RowSampling(r.request.do_sample, r.request.seed, len(r.generated)) for r in rows]
-        verdict = self.faults.verdict(lambda idx: verify_rows(idx, sampling, scores, p.drafts, p.qs), scores.device)
+        verdict = self.faults.verdict(lambda idx: verify_rows(idx, sampling, scores, proposal.drafts, proposal.qs), scores.device)
         verify_seconds = perf_counter() - start
         self.stats.verify_seconds += verify_seconds
 
@@ -300,41 +300,41 @@ class SpinEngine:
                 matched.append({})
                 shadow_matched.append({})
                 continue
-            new = p.drafts[b][: accepted[b]] + [next_tokens[b]]
+            new = proposal.drafts[b][: accepted[b]] + [next_tokens[b]]
             self.faults.row(row, lambda: self._commit(row, new, scores[b]))
-            matched.append({d: common_prefix_length(tokens, new) for d, tokens in p.proposals[b].items()})
-            shadow_matched.append({d: common_prefix_length(tokens, new) for d, tokens in p.shadows[b].items()})
-            row.stats.add(len(p.drafts[b]), accepted[b], len(new))
-            for d_idx, tokens in p.proposals[b].items():  # a voter is credited with what its own draft got right
+            matched.append({d: common_prefix_length(tokens, new) for d, tokens in proposal.proposals[b].items()})
+            shadow_matched.append({d: common_prefix_length(tokens, new) for d, tokens in proposal.shadows[b].items()})
+            row.stats.add(len(proposal.drafts[b]), accepted[b], len(new))
+            for d_idx, tokens in proposal.proposals[b].items():  # a voter is credited with what its own draft got right
                 row.stats.drafters[self.names[d_idx]] += 1
-                own = accepted[b] if len(p.proposals[b]) == 1 else min(matched[b][d_idx], len(tokens))
+                own = accepted[b] if len(proposal.proposals[b]) == 1 else min(matched[b][d_idx], len(tokens))
                 self.drafter_stats[self.names[d_idx]].add(len(tokens), own, len(new))
-        for d_idx in sorted({d for prop in p.proposals for d in prop}):
+        for d_idx in sorted({d for prop in proposal.proposals for d in prop}):
             self.drafter_stats[self.names[d_idx]].steps += 1
         self.cache.rollback(torch.tensor([len(r.sequence) - 1 for r in rows], device=self.cache.device))
 
         # 7. Fast switching: idle drafters named by the plan catch up on rows they may serve next; the
         #    policy hears what the step did.
-        if p.plan is not None and p.plan.prefill:
+        if proposal.plan is not None and proposal.plan.prefill:
             if self.defer_idle_prefill:
-                self._deferred_prefill = {d: [rows[b].id for b in bs] for d, bs in p.plan.prefill.items()}
+                self._deferred_prefill = {d: [rows[b].id for b in bs] for d, bs in proposal.plan.prefill.items()}
             else:
-                self._prefill_idle(p.plan.prefill, p.draft_seconds)
+                self._prefill_idle(proposal.plan.prefill, proposal.draft_seconds)
         self.stats.steps += 1
         if self.policy is not None:
-            executed = Plan(list(p.chosen), p.ks, p.plan.min_confidence, p.plan.vote_weights, p.plan.prefill, shadow_lengths(p.plan, p.shadows))
+            executed = Plan(list(proposal.chosen), proposal.ks, proposal.plan.min_confidence, proposal.plan.vote_weights, proposal.plan.prefill, shadow_lengths(proposal.plan, proposal.shadows))
             self.policy.update(
                 StepFeedback(
                     row_ids=[r.id for r in rows],
                     plan=executed,
-                    drafted=[len(d) for d in p.drafts],
+                    drafted=[len(d) for d in proposal.drafts],
                     accepted=accepted,
-                    proposed=[{d: len(t) for d, t in prop.items()} for prop in p.proposals],
+                    proposed=[{d: len(t) for d, t in prop.items()} for prop in proposal.proposals],
                     matched=matched,
-                    shadow_proposed=[{d: len(t) for d, t in sh.items()} for sh in p.shadows],
+                    shadow_proposed=[{d: len(t) for d, t in sh.items()} for sh in proposal.shadows],
                     shadow_matched=shadow_matched,
-                    match_lengths=p.match_lengths,
-                    draft_seconds=p.draft_seconds,
+                    match_lengths=proposal.match_lengths,
+                    draft_seconds=proposal.draft_seconds,
                     verify_seconds=verify_seconds,
                     padded=not isinstance(self.cache, PackedCache),
                 )

@@ -66,7 +66,7 @@ MUTANTS = (
         "after a rejection the target's cache keeps the rejected token's KV",
         "hf_spin/engine.py",
         "self.cache.rollback(torch.tensor([len(r.sequence) - 1 for r in rows], device=self.cache.device))",
-        "self.cache.rollback(torch.tensor([len(r.sequence) - 1 + (accepted[b] < len(p.drafts[b])) for b, r in enumerate(rows)], device=self.cache.device))",
+        "self.cache.rollback(torch.tensor([len(r.sequence) - 1 + (accepted[b] < len(proposal.drafts[b])) for b, r in enumerate(rows)], device=self.cache.device))",
         (
             EQ + "test_greedy_equivalence[llama-other-1]",
             EQ + "test_greedy_equivalence[qwen2-other-4]",
