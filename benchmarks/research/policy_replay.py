@@ -187,7 +187,7 @@ def sustain(verify: SimVerify, plain_steps: list[tuple[float, int]]) -> SimVerif
     engine, twice each, lookup's verify forwards took 1.19x the fit's seconds and SmolLM2's,
     between its drafts, 1.08x (tokens and steps as replayed, exactly); with the fit at 1x for both
     the replay put lookup at 0.93-0.95 of SmolLM2 on those requests, the real runs at 0.86, and
-    with this factor at 0.855 (RESULTS.md, nineteenth measurement)."""
+    with this factor at 0.855 (RESULTS.md at 1f8575a, nineteenth measurement)."""
     ratio = sum(s for s, _ in plain_steps) / sum(verify.seconds(n) for _, n in plain_steps)
     return replace(verify, sustained=max(1.0, ratio))
 
