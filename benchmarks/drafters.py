@@ -1,9 +1,9 @@
 """Faster drafters on the real models: EasySpec fuzzy drafting and MagicDec sparse-KV drafting, one run.
 
-    python benchmarks/drafters.py --threads 2                                   # everything, defaults below
-    python benchmarks/drafters.py --sections easyspec fuzzy_cost --per-category 2
-    python benchmarks/drafters.py --sections magicdec cost --skip-8k
-    python benchmarks/drafters.py --limit 1 --max-new-tokens 8 --lengths 512 --budgets 64 --cost-lengths 512 --cost-batches 1   # smoke
+    python -m benchmarks.drafters --threads 2                                   # everything, defaults below
+    python -m benchmarks.drafters --sections easyspec fuzzy_cost --per-category 2
+    python -m benchmarks.drafters --sections magicdec cost --skip-8k
+    python -m benchmarks.drafters --limit 1 --max-new-tokens 8 --lengths 512 --budgets 64 --cost-lengths 512 --cost-batches 1   # smoke
 
 Sections (--sections, all by default):
   easyspec    Spec-Bench mix (first turn of --per-category questions per category, batch 1, greedy): plain
@@ -42,7 +42,7 @@ import transformers
 import hf_spin
 from hf_spin import models
 
-from common import DEFAULT_QUESTIONS, load_questions, new_tokens, timed
+from benchmarks.common import DEFAULT_QUESTIONS, load_questions, new_tokens, timed
 from hf_spin.cache import RaggedCache, forward_ragged
 from hf_spin.drafters.fuzzy import LayerParallelForward
 from hf_spin.drafters.streaming import StreamingCache

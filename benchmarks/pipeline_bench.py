@@ -1,8 +1,8 @@
 """Pipelining on and off, in process (no HTTP): the same rows through `SpinEngine` and through
 `Pipeline` with 2 (or `--micro-batches`) micro-batches, alternating runs, on the packaged models.
 
-    python benchmarks/pipeline_bench.py                          # 4 Spec-Bench prompts, 16 new tokens, 2 runs each
-    python benchmarks/pipeline_bench.py --rows 8 --max-new-tokens 32 --runs 3
+    python -m benchmarks.pipeline_bench                          # 4 Spec-Bench prompts, 16 new tokens, 2 runs each
+    python -m benchmarks.pipeline_bench --rows 8 --max-new-tokens 32 --runs 3
 
 Reports wall seconds, tokens/s, the pipeline's time blocked on each side (drafting thread on the
 full result pool, target thread waiting for drafts) and whether the greedy outputs are identical.
@@ -13,20 +13,17 @@ verification threads share the cores the matmuls already use.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
+from transformers import StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_QUESTIONS, load_questions, machine, write_results  # noqa: E402
-from transformers import StoppingCriteriaList  # noqa: E402
-from transformers.generation.stopping_criteria import EosTokenCriteria  # noqa: E402
+import hf_spin
+from hf_spin import models
 
-import hf_spin  # noqa: E402
-from hf_spin import models  # noqa: E402
+from benchmarks.common import DEFAULT_QUESTIONS, load_questions, machine, write_results
 
 
 def run(engine, requests) -> tuple[float, list[list[int]]]:

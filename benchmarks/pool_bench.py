@@ -1,7 +1,7 @@
 """A heterogeneous pool on Spec-Bench: every policy against every single drafter and the oracle, one run.
 
-    python benchmarks/pool_bench.py --per-task 1 --max-new-tokens 32 --batch-sizes 1 4
-    accelerate launch --num_processes 2 benchmarks/pool_bench.py ...   # questions sharded over processes
+    python -m benchmarks.pool_bench --per-task 1 --max-new-tokens 32 --batch-sizes 1 4
+    accelerate launch --num_processes 2 -m benchmarks.pool_bench ...   # questions sharded over processes
 
 Target Qwen2.5-Coder-1.5B; pool: Qwen2.5-Coder-0.5B (same tokenizer), SmolLM2-135M and Gemma-3-270M
 (token translation), prompt lookup. For each batch of questions, side by side on the same prompts:
@@ -34,7 +34,7 @@ import hf_spin
 from hf_spin import models
 from hf_spin.policies import POLICIES, make_draft_length
 
-from common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens, save_partial, timed, write_results
+from benchmarks.common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens, save_partial, timed, write_results
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 # label -> packaged model name (None: prompt lookup)
@@ -49,7 +49,7 @@ PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_l
 
 
 def parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentParser:
-    """The flags of this benchmark, shared by the scripts that run its workload (lbss_trace.py, policy_replay.py)."""
+    """The flags of this benchmark, shared by the scripts that run its workload (research/lbss_trace.py, research/policy_replay.py)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     ap.add_argument("--per-task", type=int, default=1, help="questions per Spec-Bench task (6 tasks)")

@@ -1,6 +1,6 @@
 """Padding and cache memory of batched verification, with and without the ragged path: counts, not times.
 
-    python benchmarks/ragged_counts.py --batch-sizes 8 16 --max-new-tokens 128
+    python -m benchmarks.ragged_counts --batch-sizes 8 16 --max-new-tokens 128
 
 Prompts are the first turns of the Spec-Bench mix (all 480 questions, seeded shuffle, consecutive batches),
 tokenized with the packaged Qwen2.5 tokenizer and chat template; the cache bytes use that model's
@@ -38,7 +38,7 @@ from hf_spin.cache import PackedCache, RaggedCache
 from hf_spin.kernels.decomposition import plan_decomposition
 from hf_spin.policies import DEFAULT_DRAFT_LENGTH
 
-from common import DEFAULT_QUESTIONS, load_questions
+from benchmarks.common import DEFAULT_QUESTIONS, load_questions
 PATHS = ("padded", "holes", "decomposed", "packed")
 
 

@@ -9,9 +9,9 @@ resident memory (RSS, sampled every half second) at the start, its peak and at t
 count (`--requests` per cell) and time (`--time-limit` per cell: no new request after it). Exits 1 if
 any request failed or was lost.
 
-    python benchmarks/serve_load.py                                          # the full run (long on CPU)
-    python benchmarks/serve_load.py --requests 4 --max-new-tokens 8          # a quick check
-    python benchmarks/serve_load.py --model smollm2-135m-instruct --drafter prompt_lookup --modes off on
+    python -m benchmarks.serve_load                                          # the full run (long on CPU)
+    python -m benchmarks.serve_load --requests 4 --max-new-tokens 8          # a quick check
+    python -m benchmarks.serve_load --model smollm2-135m-instruct --drafter prompt_lookup --modes off on
 
 failed = an HTTP error or an error event; lost = a stream that ended without its finish reason (a
 dropped connection, a timeout). Greedy outputs of each mode are compared with the speculation-off
@@ -36,11 +36,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's hf_spin, as the server subprocess uses
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_QUESTIONS, load_questions, machine, write_results  # noqa: E402
+from benchmarks.common import DEFAULT_QUESTIONS, load_questions, machine, write_results
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]  # the server subprocess runs here, with this checkout first on PYTHONPATH
 MODES = {  # mode -> extra `hf-spin serve` arguments
     "off": ["--no-speculation"],
     "on": [],

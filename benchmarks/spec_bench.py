@@ -1,7 +1,7 @@
 """Spec-Bench side by side: plain `generate`, `transformers`' assisted generation and hf_spin, one run.
 
-    python benchmarks/spec_bench.py --per-category 1 --max-new-tokens 64
-    accelerate launch --num_processes 2 benchmarks/spec_bench.py --per-category 1   # prompts sharded
+    python -m benchmarks.spec_bench --per-category 1 --max-new-tokens 64
+    accelerate launch --num_processes 2 -m benchmarks.spec_bench --per-category 1   # prompts sharded
 
 Protocol (Spec-Bench's, on the first turn of each question): greedy, speed per question = new tokens
 / wall time, speed-up = mean speed / mean speed of plain decoding on the same prompts, mean accepted
@@ -26,7 +26,7 @@ import hf_spin
 from hf_spin import models
 from hf_spin.policies import FixedLength
 
-from common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens, save_partial, timed, write_results
+from benchmarks.common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens, save_partial, timed, write_results
 
 
 def parse_args() -> argparse.Namespace:

@@ -2,8 +2,8 @@
 models and no timing noise, in seconds instead of the 20 minutes of a `pool_bench.py` run whose
 policy ratios move by +-5% from run to run.
 
-    python benchmarks/policy_replay.py --per-task 3 --max-new-tokens 32 --out benchmarks/results/replay   # records (models), then replays
-    python benchmarks/policy_replay.py --drafts benchmarks/results/replay/drafts.json --lbss "" "optimism=0.5" --seeds 0 1 2
+    python -m benchmarks.research.policy_replay --per-task 3 --max-new-tokens 32 --out benchmarks/results/replay   # records (models), then replays
+    python -m benchmarks.research.policy_replay --drafts benchmarks/results/replay/drafts.json --lbss "" "optimism=0.5" --seeds 0 1 2
 
 Greedy decoding commits the target's greedy tokens whatever it verifies, so what a drafter proposes
 at a position depends only on the committed prefix there. Recorded once per drafter and position
@@ -33,7 +33,6 @@ from __future__ import annotations
 import ast
 import json
 import statistics
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -46,11 +45,9 @@ from hf_spin.drafters.base import DraftRequest
 from hf_spin.policies import LBSSConfig, make_draft_length, make_policy
 from hf_spin.policies.base import DEFAULT_MIN_CONFIDENCE
 
-from common import encode, machine, timed, write_results
-from pool_bench import WARM_UP_TOKENS, Bench, markdown, parser, summarize, workload
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.sim import SimDrafter, Simulator, SimVerify  # noqa: E402  (the policy tests' engine)
+from benchmarks.common import encode, machine, timed, write_results
+from benchmarks.pool_bench import WARM_UP_TOKENS, Bench, markdown, parser, summarize, workload
+from tests.sim import SimDrafter, Simulator, SimVerify  # the policy tests' engine (run from the repository root)
 
 POWERS = [p / 20 for p in range(4, 21)]  # exponents tried in the verify fit, 0.2..1.0
 VERIFY_REPEATS = 3  # timed verify forwards per recorded request (or batch) and token count
@@ -190,7 +187,7 @@ def sustain(verify: SimVerify, plain_steps: list[tuple[float, int]]) -> SimVerif
     engine, twice each, lookup's verify forwards took 1.19x the fit's seconds and SmolLM2's,
     between its drafts, 1.08x (tokens and steps as replayed, exactly); with the fit at 1x for both
     the replay put lookup at 0.93-0.95 of SmolLM2 on those requests, the real runs at 0.86, and
-    with this factor at 0.855 (RESULTS.md, nineteenth measurement)."""
+    with this factor at 0.855 (RESULTS.md at 1f8575a, nineteenth measurement)."""
     ratio = sum(s for s, _ in plain_steps) / sum(verify.seconds(n) for _, n in plain_steps)
     return replace(verify, sustained=max(1.0, ratio))
 

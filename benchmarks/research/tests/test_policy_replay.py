@@ -1,20 +1,14 @@
-"""benchmarks/policy_replay.py on a hand-made recording: the replayed engine commits the recorded
+"""benchmarks/research/policy_replay.py on a hand-made recording: the replayed engine commits the recorded
 greedy tokens, proposes each drafter's recorded draft at the position it reached, charges the
 fitted costs, and the fits recover known costs."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-policy_replay = pytest.importorskip("policy_replay")
-
-from hf_spin.policies import make_policy  # noqa: E402
-
-from .sim import SimDrafter, SimVerify  # noqa: E402
+from benchmarks.research import policy_replay
+from hf_spin.policies import make_policy
+from tests.sim import SimDrafter, SimVerify
 
 P, N = 5, 9  # prompt tokens, generated tokens recorded (the prefill's first one included)
 

@@ -1,7 +1,7 @@
 """Several `pool_bench.py` runs of the same workload read together: how noisy one run is, how much
 of the oracle is noise, and where a policy gains or loses against a reference method per task.
 
-    python benchmarks/pool_runs.py benchmarks/results/b1_cold13 benchmarks/results/b1_cold14 benchmarks/results/b1_cold15 --policy policy:lbss --reference spin:smollm2-135m
+    python -m benchmarks.research.pool_runs benchmarks/results/b1_cold13 benchmarks/results/b1_cold14 benchmarks/results/b1_cold15 --policy policy:lbss --reference spin:smollm2-135m
 
 One run's per-request times move with the machine (this CPU's speed drifts by +-30% over minutes),
 so a policy's ratio to the best single drafter, and its fraction of the per-request oracle (the best
@@ -37,7 +37,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from pool_bench import oracle_pick, row_goodput, speed
+from benchmarks.pool_bench import oracle_pick, row_goodput, speed
 
 
 def load(path: Path, batch_size: int | None) -> tuple[int, dict[int, dict]]:

@@ -1,6 +1,6 @@
 """The floor of "never slower than plain decoding": hf_spin decoding plainly vs plain `generate`.
 
-    python benchmarks/plain_floor.py --per-task 2 --batch-size 4 --repeats 2
+    python -m benchmarks.research.plain_floor --per-task 2 --batch-size 4 --repeats 2
 
 On the pool benchmark's batches (the first `--per-task` Spec-Bench questions of each task, in
 batches of `--batch-size`), side by side, `--repeats` times: plain `generate`; hf_spin with a policy
@@ -22,7 +22,7 @@ import hf_spin
 from hf_spin import models
 from hf_spin.policies.base import Policy
 
-from common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens, timed, write_results
+from benchmarks.common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens, timed, write_results
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 

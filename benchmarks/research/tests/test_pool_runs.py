@@ -1,17 +1,15 @@
-"""benchmarks/pool_runs.py on hand-made runs: the spread of a request between runs, the oracle's
+"""benchmarks/research/pool_runs.py on hand-made runs: the spread of a request between runs, the oracle's
 maximum over noise, and per-task ratios to a reference method."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-pool_runs = pytest.importorskip("pool_runs")
+from benchmarks.research import pool_runs
 
 
 def record(qid: int, task: str, seconds: dict[str, float]) -> dict:

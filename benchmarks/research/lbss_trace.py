@@ -1,7 +1,7 @@
 """Why LBSS chose what it chose: a per-step trace of its decisions on the pool benchmark's batches.
 
-    python benchmarks/lbss_trace.py --per-task 2 --batch-sizes 4            # cold, as pool_bench.py
-    python benchmarks/lbss_trace.py --per-task 3 --batch-sizes 1 --policy-warmup 1
+    python -m benchmarks.research.lbss_trace --per-task 2 --batch-sizes 4            # cold, as pool_bench.py
+    python -m benchmarks.research.lbss_trace --per-task 3 --batch-sizes 1 --policy-warmup 1
 
 The same models, prompts, batches and warm-up as `pool_bench.py` (its flags), but only plain
 `generate` and one LBSS pool, whose policy records every step: per row its schedule (epoch,
@@ -26,8 +26,8 @@ import hf_spin
 from hf_spin.policies import make_draft_length
 from hf_spin.policies.lbss import LBSSPolicy
 
-from common import machine, write_results
-from pool_bench import Bench, parse_args, workload
+from benchmarks.common import machine, write_results
+from benchmarks.pool_bench import Bench, parse_args, workload
 
 
 class TracedLBSS(LBSSPolicy):
