@@ -6,7 +6,7 @@ named for it; every one of them must fail. A mutant that no named test catches i
     python -m tests.mutants --full          # the whole suite per mutant: how many tests catch each
     python -m tests.mutants --list          # the catalogue
 
-The copy holds `hf_spin/`, `tests/` and `pyproject.toml`; pytest runs in it, so `import hf_spin`
+The copy holds `hf_spin/`, `tests/`, `benchmarks/` and `pyproject.toml`; pytest runs in it, so `import hf_spin`
 finds the mutated package first (checked for every mutant). Exit status 1 when a mutant survives.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from .catalogue import MUTANTS, Mutant
 
 ROOT = Path(__file__).resolve().parents[2]
-COPIED = ("hf_spin", "tests", "pyproject.toml")
+COPIED = ("hf_spin", "tests", "benchmarks", "pyproject.toml")
 FAILED_LINE = re.compile(r"^FAILED (\S+)", re.M)
 SUMMARY_LINE = re.compile(r"^=*\s*(.*(?:passed|failed|error).*?)\s*=*$", re.M)
 
