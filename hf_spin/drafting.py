@@ -48,7 +48,7 @@ class Drafting:
         engine, rows, firsts = self.engine, self.rows, [{} for _ in self.rows]
         for d_idx, wanted in (self.plan.preempt if self.plan is not None else {}).items():
             eligible = [b for b in sorted(wanted) if b < len(rows) and engine.usable[d_idx] and d_idx not in rows[b].banned and d_idx not in chosen[b]]
-            cap = {b: k for b in eligible if (k := min(wanted[b][0], rows[b].room)) > 0}  # k capped by the room left
+            cap = {b: k for b in eligible if (k := min(wanted[b][0], rows[b].draft_room)) > 0}  # k capped by the room left
             for b, (tokens, q) in self.draft_rows(d_idx, list(cap), cap).items():
                 match = self.match_lengths[b].get(d_idx)
                 if len(tokens) >= wanted[b][1] and (match is None or match >= wanted[b][2]):
@@ -101,10 +101,10 @@ class Drafting:
         for d_idx, wanted in (plan.shadow if plan is not None else {}).items():
             if not engine.usable[d_idx]:
                 continue
-            served = [b for b in sorted(wanted) if b < len(rows) and d_idx not in chosen[b] and d_idx not in rows[b].banned and d_idx not in shadows[b] and min(wanted[b], rows[b].room) > 0]
+            served = [b for b in sorted(wanted) if b < len(rows) and d_idx not in chosen[b] and d_idx not in rows[b].banned and d_idx not in shadows[b] and min(wanted[b], rows[b].draft_room) > 0]
             if not served:
                 continue
-            request = DraftRequest(served, self.sequences, [min(wanted[b], rows[b].room) for b in served], False, self.score_fn, plan.min_confidence)
+            request = DraftRequest(served, self.sequences, [min(wanted[b], rows[b].draft_room) for b in served], False, self.score_fn, plan.min_confidence)
             ok, draft = engine.faults.drafter(d_idx, lambda: engine.drafters[d_idx].draft(request), served, self.draft_seconds, ban=len(served) == 1)
             if ok:
                 for b, tokens in zip(served, draft.tokens):

@@ -260,7 +260,7 @@ class SpinEngine:
             chosen, ks = [()] * B, [0] * B
         else:
             chosen = [tuple(d for d in plan.drafters[b] if self.usable[d] and d not in rows[b].banned) for b in range(B)]
-            ks = [max(0, min(plan.k[b], rows[b].room)) if chosen[b] else 0 for b in range(B)]
+            ks = [max(0, min(plan.k[b], rows[b].draft_room)) if chosen[b] else 0 for b in range(B)]
         # 4. Draft: a preempting drafter first (4a), then each drafter over the rows it serves (4b), shadow
         #    drafts for measurement (4c); rows with several drafters take their vote tree's heaviest path.
         drafting = Drafting(self, plan, draft_seconds)
@@ -381,7 +381,7 @@ class SpinEngine:
             generated=[len(r.generated) for r in self.rows],
             usable=list(self.usable),
             step=self.steps,
-            room=[r.room + 1 for r in self.rows],
+            room=[r.draft_room + 1 for r in self.rows],  # tokens left: the drafts plus the one the target adds
         )
 
     def _running_batch(self) -> GenerateBatch | None:

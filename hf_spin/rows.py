@@ -84,8 +84,9 @@ class Row:
         return self.finish_reason is not None
 
     @property
-    def room(self) -> int:
-        """Draft tokens this row may still verify: one more token (recovered or bonus) must fit too."""
+    def draft_room(self) -> int:
+        """Draft tokens this row may still verify: one more token (recovered or bonus) must fit too
+        (`BatchView.room`, the tokens it may still generate, is one more)."""
         return self.request.max_length - len(self.request.padding) - len(self.sequence) - 1
 
     def as_tensor(self, extra: list[int] = ()) -> torch.Tensor:
