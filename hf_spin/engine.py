@@ -35,7 +35,7 @@ from time import perf_counter
 import torch
 
 from . import admission
-from .cache import PackedCache, RaggedCache, forward_ragged
+from .cache import PackedCache, RowCache, forward_ragged
 from .drafters import Drafter
 from .drafters.model import common_prefix_length
 from .drafting import Drafting
@@ -109,7 +109,7 @@ class SpinEngine:
         self.stats = GenerationStats(rows=[], drafters=self.drafter_stats)  # engine totals; rows stay on each Row
         self.rows: list[Row] = []  # [B] the active batch, in cache order
         self.pending: list[Row] = []  # added, joining at the next step
-        self.cache: RaggedCache | PackedCache | None = None
+        self.cache: RowCache | None = None  # the target's KV of the active rows (RaggedCache or PackedCache)
         self.steps = 0  # verification steps so far
         self.drafters_started = False  # the drafters' per-call state exists (started at the first admission)
         self._row_ids = row_ids if row_ids is not None else pool.row_ids if pool is not None else itertools.count()

@@ -4,12 +4,14 @@ Regression tests for models whose attention counts cache slots (short sliding wi
 ALiBi): a hole left inside a row by a rejected draft would push a real token out of the window.
 """
 
+import inspect
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_spin
-from hf_spin.cache import RaggedCache, needs_contiguous_slots
+from hf_spin.cache import PackedCache, RaggedCache, RowCache, needs_contiguous_slots
 
 from .archs import COMMON, ragged_batch, tiny_model
 from .speculation import assert_speculated, perturb, pool as spin_pool
@@ -76,3 +78,17 @@ def test_refuses_models_with_non_attention_layers():
     model.config.layer_types = ["conv", "full_attention"]  # what lfm2 declares for its conv layers
     with pytest.raises(ValueError, match="stateful"):
         hf_spin.AssistantPool([model])
+
+
+def test_both_caches_provide_the_row_cache_protocol():
+    """`RowCache` lists what the engine and drafters call on either cache: both provide every call, with the
+    protocol's parameter names (runtime_checkable's isinstance checks names only, not signatures)."""
+    members = [name for name in vars(RowCache) if not name.startswith("_")]
+    assert set(members) == {"device", "rollback", "select_rows", "add_empty_rows", "checkpoint", "restore"}
+    for cache in (RaggedCache(torch.zeros(2, 0, dtype=torch.bool)), PackedCache(2)):
+        assert isinstance(cache, RowCache)
+        assert cache.device == torch.device("cpu")
+        for name in members:
+            if name != "device":
+                wanted = list(inspect.signature(getattr(RowCache, name)).parameters)
+                assert list(inspect.signature(getattr(type(cache), name)).parameters) == wanted, (type(cache).__name__, name)

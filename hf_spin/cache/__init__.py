@@ -1,0 +1,32 @@
+"""KV caches whose rows hold different numbers of tokens, and the model calls that fill them.
+
+* `ragged`: `RaggedCache`, a rectangular `DynamicCache` `[B, H, S, D]` with holes (the default path).
+* `packed`: `PackedCache`, every row's tokens back to back for the varlen kernel (`ragged_attention=True`).
+* `forward`: `forward_ragged` (either cache), `forward_packed`, `check_packed_support`, `CACHE_ARG`.
+* `protocol`: `RowCache`, the calls the engine and the drafters make on either cache.
+
+Imports run one way: `forward` -> `packed`, `ragged`; `packed`, `forward` -> `hf_spin.kernels.attention`
+(which imports nothing of `hf_spin.cache`); `ragged` and `protocol` import nothing of `hf_spin`.
+Tuning constants (`ragged.COMPACT_HOLE_FRACTION`, `packed.RESERVE_TOKENS`, ...) are read, and so must be
+patched, in their own module; they are not re-exported, so a patch of `hf_spin.cache.<name>` fails loudly.
+"""
+
+from .forward import CACHE_ARG, CACHE_NAMES, check_packed_support, forward_packed, forward_ragged
+from .packed import PackedCache, grow_capacity
+from .protocol import RowCache
+from .ragged import RaggedCache, compaction_index, gather_slots, needs_contiguous_slots
+
+__all__ = [
+    "CACHE_ARG",
+    "CACHE_NAMES",
+    "PackedCache",
+    "RaggedCache",
+    "RowCache",
+    "check_packed_support",
+    "compaction_index",
+    "forward_packed",
+    "forward_ragged",
+    "gather_slots",
+    "grow_capacity",
+    "needs_contiguous_slots",
+]

@@ -1,0 +1,139 @@
+"""Running a model on one chunk of new tokens per row, appending them to a `RaggedCache` or a `PackedCache`.
+
+`forward_ragged` runs a model on per-row chunks of new tokens of different lengths (right-padded
+with holes on a `RaggedCache`, packed back to back on a `PackedCache`) and returns the logits of every
+chunk slot. `CACHE_ARG` is the keyword the installed `transformers` takes the cache under.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers.masking_utils import create_causal_mask
+
+from ..kernels.attention import ATTENTION_NAME
+from .packed import PackedCache
+from .ragged import RaggedCache
+
+# Token fed into hole slots of a right-padded chunk; masked, so any valid id works.
+FILLER_TOKEN = 0
+# The keyword models, decoder layers, attention modules and mask functions take the KV cache under:
+# transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and both at once raise).
+CACHE_NAMES = ("cache", "past_key_values")  # what `generate` may hand a custom loop the cache as, either version
+CACHE_ARG = CACHE_NAMES[0] if CACHE_NAMES[0] in inspect.signature(create_causal_mask).parameters else CACHE_NAMES[1]
+
+
+def forward_ragged(model, cache: RaggedCache | PackedCache, chunks: list[list[int]], all_logits: bool = True, forward=None) -> torch.Tensor:
+    """Run `model` on one chunk of new tokens per row, appending them to `cache`.
+
+    chunks: B lists of token ids, any lengths (an empty chunk adds only holes).
+    forward: called instead of `model` with the same keyword arguments (e.g. the layer-parallel forward
+        of drafters/fuzzy.py); it must return an object with `.logits`.
+    Returns logits `[B, T, V]` for every slot of the right-padded chunk (T = longest chunk), or
+    `[B, 1, V]` at each row's last chunk token when `all_logits` is False.
+    A `PackedCache` goes through `forward_packed` (no padding, no holes).
+    """
+    if isinstance(cache, PackedCache):
+        return forward_packed(model, cache, chunks, all_logits)
+    device = model.device
+    width = max(len(c) for c in chunks)
+    lengths = torch.tensor([len(c) for c in chunks], device=device)  # [B]
+    input_ids = torch.full((len(chunks), width), FILLER_TOKEN, dtype=torch.long, device=device)  # [B, T]
+    for b, chunk in enumerate(chunks):
+        input_ids[b, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+    attention_mask, position_ids = cache.add_slots(lengths, width)
+    past = cache.get_seq_length()
+    cache_position = torch.arange(past, past + width, device=device)  # [T]
+    last = (lengths - 1).clamp(min=0)  # [B] each row's last chunk slot (an empty row reads a hole)
+    extra = {CACHE_ARG: cache}
+    if not all_logits and model._supports_logits_to_keep():
+        # Only the slots some row ends on: a prefill of L tokens computes U <= B rows of logits, not L.
+        keep, last = torch.unique(last, return_inverse=True)  # [U], [B] index into keep
+        extra["logits_to_keep"] = keep
+    out = (forward or model)(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache_position=cache_position,
+        use_cache=True,
+        return_dict=True,
+        **extra,
+    )
+    logits = out.logits  # [B, T, V], or [B, U, V] with logits_to_keep
+    if all_logits:
+        return logits
+    return logits[torch.arange(len(chunks), device=device), last][:, None]  # [B, 1, V]
+
+
+
+class _use_attention:
+    """Run the model with `attn_implementation` = name for the duration of one forward."""
+
+    def __init__(self, model, name: str):
+        self.model, self.name = model, name
+
+    def __enter__(self):
+        self.previous = self.model.config._attn_implementation
+        if self.previous != self.name:
+            self.model.config._attn_implementation = self.name
+
+    def __exit__(self, *exc):
+        if self.previous != self.name:
+            self.model.config._attn_implementation = self.previous
+
+
+def check_packed_support(model, role: str = "model") -> None:
+    """Refuse, with the reason, a model the packed path cannot run."""
+    if not model._can_set_attn_implementation() or not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(
+            f"ragged_attention=True needs a model whose attention goes through transformers' AttentionInterface; "
+            f"{role} {model.config.model_type!r} ({type(model).__name__}) has its own attention code. Use ragged_attention=False."
+        )
+
+
+def forward_packed(model, cache: PackedCache, chunks: list[list[int]], all_logits: bool = True) -> torch.Tensor:
+    """`forward_ragged` on a `PackedCache`: one forward over the packed chunks `[1, total_q]`, no padding.
+
+    Attention runs through `hf_spin_varlen` (switched on for this forward only) with the cache's
+    `VarlenMetadata`. Returns logits like `forward_ragged`: `[B, T, V]` right-padded with zeros, or
+    `[B, 1, V]` at each row's last chunk token (zeros for an empty chunk) when `all_logits` is False.
+    """
+    device = model.device
+    q_lens = [len(c) for c in chunks]
+    total = sum(q_lens)
+    if total == 0:
+        raise ValueError("forward_packed needs at least one token in some chunk")
+    meta, position_ids = cache.begin(q_lens)
+    input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)[None]  # [1, total_q]
+    ends = meta.cu_seqlens_q[1:].long() - 1  # [B] packed index of each row's last token
+    fed = torch.tensor(q_lens, device=cache.device) > 0  # [B]
+    extra = {CACHE_ARG: cache}
+    if not all_logits and model._supports_logits_to_keep():
+        extra["logits_to_keep"] = ends[fed].to(device)  # [U]: one row of logits per non-empty row
+    try:
+        with _use_attention(model, ATTENTION_NAME):
+            out = model(
+                input_ids=input_ids,
+                position_ids=position_ids.to(device),
+                use_cache=True,
+                return_dict=True,
+                spin_varlen=meta,
+                **extra,
+            )
+    except BaseException:
+        cache.abort()  # the lengths stay as they were
+        raise
+    cache.commit()
+    logits = out.logits[0]  # [total_q, V], or [U, V] with logits_to_keep
+    B, V = len(chunks), logits.shape[-1]
+    if all_logits:
+        row = torch.repeat_interleave(torch.arange(B), torch.tensor(q_lens)).to(logits.device)  # [total_q]
+        col = torch.cat([torch.arange(q) for q in q_lens]).to(logits.device)  # [total_q]
+        padded = logits.new_zeros(B, max(q_lens), V)
+        padded[row, col] = logits
+        return padded
+    result = logits.new_zeros(B, 1, V)
+    fed = fed.to(logits.device)
+    result[fed, 0] = logits if "logits_to_keep" in extra else logits[ends[fed].to(logits.device)]
+    return result

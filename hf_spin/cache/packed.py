@@ -1,0 +1,213 @@
+"""Packed per-row KV cache: no padding, no holes (the `ragged_attention=True` path).
+
+Each row's tokens lie back to back in flash-attention's varlen layout; the model runs on it through
+`hf_spin.cache.forward.forward_packed` and the `hf_spin_varlen` attention implementation
+(`hf_spin.kernels.attention`), which reads the `VarlenMetadata` that `PackedCache.begin` plans.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..kernels.attention import VarlenMetadata
+
+# Spare slots a row gets when it outgrows its capacity: at least RESERVE_TOKENS, or GROWTH of its length
+# (geometric growth: a row of length L is re-laid out O(log L) times, each copy amortised over L / 8 tokens).
+RESERVE_TOKENS = 32
+GROWTH = 0.125
+
+
+def grow_capacity(length: int) -> int:
+    """Slots given to a row that needs `length` slots and has too few."""
+    return length + max(RESERVE_TOKENS, int(length * GROWTH))
+
+
+class _PackedLayer:
+    """One layer's keys `[total_slots, H_kv, D]` and values `[total_slots, H_kv, D_v]`, rows back to back."""
+
+    is_sliding = False
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.is_initialized = False
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor, total: int) -> None:
+        """New storage of `total` slots; slot src[i] of the old one goes to slot dst[i]."""
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(total, *old.shape[1:])
+            new[dst] = old[src]
+            setattr(self, name, new)
+
+
+class PackedCache(Cache):
+    """A KV cache that stores each row's tokens back to back, each row with its own length.
+
+    Layout, per layer: keys `[total_slots, H_kv, D]` in flash-attention's varlen layout. Row b owns slots
+    `starts[b] : starts[b] + capacity[b]` and uses the first `lengths[b]`; the rest is spare room for the
+    next drafts (see `grow_capacity`). So
+
+    * append (a forward through `forward_packed`) writes each row's new tokens after its own length;
+    * rollback only lowers `lengths[b]` (rejected drafts are overwritten by the next append);
+    * a row that outgrows its capacity re-lays out every layer (one copy, amortised by the spare room);
+    * `select_rows` retires rows and compacts the rest, giving their memory back.
+
+    Worked example: lengths [3, 1], capacity [4, 33] -> starts [0, 4], 37 slots; `cu_seqlens_k` [0, 4, 37]
+    with `seqused_k` [3, 1] is what the attention kernel reads. No slot is padding for another row, so
+    nothing grows with the longest row: memory is sum_b capacity[b], not B * max_b length[b].
+
+    Only models whose attention goes through `transformers`' AttentionInterface can use it: the attention
+    implementation `hf_spin_varlen` reads the metadata `forward_packed` passes (`spin_varlen=`).
+    """
+
+    def __init__(self, batch_size: int, device: torch.device | str = "cpu"):
+        super().__init__(layers=[])
+        self.lengths: list[int] = [0] * batch_size  # [B] tokens held per row
+        self.capacity: list[int] = [0] * batch_size  # [B] slots owned per row
+        self._device = torch.device(device)
+        self._write: torch.Tensor | None = None  # [total_q] slot of every new token of the running forward
+        self._pending: list[int] | None = None  # lengths after the running forward
+
+    # -- layout ------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def starts(self) -> list[int]:
+        out, s = [], 0
+        for c in self.capacity:
+            out.append(s)
+            s += c
+        return out
+
+    @property
+    def total_slots(self) -> int:
+        return sum(self.capacity)
+
+    def _relayout(self, rows: list[int], capacity: list[int]) -> None:
+        """Keep `rows` (in this order) with these capacities; move every initialised layer."""
+        old_starts = self.starts
+        new_starts = [sum(capacity[:i]) for i in range(len(rows))]
+        src = [old_starts[r] + t for r in rows for t in range(self.lengths[r])]
+        dst = [new_starts[i] + t for i, r in enumerate(rows) for t in range(self.lengths[r])]
+        src_t = torch.tensor(src, dtype=torch.long, device=self._device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self._device)
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.move(src_t, dst_t, sum(capacity))
+        self.lengths = [self.lengths[r] for r in rows]
+        self.capacity = list(capacity)
+
+    def begin(self, q_lens: list[int]):
+        """Plan one forward that appends q_lens[b] tokens to row b. Returns (`VarlenMetadata`,
+        position_ids `[1, total_q]`); `commit` makes the new lengths current once the forward ran."""
+        if len(q_lens) != len(self.lengths):
+            raise ValueError(f"{len(q_lens)} chunks for a cache of {len(self.lengths)} rows")
+        new = [n + q for n, q in zip(self.lengths, q_lens)]
+        if any(n > c for n, c in zip(new, self.capacity)):
+            grown = [grow_capacity(n) if n > c else c for n, c in zip(new, self.capacity)]
+            self._relayout(list(range(len(new))), grown)
+        starts = self.starts
+        write = [starts[b] + self.lengths[b] + t for b, q in enumerate(q_lens) for t in range(q)]
+        positions = [self.lengths[b] + t for b, q in enumerate(q_lens) for t in range(q)]
+        dev = self._device
+        self._write = torch.tensor(write, dtype=torch.long, device=dev)
+        self._pending = new
+        cu_q = [0]
+        for q in q_lens:
+            cu_q.append(cu_q[-1] + q)
+        meta = VarlenMetadata(
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
+            cu_seqlens_k=torch.tensor(starts + [self.total_slots], dtype=torch.int32, device=dev),
+            max_seqlen_q=max(q_lens, default=0),
+            max_seqlen_k=max(new, default=0),
+            seqused_k=torch.tensor(new, dtype=torch.int32, device=dev),
+        )
+        return meta, torch.tensor(positions, dtype=torch.long, device=dev)[None]
+
+    def commit(self) -> None:
+        """The planned forward ran: its new lengths become current."""
+        self.lengths, self._pending, self._write = self._pending, None, None
+
+    def abort(self) -> None:
+        """The planned forward raised: forget the plan (the lengths stay as they were)."""
+        self._write = self._pending = None
+
+    # -- the Cache API the model calls -------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key_states `[1, H_kv, total_q, D]` (the packed new tokens) -> all keys `[1, H_kv, total_slots, D]`
+        (a view of the layer's `[total_slots, H_kv, D]` storage, which the attention function views back)."""
+        if self._write is None:
+            raise RuntimeError("PackedCache.update outside forward_packed: run the model through hf_spin.cache.forward_ragged")
+        while len(self.layers) <= layer_idx:
+            self.layers.append(_PackedLayer())
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            H_kv, D, D_v = key_states.shape[1], key_states.shape[3], value_states.shape[3]
+            layer.keys = key_states.new_zeros(self.total_slots, H_kv, D)
+            layer.values = value_states.new_zeros(self.total_slots, H_kv, D_v)
+            layer.is_initialized = True
+        layer.keys[self._write] = key_states[0].transpose(0, 1)  # [total_q, H_kv, D]
+        layer.values[self._write] = value_states[0].transpose(0, 1)
+        return layer.keys.permute(1, 0, 2).unsqueeze(0), layer.values.permute(1, 0, 2).unsqueeze(0)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths, default=0)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    # -- per-row operations the engine uses ----------------------------------------------------------
+    def rollback(self, keep) -> None:
+        """Keep only the first keep[b] tokens of row b (no copy: the slots are reused by the next append)."""
+        keep = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
+        self.lengths = [min(n, int(k)) for n, k in zip(self.lengths, keep)]
+
+    def select_rows(self, rows) -> None:
+        """Keep only `rows` (retire the others) and compact: retired rows' memory is given back."""
+        rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        self._relayout(rows, [grow_capacity(self.lengths[r]) for r in rows])
+
+    def add_empty_rows(self, n: int) -> None:
+        """Append n rows holding no token (no slots yet: their first forward gives them capacity)."""
+        self.lengths += [0] * n
+        self.capacity += [0] * n
+
+    def checkpoint(self) -> None:
+        """Nothing to save: `forward_packed` leaves the lengths as they were when a forward raises."""
+
+    def restore(self, state) -> None:
+        self.abort()
+
+    # -- memory accounting -------------------------------------------------------------------------
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes over all layers (keys + values)."""
+        return sum(
+            (layer.keys[0].numel() * layer.keys.element_size() + layer.values[0].numel() * layer.values.element_size())
+            for layer in self.layers
+            if layer.is_initialized
+        )
+
+    def bytes_held(self) -> int:
+        """Bytes this cache holds: every owned slot, spare room included."""
+        return self.total_slots * self.bytes_per_token()
+
+    def bytes_used(self) -> int:
+        """Bytes of the tokens rows hold."""
+        return sum(self.lengths) * self.bytes_per_token()
+
+    def padded_bytes(self) -> int:
+        """Bytes a rectangular cache `[B, H_kv, max_b length, D]` of the same rows would hold (a lower
+        bound for `RaggedCache`, which also keeps holes)."""
+        return len(self.lengths) * max(self.lengths, default=0) * self.bytes_per_token()
+

@@ -1,0 +1,211 @@
+"""Ragged rows on a rectangular KV cache.
+
+`transformers`' `DynamicCache` holds `[B, H, S, D]` tensors and `crop` cuts every row alike. After a
+verification step each row keeps its own number of tokens, so `RaggedCache` keeps a slot mask beside
+the tensors: a slot is *valid* (attended to) or a *hole* (attention mask 0). Rejected draft slots
+become holes; explicit per-row `position_ids` keep the positions of valid tokens contiguous, so a
+row with holes computes exactly what it would without them. Holes are trimmed when they form a
+common tail and compacted away when they pile up.
+
+Worked example, B = 2, after a step that fed 3 slots per row and kept 3 for row 0, 1 for row 1:
+
+    slot_mask  [[1 1 1 | 1 1 1],      lengths [5, 3]
+                [0 1 1 | 1 0 0]]      (row 1 was left-padded by one)
+
+The model runs on it through `hf_spin.cache.forward.forward_ragged`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+# Compact when holes make up more than this fraction of the slots: a gather of the whole cache
+# costs about as much as attending over that many extra slots for a few steps.
+COMPACT_HOLE_FRACTION = 0.5
+# Models whose attention bias is computed from cache slot indices rather than positions or the mask.
+SLOT_BIAS_MODELS = {"mpt"}  # ALiBi over slot indices
+WINDOWED_LAYER_TYPES = {"sliding_attention", "chunked_attention"}
+
+
+def needs_contiguous_slots(config) -> bool:
+    """True when a hole inside a row would change what the model computes.
+
+    Sliding-window and chunked attention count cache slots (key slot > query slot - window), so a
+    hole inside the window pushes a real token out of it; so does a slot-indexed ALiBi bias. Such
+    caches are compacted after every step that leaves a hole inside a row.
+    """
+    c = config.get_text_config()
+    windowed = getattr(c, "sliding_window", None) is not None and getattr(c, "use_sliding_window", True) is not False
+    layer_types = set(getattr(c, "layer_types", None) or [])
+    return (
+        c.model_type in SLOT_BIAS_MODELS
+        or windowed
+        or bool(layer_types & WINDOWED_LAYER_TYPES)
+        or getattr(c, "attention_chunk_size", None) is not None
+    )
+
+
+class RaggedCache(DynamicCache):
+    """A `DynamicCache` whose rows hold different numbers of valid tokens.
+
+    slot_mask: `[B, S]` bool, True where the slot holds a token the row attends to.
+    contiguous: compact whenever a row has a hole after its first valid slot (see
+        `needs_contiguous_slots`); otherwise only when holes exceed COMPACT_HOLE_FRACTION.
+    Every layer is a plain full-attention `DynamicLayer` (no config is passed), so no layer drops
+    slots on its own; windows are applied by the model's own mask functions, over slots.
+    """
+
+    def __init__(self, slot_mask: torch.Tensor, contiguous: bool = False):
+        super().__init__()
+        self.slot_mask = slot_mask.bool()  # [B, S]
+        self.contiguous = contiguous
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """`[B]` number of valid tokens per row."""
+        return self.slot_mask.sum(dim=1)
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_mask.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_mask.device
+
+    def hole_fraction(self) -> float:
+        return 1.0 - self.slot_mask.float().mean().item() if self.slot_mask.numel() else 0.0
+
+    def add_slots(self, chunk_lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reserve `width` slots per row, the first `chunk_lengths[b]` of them valid.
+
+        Returns the 2D attention mask over old + new slots `[B, S + width]` and the `position_ids`
+        of the new slots `[B, width]` (hole slots repeat a valid position; they are masked).
+        """
+        start = self.lengths  # [B]
+        offsets = torch.arange(width, device=start.device)  # [T]
+        new_valid = offsets[None, :] < chunk_lengths[:, None]  # [B, T]
+        self.slot_mask = torch.cat([self.slot_mask, new_valid], dim=1)
+        position_ids = start[:, None] + offsets[None, :]  # [B, T]
+        return self.slot_mask.long(), position_ids
+
+    def rollback(self, keep: torch.Tensor) -> None:
+        """Keep only the first `keep[b]` valid slots of row b; later valid slots become holes."""
+        rank = self.slot_mask.long().cumsum(dim=1)  # [B, S] 1-based rank of each valid slot
+        self.slot_mask &= rank <= keep[:, None]
+        self._trim_tail()
+        if self.hole_fraction() > COMPACT_HOLE_FRACTION or (self.contiguous and self._has_inner_holes()):
+            self.compact()
+
+    def _has_inner_holes(self) -> bool:
+        """Any row with a hole after its first valid slot (left padding alone is fine)."""
+        seen = self.slot_mask.long().cummax(dim=1).values.bool()  # [B, S] True from the first valid slot on
+        return bool((seen & ~self.slot_mask).any())
+
+    def _trim_tail(self) -> None:
+        """Drop trailing slots that are holes in every row (at batch 1: every rejected slot)."""
+        valid_cols = self.slot_mask.any(dim=0).nonzero()
+        new_len = int(valid_cols[-1]) + 1 if len(valid_cols) else 0
+        if new_len < self.num_slots:
+            self.crop(new_len - self.num_slots)  # negative: number of slots to drop
+            self.slot_mask = self.slot_mask[:, :new_len]
+
+    def compact(self) -> None:
+        """Move each row's valid slots to the right end of a cache of width max(lengths)."""
+        src, new_mask = compaction_index(self.slot_mask)
+        for layer in self.layers:
+            if layer.is_initialized and layer.keys.numel():
+                layer.keys, layer.values = gather_slots(layer.keys, src), gather_slots(layer.values, src)
+        self.slot_mask = new_mask
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (retire the others)."""
+        self.batch_select_indices(rows)
+        for layer in self.layers:  # transformers skips layers holding no slot: their batch must shrink too
+            if layer.is_initialized and layer.keys.dim() == 4 and layer.keys.shape[0] != len(rows):
+                layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+        self.slot_mask = self.slot_mask[rows]
+        self._trim_tail()
+
+    # -- rows joining a running batch (continuous batching) -------------------------------------------
+    def add_empty_rows(self, n: int) -> None:
+        """Append n rows that hold no token yet (every slot a hole); a later forward fills them."""
+        self.slot_mask = torch.cat([self.slot_mask, self.slot_mask.new_zeros(n, self.num_slots)], dim=0)
+        for layer in self.layers:
+            if layer.is_initialized and layer.keys.dim() == 4:  # [B, H, S, D], S = 0 included
+                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(n, *layer.keys.shape[1:])], dim=0)
+                layer.values = torch.cat([layer.values, layer.values.new_zeros(n, *layer.values.shape[1:])], dim=0)
+
+    def append_rows(self, other: "RaggedCache") -> None:
+        """Append `other`'s rows after this cache's rows (rows prefilled apart, joining the batch).
+
+        The narrower side is padded on the left with holes to the wider side's slots `[B + B', H, max(S, S'), D]`,
+        like left padding: positions come from each row's valid slots, so no row's computation changes.
+        """
+        B, B2 = self.slot_mask.shape[0], other.slot_mask.shape[0]
+        S, S2 = self.num_slots, other.num_slots
+        W = max(S, S2)
+
+        def widen(t: torch.Tensor, width: int) -> torch.Tensor:  # [b, H, s, D] -> [b, H, width, D], holes on the left
+            return torch.cat([t.new_zeros(*t.shape[:2], width - t.shape[2], t.shape[3]), t], dim=2) if width > t.shape[2] else t
+
+        while len(self.layers) < len(other.layers):
+            self.layers.append(type(other.layers[len(self.layers)])())
+        for mine, theirs in zip(self.layers, other.layers):
+            mine_ok = mine.is_initialized and mine.keys.numel() > 0
+            theirs_ok = theirs.is_initialized and theirs.keys.numel() > 0
+            if not theirs_ok and not mine_ok:
+                continue
+            like = theirs if theirs_ok else mine  # shapes [*, H, *, D] and dtype for the side with no data
+            for name in ("keys", "values"):
+                ref = getattr(like, name)
+                a = widen(getattr(mine, name), W) if mine_ok else ref.new_zeros(B, ref.shape[1], W, ref.shape[3])
+                b = widen(getattr(theirs, name), W) if theirs_ok else ref.new_zeros(B2, ref.shape[1], W, ref.shape[3])
+                setattr(mine, name, torch.cat([a, b.to(a.device)], dim=0))
+            if not mine_ok:
+                mine.dtype, mine.device, mine.is_initialized = like.keys.dtype, like.keys.device, True
+        pad = lambda m, width: torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1)  # noqa: E731
+        self.slot_mask = torch.cat([pad(self.slot_mask, W), pad(other.slot_mask.to(self.device), W)], dim=0)
+
+    # -- undoing a forward that raised (fault isolation) ----------------------------------------------
+    def checkpoint(self) -> tuple[int, torch.Tensor]:
+        """What `restore` needs to undo the next forward: (slots, slot mask)."""
+        return self.num_slots, self.slot_mask.clone()
+
+    def restore(self, state: tuple[int, torch.Tensor]) -> None:
+        """Drop whatever a forward that raised half-way appended (some layers may have grown, others not)."""
+        slots, mask = state
+        for layer in self.layers:
+            if layer.is_initialized and layer.keys.numel() and layer.keys.shape[-2] > slots:
+                layer.keys = layer.keys[..., :slots, :]
+                layer.values = layer.values[..., :slots, :]
+        self.slot_mask = mask
+
+
+def _col_index(mask: torch.Tensor) -> torch.Tensor:
+    return torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+
+
+def compaction_index(slot_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row's valid slots go when packed to the right end of a cache of width max(lengths).
+
+    slot_mask: [B, S]. Returns src [B, W], the old slot of every new slot (0 under a hole), and the new
+    slot mask [B, W] (left holes, like left padding). Example: [[1 0 1 1], [0 0 1 0]] -> src
+    [[0 2 3], [0 0 2]], mask [[1 1 1], [0 0 1]].
+    """
+    lengths = slot_mask.sum(dim=1)  # [B]
+    width = int(lengths.max()) if lengths.numel() else 0
+    # Source index of every valid slot, in order.
+    order = torch.argsort((~slot_mask).long() * slot_mask.shape[1] + _col_index(slot_mask), dim=1)
+    dest = torch.arange(width, device=slot_mask.device)[None, :]  # [1, W]
+    first = width - lengths[:, None]  # [B, 1] first valid column after compaction
+    new_mask = dest >= first  # [B, W]
+    src = torch.where(new_mask, order.gather(1, (dest - first).clamp(min=0)), 0)  # [B, W]
+    return src, new_mask
+
+
+def gather_slots(kv: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """kv [B, H, S, D], src [B, W] slot indices -> [B, H, W, D] (a new tensor)."""
+    return kv.gather(2, src[:, None, :, None].expand(-1, kv.shape[1], -1, kv.shape[3]))
+
