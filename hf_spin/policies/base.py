@@ -16,9 +16,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-# Draft length when none is given: on the packaged models (bf16, CPU) verifying 8 tokens costs about
-# as much as verifying one (MODELS.md); with the confidence stop below, k = 8 beat k = 5 and k = 20 on
-# Spec-Bench prompts with the 0.5B drafter (benchmarks/RESULTS.md).
+# Draft length (k, docs/design.md#glossary) when none is given: on the packaged models (bf16, CPU)
+# verifying 8 tokens costs about as much as verifying one, and with the confidence stop below k = 8
+# beat k = 5 and k = 20 on Spec-Bench prompts with the 0.5B drafter (`benchmarks/spec_bench.py --draft-length`).
 DEFAULT_DRAFT_LENGTH = 8
 # A model drafter stops a row's draft after a token it gives less than this probability:
 # transformers' assistant_confidence_threshold default, which saves draft forwards on hard text.

@@ -94,7 +94,7 @@ class HeuristicLength(DraftLength):
 class MinionsLengthConfig:
     initial: int = DEFAULT_DRAFT_LENGTH  # k where the climb starts
     min_k: int = 1
-    max_k: int = 16  # the climb never needs more on the models we ship (MODELS.md); bounds a runaway
+    max_k: int = 16  # the climb never needs more on the packaged models; bounds a runaway
     dwell: int = 12  # steps measured at the current k between two probes of a neighbour
     probe: int = 4  # steps measured at the neighbour k +- 1, so the window always spans two k or more
     window: int = 48  # recent steps kept per (drafter, bucket); must cover dwell + probe so both sides are measured

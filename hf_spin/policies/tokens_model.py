@@ -2,7 +2,7 @@
 log tokens a step commits (accepted + 1), learned across requests, so a new request starts from
 what earlier requests showed. Tokens, not goodput: they depend on the request and the drafter
 only; the seconds a step takes depend on the batch size and the device and come from the cost
-fits (`lbss.LBSSPolicy.row_seconds`).
+fits (`lbss/pricing.py`, `Pricing.row_seconds`; docs/lbss.md#goodput).
 
     log n(row, d) = a_row + b_d + c_d (x_row - x_d) + e_row,d + noise,
     e_row,d ~ N(0, tau_d^2),   noise ~ N(0, sigma_d^2),   x_row = log(prompt length)
