@@ -48,10 +48,10 @@ class Drafting:
         engine, rows, firsts = self.engine, self.rows, [{} for _ in self.rows]
         for d_idx, wanted in (self.plan.preempt if self.plan is not None else {}).items():
             eligible = [b for b in sorted(wanted) if b < len(rows) and engine.usable[d_idx] and d_idx not in rows[b].banned and d_idx not in chosen[b]]
-            cap = {b: k for b in eligible if (k := min(wanted[b][0], rows[b].draft_room)) > 0}  # k capped by the room left
+            cap = {b: k for b in eligible if (k := min(wanted[b].k, rows[b].draft_room)) > 0}  # k capped by the room left
             for b, (tokens, q) in self.draft_rows(d_idx, list(cap), cap).items():
                 match = self.match_lengths[b].get(d_idx)
-                if len(tokens) >= wanted[b][1] and (match is None or match >= wanted[b][2]):
+                if len(tokens) >= wanted[b].min_tokens and (match is None or match >= wanted[b].min_match):
                     chosen[b], ks[b] = (d_idx,), cap[b]
                     proposals[b][d_idx], q_of[b][d_idx] = tokens, q
                 else:

@@ -1,7 +1,7 @@
 """A simulated engine for policy tests: drafters with known acceptance and costs, no models.
 
 It runs generation.py's steps 3-7 on made-up numbers: plan -> drafts (and shadow drafts) -> verify
--> commit -> pre-fill -> `StepFeedback` (built as the engine builds it, so `row_seconds` is the engine's).
+-> commit -> pre-fill -> `StepFeedback` (built as the engine builds it, so `measured_row_seconds` is the engine's).
 
 - Tokens: the target's next token at sequence position j is `truth(j) = 1000 + j`. A drafter with
   per-token acceptance alpha on a row's type proposes truth with probability alpha at each position,
@@ -26,7 +26,7 @@ import numpy as np
 
 from hf_spin.policies import BatchView, DrafterInfo, Plan, Policy, StepFeedback
 from hf_spin.policies.base import shadow_lengths
-from hf_spin.policies.estimates import expected_tokens
+from hf_spin.policies.estimates import geometric_tokens
 from hf_spin.vote_tree import heaviest_path
 
 TRUTH_OFFSET = 1000  # truth(j) = 1000 + j; wrong tokens are 1..9
@@ -289,7 +289,7 @@ class Simulator:
             return batch_size / self.verify.seconds(batch_size)
         sd = self.drafters[drafter]
         per_row = self.verify.seconds(batch_size * (k + 1)) / batch_size + sd.token_seconds * k
-        return expected_tokens(sd.alpha[row_type], k) / per_row
+        return geometric_tokens(sd.alpha[row_type], k) / per_row
 
     def best_drafter(self, row_type: str, k: int, batch_size: int) -> int:
         return max(range(len(self.drafters)), key=lambda d: self.row_goodput(row_type, d, k, batch_size))

@@ -14,6 +14,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria
 import hf_spin
 from hf_spin.drafters import Draft, Drafter
 from hf_spin.engine import SpinEngine
+from hf_spin.policies.base import Preempt
 from hf_spin.rows import CANCELLED, ERROR, LENGTH, STOPPED, Request
 from hf_spin.stats import DrafterStats
 
@@ -316,7 +317,7 @@ class PreemptingPolicy(ShadowingPolicy):
 
     def plan(self, view):
         plan = super().plan(view)
-        return hf_spin.policies.Plan(plan.drafters, plan.k, preempt={1: {b: (4, self.least, self.min_match) for b in range(view.batch_size)}})
+        return hf_spin.policies.Plan(plan.drafters, plan.k, preempt={1: {b: Preempt(4, self.least, self.min_match) for b in range(view.batch_size)}})
 
     def update(self, feedback):
         lookup = hf_spin.drafters.PromptLookupDrafter()

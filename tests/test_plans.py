@@ -117,4 +117,4 @@ def test_policy_hears_rows_start_and_end(target, other):
     assert policy.started == [0, 1, 2]
     assert sorted(policy.ended) == [0, 1, 2]
     first = policy.feedback[0]
-    assert first.batch_size == 3 and first.row_seconds(0) > 0
+    assert first.batch_size == 3 and first.measured_row_seconds(0) > 0

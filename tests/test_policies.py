@@ -42,7 +42,7 @@ from hf_spin.policies import (
     make_draft_length,
     make_policy,
 )
-from hf_spin.policies.estimates import DecayedMean, expected_tokens
+from hf_spin.policies.estimates import DecayedMean, geometric_tokens
 from hf_spin.policies.lbss import PLAIN, PRIOR_STEPS, Arm, RowState
 from hf_spin.vote_tree import heaviest_path
 
@@ -968,7 +968,7 @@ def length_sim(alpha: float, forward_seconds: float, verify: SimVerify, seed: in
     s = Simulator([SimDrafter("d", {"A": alpha}, forward_seconds=forward_seconds)], ["A"] * B_LEN, verify, seed=seed)
 
     def rate(k: int) -> float:  # E[tokens per step] / step seconds, the analytic objective
-        return B_LEN * expected_tokens(alpha, k) / (forward_seconds * k + verify.seconds(B_LEN * (k + 1)))
+        return B_LEN * geometric_tokens(alpha, k) / (forward_seconds * k + verify.seconds(B_LEN * (k + 1)))
 
     return s, rate, max(range(1, 17), key=rate)  # brute force over k
 
@@ -1007,7 +1007,7 @@ def test_goodput_rule_uses_the_prior_until_measured():
     rule = GoodputLength(GoodputLengthConfig(initial=3, dither_every=0))
     rule.bind([DrafterInfo("d", "model", 1, True)])
     assert rule.k(0, 0, BatchView([0], [5], [0], [True], 1)) == 3
-    assert rule.alpha(0) == pytest.approx(0.6)
+    assert rule.acceptance(0) == pytest.approx(0.6)
 
 
 def heuristic_feedback(k: list[int], matched: list[int]) -> StepFeedback:
@@ -1293,7 +1293,7 @@ REFUSALS = [
     (lambda: HeuristicLengthConfig(initial=0), r"HeuristicLengthConfig.initial must be an int >= 1, got 0"),
     (lambda: GoodputLengthConfig(min_k=4, max_k=2), r"GoodputLengthConfig.max_k must be an int >= 4, got 2"),
     (lambda: GoodputLengthConfig(initial=20), r"GoodputLengthConfig.initial must be in \[min_k, max_k\] = \[1, 16\], got 20"),
-    (lambda: GoodputLengthConfig(prior_alpha=1.0), r"GoodputLengthConfig.prior_alpha must be a number in \(0.0, 1.0\)"),
+    (lambda: GoodputLengthConfig(prior_acceptance=1.0), r"GoodputLengthConfig.prior_acceptance must be a number in \(0.0, 1.0\)"),
     (lambda: GoodputLengthConfig(dither_every=1), r"GoodputLengthConfig.dither_every must be 0 \(never\) or >= 2, got 1"),
     (lambda: MinionsLengthConfig(window=10), r"MinionsLengthConfig.window must be >= dwell \+ probe = 16, got 10"),
     (lambda: MinionsLengthConfig(min_confidence=1.0), r"MinionsLengthConfig.min_confidence must be a number in \[0.0, 1.0\)"),
@@ -1416,7 +1416,7 @@ def test_lbss_ranks_a_shadowed_drafter_at_shadow_optimism(shadow_optimism, expec
     view = BatchView([3], [40], [0], [True, True], 0, [32])
     policy.start_rows(view, [0])
     row = policy._row(view, 0)
-    policy.tokens_model.expected_tokens = lambda rid, d, z: (2.0 * 1.1**z, 1.6 * 1.5**z)[d]
+    policy.tokens_model.tokens_per_step = lambda rid, d, z: (2.0 * 1.1**z, 1.6 * 1.5**z)[d]
     policy.row_seconds = lambda d, k, B, fill=None: 1.0
     choice = [None]
     policy._match(view, [row], [policy.stage(row.age)], [1, 1], choice)

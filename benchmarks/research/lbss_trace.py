@@ -73,7 +73,7 @@ class TracedLBSS(LBSSPolicy):
 
 def calibration(trace: list[dict]) -> dict:
     """Per drafter (and plain): the steps LBSS chose it on a row, predicted against measured tokens
-    and row seconds. Measured: the engine's split (`StepFeedback.row_seconds`), verify / B plus the
+    and row seconds. Measured: the engine's split (`StepFeedback.measured_row_seconds`), verify / B plus the
     drafter's seconds over the rows it served; predicted: `LBSSPolicy.row_seconds` with every row
     drafting (a row drafting alone on a padded batch was charged more by the matching)."""
     out = defaultdict(lambda: defaultdict(float))

@@ -25,7 +25,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .varlen_attention import varlen_attention
+from .varlen_attention import cu_seqlens, varlen_attention
 
 ATTENTION_NAME = "hf_spin_varlen"  # no "flash", "sdpa", "flex_attention" or "/": transformers special-cases those
 
@@ -46,7 +46,7 @@ class VarlenMetadata:
         """Metadata of rows with these lengths packed back to back (tests)."""
 
         def cu(lengths):
-            return torch.tensor([0] + torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32, device=device)
+            return cu_seqlens(torch.tensor(lengths, dtype=torch.long, device=device))
 
         return cls(cu(q_lens), cu(k_lens), max(q_lens, default=0), max(k_lens, default=0))
 
@@ -119,8 +119,7 @@ def _padded(query, key, value, attention_mask, causal, scaling, sliding_window) 
     key_valid = attention_mask.bool()  # [B, S]
     query_valid = key_valid[:, S - T :].reshape(-1)  # [B * T]
     k_lens, q_lens = key_valid.sum(1), query_valid.view(B, T).sum(1)  # [B], [B]
-    cu_k = torch.nn.functional.pad(k_lens.cumsum(0), (1, 0)).to(torch.int32)
-    cu_q = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0)).to(torch.int32)
+    cu_k, cu_q = cu_seqlens(k_lens), cu_seqlens(q_lens)
     key_index = key_valid.reshape(-1).nonzero().squeeze(1)
     query_index = query_valid.nonzero().squeeze(1)
     out_valid = varlen_attention(

@@ -277,10 +277,15 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, sli
             raise ValueError("sliding_window with a tree_mask is not supported: a tree's tokens are not at consecutive positions")
 
 
+def cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
+    """[B] lengths -> [B + 1] int32 cumulative starts (flash-attention's cu_seqlens): [2, 3] -> [0, 2, 5]."""
+    return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+
+
 def _cu_tree(cu_seqlens_q: torch.Tensor) -> torch.Tensor:
     """[B + 1] int32 start of each row's [L_q, L_q] block in a packed tree mask."""
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    return torch.nn.functional.pad(torch.cumsum(q_lens * q_lens, 0), (1, 0)).to(torch.int32)
+    return cu_seqlens(q_lens * q_lens)
 
 
 def pack_tree_masks(masks: list[torch.Tensor]) -> torch.Tensor:

@@ -21,6 +21,7 @@ from .base import (
     FixedLength,
     Plan,
     Policy,
+    Preempt,
     StepFeedback,
 )
 from .epsilon_greedy import EpsilonGreedyConfig, EpsilonGreedyPolicy
@@ -125,6 +126,7 @@ __all__ = [
     "OracleReport",
     "Plan",
     "Policy",
+    "Preempt",
     "RoundRobinPolicy",
     "StepFeedback",
     "VoteConfig",

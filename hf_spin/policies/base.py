@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # Draft length (k, docs/design.md#glossary) when none is given: on the packaged models (bf16, CPU)
 # verifying 8 tokens costs about as much as verifying one, and with the confidence stop below k = 8
@@ -51,6 +52,18 @@ class BatchView:
         return len(self.row_ids)
 
 
+class Preempt(NamedTuple):
+    """A drafter drafting for a row before the row's planned drafters (`Plan.preempt`): where it
+    proposes at least `min_tokens` continuing a match of at least `min_match` tokens
+    (`Draft.match_lengths`; a drafter that reports none: any match) the row verifies that draft and
+    its planned drafters skip it this step; else the draft counts as a shadow draft (a cheap
+    drafter's match, used when it has one)."""
+
+    k: int  # tokens to draft
+    min_tokens: int
+    min_match: int
+
+
 @dataclass(frozen=True)
 class Plan:
     """What to do this step.
@@ -66,12 +79,7 @@ class Plan:
     vote_weights: list[float] | None = None  # [num_drafters] weights of the vote tree, when voting
     prefill: dict[int, list[int]] = field(default_factory=dict)  # idle drafter -> batch rows to catch up
     shadow: dict[int, dict[int, int]] = field(default_factory=dict)  # drafter -> {batch row: k}: draft, not verified (see StepFeedback)
-    # drafter -> {batch row: (k, min tokens, min match)}: drafts for the row before the planned
-    # drafters; where it proposes at least min tokens continuing a match of at least min match tokens
-    # (`Draft.match_lengths`; a drafter that reports none: any) the row verifies that draft and its
-    # planned drafters skip it this step, else the draft counts as a shadow draft (a cheap drafter's
-    # match, used when it has one)
-    preempt: dict[int, dict[int, tuple[int, int, int]]] = field(default_factory=dict)
+    preempt: dict[int, dict[int, Preempt]] = field(default_factory=dict)  # drafter -> {batch row: Preempt}
 
 
 def shadow_lengths(plan: Plan, shadows: list[dict[int, list[int]]]) -> dict[int, dict[int, int]]:
@@ -81,7 +89,7 @@ def shadow_lengths(plan: Plan, shadows: list[dict[int, list[int]]]) -> dict[int,
     for b, drafts in enumerate(shadows):
         for d in drafts:
             k = plan.shadow.get(d, {}).get(b)
-            out.setdefault(d, {})[b] = k if k is not None else plan.preempt[d][b][0]
+            out.setdefault(d, {})[b] = k if k is not None else plan.preempt[d][b].k
     return out
 
 
@@ -124,7 +132,7 @@ class StepFeedback:
             share += self.draft_seconds[d] / max(served, 1)
         return share
 
-    def row_seconds(self, b: int) -> float:
+    def measured_row_seconds(self, b: int) -> float:
         """Row b's share of the step: its share of drafting, plus 1/B of verification."""
         return self.verify_seconds / max(self.batch_size, 1) + self.draft_share(b)
 

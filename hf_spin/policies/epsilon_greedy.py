@@ -1,7 +1,7 @@
 """Epsilon-greedy drafter selection: the textbook bandit, a baseline for LBSS.
 
 Per row and step: with probability epsilon a uniformly random usable drafter (exploration), else
-the drafter with the highest running-mean goodput for this row, (accepted + 1) / row_seconds(b);
+the drafter with the highest running-mean goodput for this row, (accepted + 1) / measured_row_seconds(b);
 drafters the row has not tried yet come first. With `never_slower`, plain decoding competes in the
 greedy choice with its estimated goodput B / t_verify(N = B) (exploration steps are its probes).
 No batch capacities, no switching cost: that is what LBSS adds.
@@ -85,6 +85,6 @@ class EpsilonGreedyPolicy(Policy):
         self.costs.update(feedback)
         for b, rid in enumerate(feedback.row_ids):
             ds = feedback.plan.drafters[b]
-            t = feedback.row_seconds(b)
+            t = feedback.measured_row_seconds(b)
             if len(ds) == 1 and feedback.plan.k[b] > 0 and t > 0 and rid in self.means:
                 self.means[rid][ds[0]].add((feedback.accepted[b] + 1) / t)

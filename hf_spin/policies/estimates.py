@@ -4,8 +4,8 @@ the step-cost model (verify cost vs tokens verified, draft cost per drafter, cat
 Nothing here decides anything; policies read these numbers and decide.
 
 Notation: B = rows in the step, N = tokens verified in the step (B + drafted), k = draft length,
-alpha = per-token acceptance (a draft token is accepted with probability alpha given that the
-ones before it were), E(k) = (1 - alpha^(k+1)) / (1 - alpha) = expected tokens per step.
+a = per-token acceptance (a draft token is accepted with probability a given that the
+ones before it were), E(k) = (1 - a^(k+1)) / (1 - a) = expected tokens per step (`geometric_tokens`).
 """
 
 from __future__ import annotations
@@ -42,11 +42,17 @@ def bucket(batch_size: int) -> int:
     return max(int(batch_size), 1).bit_length() - 1
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """E[accepted + 1] for k drafts with per-token acceptance alpha (truncated geometric)."""
-    if alpha >= 1.0:
+def acceptance_with_prior(accepted: float, rejected: float, prior: float, weight: float) -> float:
+    """Acceptance estimated from counts and a prior worth `weight` pseudo-observations:
+    (accepted + prior weight) / (accepted + rejected + weight)."""
+    return (accepted + prior * weight) / (accepted + rejected + weight)
+
+
+def geometric_tokens(acceptance: float, k: int) -> float:
+    """E[accepted + 1] for k drafts with per-token acceptance `acceptance` (truncated geometric)."""
+    if acceptance >= 1.0:
         return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
 class RunningMean:

@@ -5,9 +5,9 @@
 - `MinionsLength` ("minions"): Minions' online rule: fit the time per produced token against k
   over a window of recent steps (at the current k and probed neighbours k +- 1) and move k one
   step toward the fitted minimum (hill climbing), per (drafter, batch-size bucket).
-- `GoodputLength` ("goodput"): k = argmax E(k) / cost(k) with E(k) = (1 - alpha^(k+1)) / (1 - alpha)
+- `GoodputLength` ("goodput"): k = argmax E(k) / cost(k) with E(k) = (1 - a^(k+1)) / (1 - a)
   the expected tokens per step and cost(k) = k c_draft + t_verify(B (k + 1)) / B one row's share of
-  the step, from the measured alpha per drafter, the measured draft cost per row and token per
+  the step, from the measured per-token acceptance a per drafter, the measured draft cost per row and token per
   (drafter, bucket), and a linear fit of verify time vs tokens verified per bucket.
 
 A row served by several drafters (vote) counts for each of them with that drafter's own proposal:
@@ -22,7 +22,7 @@ from typing import Callable
 
 from .base import DEFAULT_DRAFT_LENGTH, BatchView, DrafterInfo, DraftLength, StepFeedback
 from .checks import check_float, check_int
-from .estimates import CostModel, DecayedMean, bucket, expected_tokens
+from .estimates import CostModel, DecayedMean, acceptance_with_prior, bucket, geometric_tokens
 
 # Forgetting factor of the acceptance counts, per step: acceptance drifts slowly with the text
 # (a code block, a list), slower than costs do.
@@ -117,7 +117,7 @@ class _Step:
     """One step of one (drafter, bucket), as the climb remembers it."""
 
     k: int  # draft length asked
-    seconds: float  # sum of row_seconds over the rows it served
+    seconds: float  # sum of measured_row_seconds over the rows it served
     rows: int  # rows it served
     successes: int  # draft tokens matched
     failures: int  # proposals cut short by a rejection
@@ -137,7 +137,7 @@ class _Climb:
         """Seconds per produced token as a function of k, fitted on the window (None: < 2 distinct k).
 
         Row time per step is fitted linear in k (least squares over the window's steps, each row a
-        point); tokens per step are E(alpha, k) with alpha the window's truncated-geometric MLE.
+        point); tokens per step are E(a, k) with a the window's truncated-geometric MLE.
         """
         ks = [s.k for s in self.window for _ in range(s.rows)]
         if len(set(ks)) < 2:
@@ -148,8 +148,8 @@ class _Climb:
         slope = max(slope, 0.0)  # drafting more never takes less time
         intercept = my - slope * mk
         succ, fail = sum(s.successes for s in self.window), sum(s.failures for s in self.window)
-        alpha = succ / (succ + fail) if succ + fail else 0.5
-        return lambda k: max(intercept + slope * k, 1e-12) / expected_tokens(alpha, k)
+        acceptance = succ / (succ + fail) if succ + fail else 0.5
+        return lambda k: max(intercept + slope * k, 1e-12) / geometric_tokens(acceptance, k)
 
 
 class MinionsLength(DraftLength):
@@ -190,7 +190,7 @@ class MinionsLength(DraftLength):
             climb.window.append(
                 _Step(
                     k=climb.trial if climb.trial is not None else climb.home,
-                    seconds=sum(feedback.row_seconds(b) for b in rows),
+                    seconds=sum(feedback.measured_row_seconds(b) for b in rows),
                     rows=len(rows),
                     successes=sum(matched),
                     failures=sum(m < p for m, p in zip(matched, proposed)),
@@ -234,15 +234,15 @@ class GoodputLengthConfig:
     initial: int = DEFAULT_DRAFT_LENGTH  # k until a drafter's draft cost and the verify cost are measured (the prior)
     min_k: int = 1
     max_k: int = 16  # the verify fit is linear; far beyond the k it was measured at it extrapolates badly
-    prior_alpha: float = 0.6  # per-token acceptance assumed before measurements (typical of small same-family drafters)
-    prior_weight: float = 4.0  # pseudo draft tokens behind prior_alpha: a few steps of evidence override it
+    prior_acceptance: float = 0.6  # per-token acceptance assumed before measurements (typical of small same-family drafters)
+    prior_weight: float = 4.0  # pseudo draft tokens behind prior_acceptance: a few steps of evidence override it
     dither_every: int = 8  # every this many steps use k + 1, and k - 1 half-way, so N varies and the verify slope is measured (0: never)
     min_confidence: float = 0.0  # see Plan.min_confidence
 
     def __post_init__(self):
         owner = "GoodputLengthConfig"
         _check_range(owner, self)
-        check_float(owner, "prior_alpha", self.prior_alpha, 0.0, 1.0, open_low=True, open_high=True)
+        check_float(owner, "prior_acceptance", self.prior_acceptance, 0.0, 1.0, open_low=True, open_high=True)
         check_float(owner, "prior_weight", self.prior_weight, 0.0, 1e9, open_low=True)
         check_int(owner, "dither_every", self.dither_every, 0)
         if self.dither_every == 1:
@@ -252,10 +252,10 @@ class GoodputLengthConfig:
 class GoodputLength(DraftLength):
     """k maximising expected tokens per second of one row's share of the step:
 
-        k* = argmax_k  E(alpha_d, k) / (k c_d,bucket + t_verify,bucket(B (k + 1)) / B)
+        k* = argmax_k  E(a_d, k) / (k c_d,bucket + t_verify,bucket(B (k + 1)) / B)
 
-    alpha_d: per-token acceptance of drafter d, truncated-geometric MLE with a prior:
-        (successes + prior_alpha w) / (successes + failures + w), a failure being a proposal
+    a_d: per-token acceptance of drafter d, truncated-geometric MLE with a prior:
+        (successes + prior_acceptance w) / (successes + failures + w), a failure being a proposal
         that was cut short by a rejection; c_d,bucket: draft seconds per row and draft token;
     t_verify: linear fit of verify seconds vs tokens verified (estimates.VerifyFit). The verify
     share assumes every row drafts k (the batch's rows mostly share one rule).
@@ -277,10 +277,10 @@ class GoodputLength(DraftLength):
         self.successes, self.failures = [0.0] * n, [0.0] * n
         self.draft_cost_all = [DecayedMean() for _ in range(n)]
 
-    def alpha(self, drafter: int) -> float:
+    def acceptance(self, drafter: int) -> float:
         c = self.config
         s, f = self.successes[drafter], self.failures[drafter]
-        return (s + c.prior_alpha * c.prior_weight) / (s + f + c.prior_weight)
+        return acceptance_with_prior(s, f, c.prior_acceptance, c.prior_weight)
 
     def best_k(self, drafter: int, batch_size: int) -> int | None:
         """k* from the current estimates, or None while a cost is unmeasured."""
@@ -289,10 +289,10 @@ class GoodputLength(DraftLength):
         B = batch_size
         if c_draft is None or self.costs.verify_seconds(B, B) is None:
             return None
-        alpha = self.alpha(drafter)
+        acceptance = self.acceptance(drafter)
 
         def rate(k: int) -> float:
-            return expected_tokens(alpha, k) / (k * c_draft + self.costs.verify_seconds(B, B * (k + 1)) / B)
+            return geometric_tokens(acceptance, k) / (k * c_draft + self.costs.verify_seconds(B, B * (k + 1)) / B)
 
         return max(range(self.config.min_k, self.config.max_k + 1), key=rate)
 

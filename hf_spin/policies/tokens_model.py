@@ -164,7 +164,7 @@ class TokensModel:
         b = self.b[drafter]
         return b + (self.c[drafter] * (x - self.x_mean[drafter]) if x is not None else 0.0)
 
-    def expected_tokens(self, row_id: int, drafter: int, optimism: float = 0.0) -> float | None:
+    def tokens_per_step(self, row_id: int, drafter: int, optimism: float = 0.0) -> float | None:
         """Expected tokens of the next step of `drafter` on `row_id`: the log-normal mean
         exp(m + (s^2 + sigma_d^2) / 2) of the posterior (m, s) (`predict`) and the step noise. Before
         the row's own steps with d: exp(a_row + b_d + c_d (x_row - x_d) + (var(a_row) + tau_d^2 + sigma_d^2) / 2).

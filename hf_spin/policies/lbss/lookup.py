@@ -10,8 +10,8 @@
 
 from __future__ import annotations
 
-from ..base import BatchView, Plan
-from ..estimates import expected_tokens as geometric_tokens
+from ..base import BatchView, Plan, Preempt
+from ..estimates import acceptance_with_prior, geometric_tokens
 from .pricing import Pricing, goodput
 from .state import PLAIN, Arm, RowState
 
@@ -30,7 +30,7 @@ class Lookup(Pricing):
         }
         return {d: rows for d, rows in shadow.items() if rows}
 
-    def preempt_plan(self, view: BatchView, plan: Plan) -> dict[int, dict[int, tuple[int, int, int]]]:
+    def preempt_plan(self, view: BatchView, plan: Plan) -> dict[int, dict[int, Preempt]]:
         """`Plan.preempt`: for each row a drafter measured by shadow drafts does not serve, (k, least,
         min match) from `preempt_rule`, against the row's drafter at its posterior mean tokens over
         its t_row (plain decoding: a plain step's share). Not in an exploration chunk (its steps
@@ -40,7 +40,7 @@ class Lookup(Pricing):
         if not self.config.preempt or (self.padded and B > 1):
             return {}
         drafting = sum(1 for ds in plan.drafters if ds)
-        out: dict[int, dict[int, tuple[int, int, int]]] = {}
+        out: dict[int, dict[int, Preempt]] = {}
         for p in range(len(self.drafters)):
             if not (self.shadowed[p] and view.usable[p]):
                 continue
@@ -59,17 +59,17 @@ class Lookup(Pricing):
                     continue
                 rule = self.preempt_rule(row, p, target, drafting + (not ds))
                 if rule is not None:
-                    out.setdefault(p, {})[b] = (row.ks[p], *rule)
+                    out.setdefault(p, {})[b] = Preempt(row.ks[p], *rule)
         return out
 
     def preempt_rule(self, row: RowState, drafter: int, target: float, drafting: int) -> tuple[int, int] | None:
         """(least, min match) for `drafter` preempting on the row: the shortest match length, and the
         shortest draft continuing it, whose goodput reaches `target` (L tokens commit sum_{i<=L}
-        alpha^i, alpha its acceptance at that match length, `match_acceptance`, over the row's share
+        a^i, a its acceptance at that match length, `match_acceptance`, over the row's share
         of a step verifying them); None when no draft it can make does."""
-        for match, alpha in self.match_acceptance(row, drafter):
+        for match, acceptance in self.match_acceptance(row, drafter):
             for length in range(1, row.ks[drafter] + 1):
-                if geometric_tokens(alpha, length) / self.row_seconds(drafter, length, drafting, fill=1.0) >= target:
+                if geometric_tokens(acceptance, length) / self.row_seconds(drafter, length, drafting, fill=1.0) >= target:
                     return length, match
         return None
 
@@ -82,13 +82,13 @@ class Lookup(Pricing):
         pooled = self.by_match[drafter].by_match
         arm = row.arms[drafter]
         if not pooled:
-            return [(0, (arm.hits + 1) / (arm.hits + arm.misses + 2))]
+            return [(0, acceptance_with_prior(arm.hits, arm.misses, 0.5, 2))]
         out = []
         for match in sorted(pooled):
             hits, misses = pooled[match]
-            prior = (hits + 1) / (hits + misses + 2)
+            prior = acceptance_with_prior(hits, misses, 0.5, 2)
             own_hits, own_misses = arm.by_match.get(match, (0, 0))
-            out.append((match, (own_hits + MATCH_PRIOR * prior) / (own_hits + own_misses + MATCH_PRIOR)))
+            out.append((match, acceptance_with_prior(own_hits, own_misses, prior, MATCH_PRIOR)))
         return out
 
     @staticmethod
@@ -99,6 +99,6 @@ class Lookup(Pricing):
         estimate (Laplace-smoothed)."""
         if not matched == committed < proposed:
             return matched + 1.0
-        alpha = (arm.hits + 1) / (arm.hits + arm.misses + 2)
+        acceptance = acceptance_with_prior(arm.hits, arm.misses, 0.5, 2)
         more = proposed - matched
-        return matched + 1.0 + alpha * (1 - alpha**more) / (1 - alpha)
+        return matched + 1.0 + acceptance * (1 - acceptance**more) / (1 - acceptance)

@@ -51,9 +51,9 @@ class Pricing(LBSSState):
         `optimism`); a drafter no request has measured counts as the best measured one, so it gets
         tried. Capped at what d's drafts can commit, k x fill_d + 1 (docs/lbss.md#optimism)."""
         z = self.config.optimism if z is None else z
-        tokens = self.tokens_model.expected_tokens(row.row_id, drafter, z)
+        tokens = self.tokens_model.tokens_per_step(row.row_id, drafter, z)
         if tokens is None:
-            known = [self.tokens_model.expected_tokens(row.row_id, d, z) for d in range(len(self.drafters))]
+            known = [self.tokens_model.tokens_per_step(row.row_id, d, z) for d in range(len(self.drafters))]
             tokens = max((x for x in known if x is not None), default=0.0)
         return min(tokens, k * self.fill_fraction(drafter) + 1)
 
