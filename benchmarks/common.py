@@ -71,12 +71,30 @@ def save_partial(path: Path | None, record: dict) -> None:
             f.write(json.dumps(record) + "\n")
 
 
+# CPU features that decide what speculation can gain: without a fast bf16 matrix kernel (AVX-512
+# bf16, AMX) a bf16 forward over several tokens costs several single-token forwards.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu() -> dict:
+    """The CPU's model name and which of ISA_FLAGS it has (Linux's /proc/cpuinfo; "unknown" elsewhere)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"cpu": platform.processor() or "unknown", "isa": "unknown"}
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name", "unknown"), "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
 def machine(num_processes: int = 1) -> dict:
     """Where and with what a run happened (goes into every results file)."""
     import hf_spin
 
     return {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        **cpu(),
         "threads": torch.get_num_threads(),
         "processes": num_processes,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
