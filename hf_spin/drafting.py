@@ -16,6 +16,7 @@ import torch
 
 from .drafters import Draft, DraftRequest
 from .policies import Plan
+from .processors import score_position
 from .vote_tree import heaviest_path
 
 Proposals = list[dict[int, list[int]]]  # [B] drafter -> its draft for the row
@@ -37,9 +38,13 @@ class Drafting:
         self.engine, self.plan, self.draft_seconds = engine, plan, draft_seconds
         self.rows = engine.rows
         self.sequences = [r.sequence for r in self.rows]
-        self.score_fn = engine._score_position if any(len(r.request.processors) for r in self.rows) else None
+        self.score_fn = self._score if any(len(r.request.processors) for r in self.rows) else None
         self.min_confidence = plan.min_confidence if plan is not None else 0.0
         self.match_lengths: list[dict[int, int]] = [{} for _ in self.rows]  # [B] drafter -> the match its draft continued
+
+    def _score(self, b: int, prefix: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Row b's processors on one draft position: drafters score like the target (`ScoreFn`)."""
+        return score_position(self.rows[b], prefix, logits)
 
     def preempt(self, chosen: list[tuple[int, ...]], ks: list[int], proposals: Proposals, q_of: list[dict]) -> Proposals:
         """4a. A preempting drafter (`Plan.preempt`) drafts first; a row it proposes at least the plan's

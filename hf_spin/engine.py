@@ -43,7 +43,7 @@ from .faults import Faults
 from .policies import BatchView, Plan, Policy, StepFeedback
 from .policies.base import shadow_lengths
 from .pool import AssistantPool
-from .processors import GenerateBatch, first_scores, row_processors, score_position, target_scores
+from .processors import GenerateBatch, first_scores, row_processors, target_scores
 from .rows import CANCELLED, LENGTH, STOPPED, Request, Row
 from .stats import DrafterStats, GenerationStats
 from .verification import RowSampling, verify_rows
@@ -344,10 +344,6 @@ class SpinEngine:
     def _forward_target(self, chunks: list[list[int]]) -> torch.Tensor:
         """Logits [B, T, V] float32 of the target over one chunk per row, appended to its cache."""
         return forward_ragged(self.model, self.cache, chunks).to(dtype=torch.float32)
-
-    def _score_position(self, b: int, prefix: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """Row b's processors on one draft position (what drafters call to score like the target)."""
-        return score_position(self.rows[b], prefix, logits)
 
     def _commit(self, row: Row, tokens: list[int], scores: torch.Tensor) -> None:
         """Append tokens to the row one at a time until it stops (cutting `tokens` there)."""

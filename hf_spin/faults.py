@@ -36,17 +36,15 @@ class Faults:
         self.engine = engine
         self.isolate = isolate
 
-    def row(self, row: Row, fn: Callable[[], Any]) -> bool:
-        """Run a per-row operation; True if it ran. Isolating, an exception fails that row only."""
+    def row(self, row: Row, fn: Callable[[], Any]) -> None:
+        """Run a per-row operation. Isolating, an exception fails that row only (`row.done`)."""
         try:
             fn()
-            return True
         except Exception as err:
             if not self.isolate:
                 raise
             logger.warning("row %d failed: %r", row.id, err)
             row.fail(err)
-            return False
 
     def prefill_failed(self, rows: list[Row], err: Exception) -> None:
         """The prefill of `rows` raised: re-raise (not isolating) or fail a lone row; the engine then

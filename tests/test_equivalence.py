@@ -35,6 +35,7 @@ import torch
 import hf_spin
 import hf_spin.cache.ragged
 import hf_spin.engine
+import hf_spin.faults
 
 from hf_spin.stats import DrafterStats
 
@@ -136,7 +137,9 @@ def test_policy_equivalence(arch, batch, policy, draft_length, monkeypatch):
     The engine's clock is a counter (every timed interval lasts one tick), so the rules that size
     drafts from measured seconds see drafting and verification cost the same at any k, and draft
     several tokens on every run instead of whatever this machine's timings say."""
-    monkeypatch.setattr(hf_spin.engine, "perf_counter", itertools.count().__next__)
+    clock = itertools.count().__next__
+    for module in (hf_spin.engine, hf_spin.faults):  # verify and prefill timed in one, drafter calls in the other
+        monkeypatch.setattr(module, "perf_counter", clock)
     target, other = _models(arch)
     self_drafter = hf_spin.ModelDrafter(target, name="self")
     chosen = hf_spin.policies.LBSSConfig(never_slower=False) if policy == "lbss" else policy
