@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from hf_spin.machine import cpu
+
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
@@ -69,23 +71,6 @@ def save_partial(path: Path | None, record: dict) -> None:
     if path is not None:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
-
-
-# CPU features that decide what speculation can gain: without a fast bf16 matrix kernel (AVX-512
-# bf16, AMX) a bf16 forward over several tokens costs several single-token forwards.
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
-def cpu() -> dict:
-    """The CPU's model name and which of ISA_FLAGS it has (Linux's /proc/cpuinfo; "unknown" elsewhere)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {"cpu": platform.processor() or "unknown", "isa": "unknown"}
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    flags = set(fields.get("flags", "").split())
-    return {"cpu": fields.get("model name", "unknown"), "isa": [f for f in ISA_FLAGS if f in flags]}
 
 
 def machine(num_processes: int = 1) -> dict:

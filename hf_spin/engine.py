@@ -101,6 +101,7 @@ class SpinEngine:
         else:
             self.drafters, self.policy, self.names = [], None, []
         self.ragged_attention = bool(pool is not None and pool.ragged_attention)
+        self.planner = pool.planner if pool is not None else None  # sizes drafts from measured costs; None: profile "off"
         self.isolate_faults = isolate_faults
         self.faults = Faults(self, isolate_faults)
         self.defer_idle_prefill = defer_idle_prefill
@@ -261,6 +262,8 @@ class SpinEngine:
         else:
             chosen = [tuple(d for d in plan.drafters[b] if self.usable[d] and d not in rows[b].banned) for b in range(B)]
             ks = [max(0, min(plan.k[b], rows[b].draft_room)) if chosen[b] else 0 for b in range(B)]
+            if self.planner is not None:  # the policy's k is the cap; the planner sizes within it (0: plain)
+                ks = self.planner.size([r.id for r in rows], chosen, ks, self._padded)
         # 4. Draft: a preempting drafter first (4a), then each drafter over the rows it serves (4b), shadow
         #    drafts for measurement (4c); rows with several drafters take their vote tree's heaviest path.
         drafting = Drafting(self, plan, draft_seconds)
@@ -271,6 +274,10 @@ class SpinEngine:
         shadows = drafting.shadows(chosen, firsts)
         drafts, qs = drafting.merge(proposals, q_of, ks)
         match_lengths = drafting.match_lengths
+        if self.planner is not None and plan is not None:  # verify what pays of each draft (drafting is paid for)
+            keep = self.planner.trim([r.id for r in rows], drafts, chosen, match_lengths, self._padded)
+            drafts = [d[:k] for d, k in zip(drafts, keep)]
+            qs = [q[:k] if q is not None and k > 0 else None for q, k in zip(qs, keep)]
         return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows, match_lengths)
 
     # -- 5-7. Verify, commit, pre-fill ----------------------------------------------------------------
@@ -323,23 +330,29 @@ class SpinEngine:
         self.stats.steps += 1
         if self.policy is not None:
             executed = Plan(list(proposal.chosen), proposal.ks, proposal.plan.min_confidence, proposal.plan.vote_weights, proposal.plan.prefill, shadow_lengths(proposal.plan, proposal.shadows))
-            self.policy.update(
-                StepFeedback(
-                    row_ids=[r.id for r in rows],
-                    plan=executed,
-                    drafted=[len(d) for d in proposal.drafts],
-                    accepted=accepted,
-                    proposed=[{d: len(t) for d, t in prop.items()} for prop in proposal.proposals],
-                    matched=matched,
-                    shadow_proposed=[{d: len(t) for d, t in sh.items()} for sh in proposal.shadows],
-                    shadow_matched=shadow_matched,
-                    match_lengths=proposal.match_lengths,
-                    draft_seconds=proposal.draft_seconds,
-                    verify_seconds=verify_seconds,
-                    padded=not isinstance(self.cache, PackedCache),
-                )
+            feedback = StepFeedback(
+                row_ids=[r.id for r in rows],
+                plan=executed,
+                drafted=[len(d) for d in proposal.drafts],
+                accepted=accepted,
+                proposed=[{d: len(t) for d, t in prop.items()} for prop in proposal.proposals],
+                matched=matched,
+                shadow_proposed=[{d: len(t) for d, t in sh.items()} for sh in proposal.shadows],
+                shadow_matched=shadow_matched,
+                match_lengths=proposal.match_lengths,
+                draft_seconds=proposal.draft_seconds,
+                verify_seconds=verify_seconds,
+                padded=self._padded,
             )
+            self.policy.update(feedback)
+            if self.planner is not None:
+                self.planner.update(feedback, feedback.verified_tokens())
         self.steps += 1
+
+    @property
+    def _padded(self) -> bool:
+        """The target's verify forward pads every row to the longest draft (rectangular cache)."""
+        return not isinstance(self.cache, PackedCache)
 
     def _forward_target(self, chunks: list[list[int]]) -> torch.Tensor:
         """Logits [B, T, V] float32 of the target over one chunk per row, appended to its cache."""

@@ -9,15 +9,24 @@ another tokenizer (token translation; a shared tokenizer is detected and transla
 from __future__ import annotations
 
 import itertools
+import os
+import threading
+import warnings
 
 from .cache import check_packed_support
+from .cost_profile import CostProfile
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TranslatingDrafter
+from .planner import Planner
 from .policies import DEFAULT_DRAFT_LENGTH, DrafterInfo, DraftLength, Policy, make_policy
+from .profiling import build_profile
 from .stats import DrafterStats, GenerationStats
 
 NAMED_DRAFTERS = {"prompt_lookup": PromptLookupDrafter}
 # Layer kinds whose state is a KV cache that can be rolled back per row (others: conv, recurrent, ...).
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+# `profile=` when none is given: "auto" unless $HF_SPIN_PROFILE says otherwise (the test suite sets
+# "off": its tiny models' timings are noise, and its lossless tests must draft whatever the machine).
+PROFILE_ENV = "HF_SPIN_PROFILE"
 
 
 def _is_model(obj) -> bool:
@@ -53,6 +62,11 @@ class AssistantPool:
     ragged_attention: verify (and draft, for model drafters) on packed rows: a `PackedCache` per model
         and `attn_implementation="hf_spin_varlen"` for those forwards, so no compute or memory goes to
         padding or holes. Needs models whose attention goes through transformers' AttentionInterface.
+    profile: the cost profile the planner sizes drafts with (docs/planning.md): "auto" (measured when
+        the pool first meets a model, a few seconds, cached on disk), a path (one JSON file for the
+        whole profile), a `CostProfile` (injected costs), or "off": no planner, the policy's k as
+        given. With a profile, `draft_length` is each row's upper bound and the planner picks k in
+        [0, it] per row and step; a pool that cannot pay on the machine says so once and decodes plainly.
     """
 
     def __init__(
@@ -62,6 +76,7 @@ class AssistantPool:
         draft_length: int | str | DraftLength = DEFAULT_DRAFT_LENGTH,
         tokenizer=None,
         ragged_attention: bool = False,
+        profile: str | os.PathLike | CostProfile | None = None,
     ):
         if not isinstance(drafters, (list, tuple)) or not drafters:
             raise ValueError(f"AssistantPool needs a non-empty list of drafters, got {drafters!r}")
@@ -75,6 +90,13 @@ class AssistantPool:
         self.row_ids = itertools.count()  # request ids, unique over every call: the policy remembers past requests
         self.last_stats: GenerationStats | None = None  # statistics of the latest generate call
         self.totals: dict[str, DrafterStats] = {}  # per drafter, summed over all calls
+        self.profile = profile if profile is not None else os.environ.get(PROFILE_ENV, "auto")
+        if not (isinstance(self.profile, (CostProfile, os.PathLike)) or isinstance(self.profile, str)):
+            raise ValueError(f"profile must be 'auto', 'off', a path or a CostProfile, got {profile!r}")
+        self.cost_profile: CostProfile | None = self.profile if isinstance(self.profile, CostProfile) else None
+        self.planner: Planner | None = None  # made when the pool first meets a target (bind)
+        self._profiled: int | None = None  # id of the target the profile was made for
+        self._lock = threading.Lock()  # one profile built at a time (a server binds from several threads)
 
     @staticmethod
     def _make(entry) -> Drafter:
@@ -141,7 +163,26 @@ class AssistantPool:
                 if self.ragged_attention:
                     check_packed_support(drafter.model, f"drafter {drafter.name!r}")
                 drafter.ragged_attention = self.ragged_attention
+        self._plan_for(target)
         return self.drafters
+
+    def _plan_for(self, target) -> None:
+        """The cost profile and planner for this target: built on first meeting it (or injected)."""
+        if self.profile == "off":
+            return
+        with self._lock:
+            if self._profiled == id(target) and self.planner is not None:
+                return
+            if not isinstance(self.profile, CostProfile):
+                models = [d.model if isinstance(d, ModelDrafter) else None for d in self.drafters]
+                self.cost_profile = build_profile(target, models, self.names, self.profile)
+            elif len(self.profile.drafters) != len(self.drafters):
+                raise ValueError(f"the CostProfile has {len(self.profile.drafters)} drafters, the pool {len(self.drafters)}")
+            self.planner = Planner(self.cost_profile)
+            self.policy.attach_profile(self.cost_profile)
+            self._profiled = id(target)
+            if not self.planner.can_win:
+                warnings.warn(f"hf_spin: {self.cost_profile.verdict()}. Decoding plainly.", stacklevel=4)
 
     def record(self, stats: GenerationStats) -> None:
         self.last_stats = stats

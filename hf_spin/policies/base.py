@@ -179,6 +179,15 @@ class Policy(ABC):
         self.drafters = list(drafters)
         self.draft_length.bind(self.drafters)
 
+    def attach_profile(self, profile) -> None:
+        """Read step costs from the pool's `CostProfile` (measured, refined online) instead of fits
+        of the policy's own: every `CostModel` it or its draft length rule keeps."""
+        from .estimates import CostModel
+
+        for costs in (getattr(self, "costs", None), getattr(self.draft_length, "costs", None)):
+            if isinstance(costs, CostModel):
+                costs.profile = profile
+
     def start_rows(self, view: BatchView, rows: list[int]) -> None:
         """Batch rows `rows` of `view` are new requests (the start of a call, or rows joining)."""
 

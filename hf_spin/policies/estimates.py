@@ -186,7 +186,8 @@ def longest_draft(k: int, fill: float, rows: float) -> float:
 
 
 class CostModel:
-    """Step costs learned from `StepFeedback`.
+    """Step costs learned from `StepFeedback`; once the pool's `CostProfile` is attached
+    (`Policy.attach_profile`), its measured costs answer instead of the fits below.
 
     verify: per batch-size bucket and overall, t_verify(N) (see `VerifyFit`; N = the token positions
     the forward ran, `StepFeedback.verified_tokens`); and, per bucket, how far steps that drafted
@@ -209,6 +210,7 @@ class CostModel:
         self.plain_age: dict[int, float] = {}  # bucket -> its steps since the last plain one (inf: none yet)
         self.draft = [DecayedLeastSquares(2) for _ in range(num_drafters)]  # f, t
         self.catch_up = [DecayedMean() for _ in range(num_drafters)]  # c
+        self.profile = None  # the pool's CostProfile, once attached: it answers for the fits below
 
     def update(self, feedback: StepFeedback, switch_tokens: list[float] | None = None) -> None:
         B = feedback.batch_size
@@ -233,13 +235,17 @@ class CostModel:
 
     def verify_seconds(self, batch_size: int, n_tokens: float) -> float | None:
         """Predicted verify time of a step with `batch_size` rows and `n_tokens` tokens verified."""
+        if self.profile is not None:
+            return self.profile.verify_seconds(batch_size, n_tokens)
         fit = self.verify_by_bucket.get(bucket(batch_size))
         if fit is None or fit.count < 1:
             fit = self.verify_all
         return fit.predict(n_tokens)
 
     def plain_seconds(self, batch_size: int) -> float | None:
-        """Seconds of a plain step (N = B): see `plain_goodput`."""
+        """Seconds of a plain step (N = B): see `plain_goodput` (the profile's, once attached)."""
+        if self.profile is not None:
+            return self.profile.plain_seconds(batch_size)
         t = self.verify_seconds(batch_size, batch_size)
         if t is None or t <= 0:
             return None
@@ -265,10 +271,16 @@ class CostModel:
         """Predicted seconds of `drafter` drafting `row_tokens` tokens over its rows in `forwards`
         sequential forwards, catch-up aside (0 before a step without catch-up: an unmeasured
         drafter looks free, so it gets tried)."""
+        if self.profile is not None and self.profile.drafters[drafter] is not None:
+            return self.profile.draft_seconds(drafter, forwards, max(1, round(row_tokens / max(forwards, 1))))
         if self.draft[drafter].count <= 0:
             return 0.0
         f, t = self.draft[drafter].coefficients()
         return float(f * forwards + t * row_tokens)
+
+    def knows_draft(self, drafter: int) -> bool:
+        """Whether `drafter`'s draft cost is known: measured by the profile, or fitted on a step."""
+        return (self.profile is not None and self.profile.drafters[drafter] is not None) or self.draft[drafter].count > 0
 
     def catch_up_seconds(self, drafter: int) -> float:
         """Seconds per token that `drafter` spends catching up a row it did not serve (0 before any)."""

@@ -101,7 +101,7 @@ class Pricing(LBSSState):
         step, those of the drafter measured most scaled by `DRAFT_SIZE_ELASTICITY`: priced at 0, an
         unexplored model drafter looked as cheap as prompt lookup (docs/lbss.md#draft-size-elasticity)."""
         costs = self.costs
-        if costs.draft[drafter].count > 0:
+        if costs.knows_draft(drafter):
             return costs.draft_seconds(drafter, forwards, row_tokens)
         return self.by_size(drafter, lambda e: costs.draft_seconds(e, forwards, row_tokens), lambda e: costs.draft[e].count, DRAFT_SIZE_ELASTICITY)
 

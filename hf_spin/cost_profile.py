@@ -1,0 +1,309 @@
+"""The cost profile: what a forward of each model costs on the machine in front of us, measured.
+
+Speculation pays only where verifying k + 1 tokens costs much less than k + 1 plain steps, and that
+is a property of the machine, the dtype and the thread count, not of the model: on a CPU with AMX
+(or a GPU) a bf16 forward over 8 tokens costs about one over 1 token; on an AVX2-only CPU it costs
+6x (docs/planning.md#why). So the planner never assumes: it reads this profile.
+
+One `ForwardCost` per model (the target and each model drafter), on its own device and dtype:
+
+    t(N, B) = f(N) + r (B - 1)         N = token positions in the forward (rows x new tokens), B = rows
+
+f is piecewise linear between measured knots N = 1, 2, 4, 8, ... (linear beyond the last, by its
+last slope), r a per-row overhead (fitted from a batch-4 point). Measured on a small grid within a
+time budget (`measure`), cached on disk (`profiling.py`), then refined online from every timed
+forward: per knot, a decayed mean of log(measured / predicted), each residual clipped to
++-`MAX_LOG_RESIDUAL` so a stall (another process, a page fault) moves it by a bounded amount. The
+context is GRID_CONTEXT positions of random KV, not a grid axis (its cost is small next to the
+weights' at the lengths drafting sees, and a prefill per point would overrun the budget on a slow
+machine): its slow drift as rows grow is what the online correction follows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Callable
+
+import torch
+
+from .cache.forward import CACHE_ARG
+from .policies.estimates import DecayedMean
+
+# Forgetting factor of the online correction per observation at a knot: ~50 observations of memory.
+CORRECTION_DECAY = 0.98
+# A residual is clipped to +-this in log seconds before it enters the correction: a 2.7x stall moves
+# the correction by at most 1/50 of that, while a real change of the cost is followed in ~20 forwards.
+MAX_LOG_RESIDUAL = 1.0
+# Context (prompt tokens) the grid is measured at: a short chat prompt.
+GRID_CONTEXT = 128
+# Forward positions of the grid, in the order measured: the budget may stop it after any of them.
+GRID_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+# Rows of the per-row overhead point (measured with one new token per row).
+GRID_ROWS = 4
+# Seconds the grid of one model may take (beyond its first two points, always measured).
+GRID_BUDGET = 3.0
+
+
+@dataclass
+class ForwardCost:
+    """Seconds of one forward of one model: t(N, B) = f(N) + r (B - 1), refined online.
+
+    knots: [K] token positions N measured, increasing; seconds: [K] f at each knot; per_row: r.
+    """
+
+    knots: list[int]
+    seconds: list[float]
+    per_row: float = 0.0
+    observations: int = 0  # online observations so far
+    corrections: list[DecayedMean] = field(default_factory=list)  # [K] log(measured / predicted)
+
+    def __post_init__(self):
+        if not self.knots or len(self.knots) != len(self.seconds) or sorted(set(self.knots)) != list(self.knots):
+            raise ValueError(f"ForwardCost needs increasing knots with one time each, got {self.knots} / {self.seconds}")
+        if not self.corrections:
+            self.corrections = [DecayedMean(CORRECTION_DECAY) for _ in self.knots]
+
+    @classmethod
+    def from_table(cls, table: dict[int, float], per_row: float = 0.0) -> ForwardCost:
+        """From {N: seconds} (injected costs in tests, or a profile read from disk)."""
+        knots = sorted(table)
+        return cls(knots, [float(table[n]) for n in knots], per_row)
+
+    def values(self) -> list[float]:
+        """[K] f at each knot with its online correction, made non-decreasing in N (a forward over more
+        positions never costs less; a noisy correction must not say otherwise)."""
+        out, top = [], 0.0
+        for seconds, correction in zip(self.seconds, self.corrections):
+            top = max(top, seconds * math.exp(correction.mean or 0.0))
+            out.append(top)
+        return out
+
+    def _interpolate(self, values: list[float], n_tokens: float) -> float:
+        """Linear between knots, by the last slope beyond the last (proportional to N with one knot),
+        flat below the first."""
+        ks = self.knots
+        if n_tokens <= ks[0]:
+            return values[0]
+        if len(ks) == 1:
+            return values[0] * n_tokens / ks[0]
+        i = min(bisect.bisect_left(ks, n_tokens), len(ks) - 1)
+        slope = (values[i] - values[i - 1]) / (ks[i] - ks[i - 1])
+        return values[i - 1] + slope * (n_tokens - ks[i - 1])
+
+    def _weights(self, n_tokens: float) -> list[tuple[int, float]]:
+        """The knots bracketing N with linear-interpolation weights (one knot outside the range)."""
+        ks = self.knots
+        if n_tokens <= ks[0]:
+            return [(0, 1.0)]
+        if n_tokens >= ks[-1]:
+            return [(len(ks) - 1, 1.0)]
+        i = bisect.bisect_left(ks, n_tokens)
+        w = (n_tokens - ks[i - 1]) / (ks[i] - ks[i - 1])
+        return [(i - 1, 1.0 - w), (i, w)]
+
+    def predict(self, n_tokens: float, rows: int = 1) -> float:
+        """Seconds of a forward over `n_tokens` positions in `rows` rows, with the online correction."""
+        return self._interpolate(self.values(), n_tokens) + self.per_row * max(rows - 1, 0)
+
+    def observe(self, n_tokens: float, rows: int, seconds: float) -> None:
+        """A timed forward: moves the correction of the knots around N toward it (clipped residual).
+        Far beyond the last knot (more than twice it), a knot is added there first, so what is learned
+        at large N does not bend the cost of the small N the grid measured."""
+        if seconds <= 0 or n_tokens <= 0:
+            return
+        if n_tokens > 2 * self.knots[-1]:
+            n = 2 ** math.ceil(math.log2(n_tokens))
+            self.corrections.append(DecayedMean(CORRECTION_DECAY))  # corrections, then seconds, then knots: a reader indexes by knots
+            self.seconds.append(self._interpolate(self.seconds, n))
+            self.knots.append(n)
+        residual = max(-MAX_LOG_RESIDUAL, min(MAX_LOG_RESIDUAL, math.log(seconds / self.predict(n_tokens, rows))))
+        for i, w in self._weights(n_tokens):
+            self.corrections[i].add((self.corrections[i].mean or 0.0) + residual, w)
+        self.observations += 1
+
+    def flatness(self, n_tokens: int) -> float:
+        """t(N) / t(1): 1 where verification is free (memory-bound), N where it is proportional."""
+        return self.predict(n_tokens) / self.predict(1)
+
+    def to_dict(self) -> dict:
+        return {"knots": list(self.knots), "seconds": list(self.seconds), "per_row": self.per_row}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ForwardCost:
+        return cls(list(data["knots"]), list(data["seconds"]), float(data.get("per_row", 0.0)))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _context_cache(model, rows: int, generator: torch.Generator):
+    """A cache holding GRID_CONTEXT positions of random KV per layer: the context the grid's forwards
+    attend to, without the prefill (on a slow machine a prefill alone would overrun the budget)."""
+    from transformers import DynamicCache
+
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = DynamicCache(config=model.config)
+    for layer in range(config.num_hidden_layers):
+        k, v = (torch.randn(rows, heads, GRID_CONTEXT, head_dim, generator=generator).to(model.device, model.dtype) for _ in range(2))
+        cache.update(k, v, layer)
+    return cache
+
+
+@torch.no_grad()
+def measure(model, budget: float = GRID_BUDGET, clock: Callable[[], float] = perf_counter, progress=None) -> ForwardCost:
+    """Measure a model's `ForwardCost` on the grid: forwards over N = 1, 2, 4, ... new tokens after a
+    context of GRID_CONTEXT positions (the cache cropped back after each), each timed twice and the
+    faster kept (the first run pays allocations), until the next point would overrun `budget`
+    seconds; then GRID_ROWS rows of one token for the per-row overhead, if the budget allows.
+    `progress`: called with each point's description (a progress bar's update)."""
+    device = model.device
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+
+    def timed(rows: int, tokens: int) -> float:
+        cache = _context_cache(model, rows, generator)
+        new = torch.randint(0, vocab, (rows, tokens), generator=generator).to(device)
+        position_ids = torch.arange(GRID_CONTEXT, GRID_CONTEXT + tokens, device=device).expand(rows, -1)
+        best = float("inf")
+        for _ in range(2):
+            if cache.get_seq_length() > GRID_CONTEXT:
+                cache.crop(GRID_CONTEXT - cache.get_seq_length())  # negative: tokens to drop
+            _sync(device)
+            start = clock()
+            model(input_ids=new, position_ids=position_ids, use_cache=True, **{CACHE_ARG: cache})
+            _sync(device)
+            best = min(best, clock() - start)
+        if progress is not None:
+            progress(f"{rows} x {tokens} tokens")
+        return max(best, 1e-9)
+
+    started = clock()
+    table: dict[int, float] = {}
+    for n in GRID_TOKENS:
+        if len(table) >= 2:
+            last = max(table)
+            if clock() - started + 2 * table[last] * n / last > budget:  # two runs, at worst proportional
+                break
+        table[n] = timed(1, n)
+    cost = ForwardCost.from_table(table)
+    if clock() - started + 2 * table[1] * GRID_ROWS <= budget:
+        cost.per_row = max(timed(GRID_ROWS, 1) - cost.predict(GRID_ROWS), 0.0) / (GRID_ROWS - 1)
+    return cost
+
+
+# A drafter whose break-even per-token acceptance (`CostProfile.break_even`) is above this cannot
+# pay on this machine in practice: the planner never drafts with it, and a pool left with none
+# decodes plainly after saying so once. Same-family draft models reach 0.6-0.8 on chat and code.
+CANNOT_PAY = 0.9
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """E[accepted + 1] for k drafts at a constant per-token acceptance (truncated geometric)."""
+    return k + 1.0 if acceptance >= 1.0 else (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+@dataclass
+class CostProfile:
+    """The costs of one pool on one target: the target's `ForwardCost` and, per drafter (pool
+    order), a model drafter's `ForwardCost` or None for a model-free drafter, whose seconds per call
+    are learned online. `machine`, `dtype`, `threads`, `source`: what it was measured on, and how
+    (measured, read from a cache file, injected)."""
+
+    target: ForwardCost
+    drafters: list[ForwardCost | None]
+    names: list[str]
+    machine: str = ""
+    dtype: str = ""
+    threads: int = 0
+    source: str = "injected"
+    max_k: int = 16
+    calls: list[DecayedMean] = field(default_factory=list)  # [num_drafters] seconds per call of a model-free drafter
+    other_dtypes: dict[str, ForwardCost] = field(default_factory=dict)  # the target in other dtypes, where a cache file knows it
+
+    def __post_init__(self):
+        if not self.calls:
+            self.calls = [DecayedMean(CORRECTION_DECAY) for _ in self.drafters]
+
+    # -- what a step costs ---------------------------------------------------------------------------
+    def verify_seconds(self, rows: int, n_tokens: float) -> float:
+        """A target forward over `n_tokens` positions in `rows` rows."""
+        return self.target.predict(n_tokens, rows)
+
+    def plain_seconds(self, rows: int) -> float:
+        return self.target.predict(rows, rows)
+
+    def draft_seconds(self, drafter: int, forwards: float, rows: int) -> float:
+        """`drafter` drafting for `rows` rows in `forwards` sequential forwards (one per draft token)."""
+        cost = self.drafters[drafter]
+        if cost is None:
+            return self.calls[drafter].mean or 0.0
+        return forwards * cost.predict(rows, rows) if forwards > 0 and rows > 0 else 0.0
+
+    def observe_verify(self, rows: int, n_tokens: int, seconds: float) -> None:
+        self.target.observe(n_tokens, rows, seconds)
+
+    def observe_draft(self, drafter: int, forwards: int, rows: int, seconds: float) -> None:
+        """A drafter's call: `forwards` forwards over `rows` rows (0 forwards: it did not draft)."""
+        cost = self.drafters[drafter]
+        if cost is None:
+            self.calls[drafter].add(seconds)
+        elif forwards > 0 and rows > 0:
+            cost.observe(rows, rows, seconds / forwards)
+
+    # -- what it means -------------------------------------------------------------------------------
+    def best_rate(self, drafter: int, acceptance: float, target: ForwardCost | None = None) -> tuple[float, int]:
+        """(tokens per second, k) of the best draft length at batch 1 for a constant per-token acceptance."""
+        target = target or self.target
+        rates = [(expected_tokens(acceptance, k) / (target.predict(k + 1) + self.draft_seconds(drafter, k, 1)), k) for k in range(1, self.max_k + 1)]
+        return max(rates)
+
+    def break_even(self, drafter: int, target: ForwardCost | None = None) -> tuple[float, int] | None:
+        """(a, k): the lowest per-token acceptance (to 0.01) at which drafting with `drafter` beats a
+        plain step at batch 1, and the k that does it; None if not even a = 0.99 does."""
+        target = target or self.target
+        plain = 1.0 / target.predict(1)
+        for a in (x / 100 for x in range(1, 100)):
+            rate, k = self.best_rate(drafter, a, target)
+            if rate > plain:
+                return a, k
+        return None
+
+    def pays(self, drafter: int) -> bool:
+        """Whether `drafter` can pay on this machine in practice (break-even acceptance <= CANNOT_PAY)."""
+        even = self.break_even(drafter)
+        return even is not None and even[0] <= CANNOT_PAY
+
+    def verdict(self) -> str:
+        """One line: speculate or plain, and why, from the measured costs."""
+        t = self.target
+        costs = f"target {t.predict(1) * 1e3:.0f} ms / {t.predict(8) * 1e3:.0f} ms for 1 / 8 tokens ({t.flatness(8):.1f}x)"
+        paying = [f"{n} above acceptance {e[0]:.2f} (k = {e[1]})" for d, n in enumerate(self.names) if (e := self.break_even(d)) is not None and e[0] <= CANNOT_PAY]
+        if paying:
+            return f"speculate: {costs}; pays with " + ", ".join(paying)
+        verdict = f"plain: speculation cannot pay here in {self.dtype or 'this dtype'} ({costs})"
+        better = [dt for dt, cost in self.other_dtypes.items() if any((e := self.break_even(d, cost)) is not None and e[0] <= CANNOT_PAY for d in range(len(self.drafters)))]
+        return verdict + (f"; it would in {', '.join(better)} (measured here)" if better else "")
+
+    def __str__(self) -> str:
+        t = self.target
+        lines = [f"cost profile ({self.source}; {self.machine}, {self.dtype})"]
+        lines.append("| model | " + " | ".join(f"N={n}" for n in t.knots) + " | per row | t(8)/t(1) | online |")
+        lines.append("|---|" + "---|" * (len(t.knots) + 3))
+        for name, cost in [("target", t)] + list(zip(self.names, self.drafters)):
+            if cost is None:
+                mean = self.calls[self.names.index(name)].mean
+                lines.append(f"| {name} | model-free: {'%.2f ms a call' % (mean * 1e3) if mean is not None else 'not measured yet'} |")
+                continue
+            cells = [f"{cost.predict(n) * 1e3:.1f} ms" for n in t.knots]
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {cost.per_row * 1e3:.2f} ms | {cost.flatness(8):.2f} | {cost.observations} |")
+        lines.append(self.verdict())
+        return "\n".join(lines)
+
+    __repr__ = __str__

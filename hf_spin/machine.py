@@ -1,0 +1,37 @@
+"""What machine this is, as far as speculation cares: the CPU's model and the ISA flags that decide
+whether a forward over several tokens costs about one (AVX-512 bf16, AMX) or several (AVX2 only in
+bf16), the GPU, the thread count."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+
+# CPU features that decide what speculation can gain: without a fast bf16 matrix kernel (AVX-512
+# bf16, AMX) a bf16 forward over several tokens costs several single-token forwards.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu() -> dict:
+    """The CPU's model name and which of ISA_FLAGS it has (Linux's /proc/cpuinfo; "unknown" elsewhere)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"cpu": platform.processor() or "unknown", "isa": "unknown"}
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name", "unknown"), "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
+def describe(device: torch.device | str = "cpu") -> str:
+    """One line naming the machine a model runs on: the GPU's name, or the CPU's model, its ISA flags
+    and the thread count."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    info = cpu()
+    isa = " ".join(info["isa"]) if isinstance(info["isa"], list) else info["isa"]
+    return f"{info['cpu']} [{isa or 'no avx2'}], {torch.get_num_threads()} threads"

@@ -1,0 +1,206 @@
+"""The planner: how many tokens each row drafts and verifies, from measured costs and learned survival.
+
+Policies choose drafters; the planner sizes. Every step, twice (docs/planning.md):
+
+    ks = planner.size(row_ids, chosen, caps, padded)                 # before drafting: k per row, 0 allowed
+    keep = planner.trim(row_ids, drafts, chosen, matches, padded)    # after: how much of each draft to verify
+
+Both maximise the step's expected committed tokens per second,
+
+    rate(ks) = (B + sum_b sum_{i <= k_b} S_b(i)) / (t_verify(ks) + t_draft(ks)),
+
+S_b(i) being the probability that row b's draft survives to position i (the product of the
+per-position acceptances, `Acceptance`), t_verify the target's forward over the step's positions
+(B + sum k packed, B (1 + max k) padded) and t_draft each drafter's forwards (its longest draft,
+over the rows it serves), both from the `CostProfile`. Draft slots (b, i) are taken in order of S,
+most likely first (vLLM's adaptive verification budget), and the best prefix wins; if no prefix
+beats a plain step (B / t_verify(B)) by MIN_GAIN, the step is plain. Before drafting the survival is
+read optimistically (an upper bound, so a drafter with little evidence gets measured); after
+drafting, at its mean, with the drafting already paid for and, for prompt lookup, the length of the
+match each draft continued. A drafter that cannot pay on this machine at any realistic acceptance
+(`CostProfile.pays`) is never sized above 0.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+from .cost_profile import CostProfile
+from .policies import StepFeedback
+from .policies.estimates import acceptance_with_prior
+
+# Acceptance assumed before any evidence (typical of small same-family drafters and of prompt lookup
+# on text that repeats), and the pseudo-observations behind it.
+PRIOR_ACCEPTANCE = 0.6
+PRIOR_WEIGHT = 2.0
+# Pseudo-observations behind a drafter's pooled acceptance when estimating one position, and behind
+# a position's acceptance when estimating it for one match length: a few observations of its own move it.
+LEVEL_WEIGHT = 4.0
+# Forgetting per step, for every count: acceptance drifts with the text, and evidence against a
+# drafter fades (half-life ~35 steps), so a drafter judged not worth drafting is measured again.
+SURVIVAL_DECAY = 0.98
+# Standard deviations of optimism when sizing before drafting (an upper confidence bound).
+OPTIMISM = 1.0
+# A speculative step must beat a plain one by this factor: inside it the estimates' noise could
+# make a plan that only ties plain decoding cost time.
+MIN_GAIN = 1.02
+# Lookup match lengths are told apart up to this (longer ones share the last bucket).
+MATCH_BUCKETS = 4
+
+
+class Acceptance:
+    """Per drafter, per draft position i (1-based), the acceptance of position i given that the
+    positions before it were accepted, learned from every step's drafts against the committed tokens.
+
+    Three levels, each the prior of the next: the drafter's pooled acceptance (prior PRIOR_ACCEPTANCE),
+    per position (LEVEL_WEIGHT pseudo-observations of the pooled value), per position and match-length
+    bucket for drafters that report matches (prompt lookup). Then the request: its own pooled
+    acceptance with the drafter (LEVEL_WEIGHT pseudo-observations of the drafter's), as a factor on
+    the position's (code copies well, open chat does not). Counts decay by SURVIVAL_DECAY per step;
+    a request's are dropped once decayed to nothing (it ended)."""
+
+    def __init__(self, num_drafters: int):
+        self.pooled = [[0.0, 0.0] for _ in range(num_drafters)]  # [accepted, rejected]
+        self.counts: dict[tuple[int, int | None, int], list[float]] = {}  # (drafter, match bucket or None, position) -> [accepted, rejected]
+        self.rows: dict[tuple[int, int], list[float]] = {}  # (drafter, row id) -> [accepted, rejected]
+
+    @staticmethod
+    def bucket(match: int | None) -> int | None:
+        return None if match is None else min(max(match, 1), MATCH_BUCKETS)
+
+    def observe(self, drafter: int, row: int, proposed: int, matched: int, committed: int, match: int | None = None) -> None:
+        """A draft of `proposed` tokens whose first `matched` equal the step's `committed` tokens:
+        positions 1..matched were accepted, position matched + 1 rejected if it was checked (within
+        the draft and the committed tokens); what lies beyond is unknown."""
+        accepted = min(matched, proposed, committed)
+        rejected_at = accepted + 1 if accepted < min(proposed, committed) else None
+        for i in range(1, accepted + 1):
+            self._add(drafter, row, i, match, 0)
+        if rejected_at is not None:
+            self._add(drafter, row, rejected_at, match, 1)
+
+    def _add(self, drafter: int, row: int, position: int, match: int | None, outcome: int) -> None:
+        self.pooled[drafter][outcome] += 1
+        self.rows.setdefault((drafter, row), [0.0, 0.0])[outcome] += 1
+        for m in {None, self.bucket(match)}:
+            self.counts.setdefault((drafter, m, position), [0.0, 0.0])[outcome] += 1
+
+    def decay(self) -> None:
+        for c in self.pooled:
+            c[0] *= SURVIVAL_DECAY
+            c[1] *= SURVIVAL_DECAY
+        for c in list(self.counts.values()) + list(self.rows.values()):
+            c[0] *= SURVIVAL_DECAY
+            c[1] *= SURVIVAL_DECAY
+        self.rows = {key: c for key, c in self.rows.items() if c[0] + c[1] > 0.01}
+
+    def evidence(self, drafter: int) -> float:
+        """Decayed observations of the drafter (all positions)."""
+        return sum(self.pooled[drafter])
+
+    def conditional(self, drafter: int, row: int, position: int, match: int | None = None, optimism: float = 0.0) -> float:
+        """P(position accepted | positions before it accepted) on request `row`, `optimism` posterior sds up."""
+        a, r = self.pooled[drafter]
+        pooled = mean = acceptance_with_prior(a, r, PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
+        weight = a + r + PRIOR_WEIGHT
+        for m in (None, self.bucket(match)) if match is not None else (None,):
+            a, r = self.counts.get((drafter, m, position), (0.0, 0.0))
+            mean = acceptance_with_prior(a, r, mean, LEVEL_WEIGHT)
+            weight = a + r + LEVEL_WEIGHT
+        a, r = self.rows.get((drafter, row), (0.0, 0.0))
+        mean = min(mean * acceptance_with_prior(a, r, pooled, LEVEL_WEIGHT) / pooled, 0.999)
+        if optimism:
+            mean += optimism * math.sqrt(mean * (1 - mean) / (weight + 1))
+        return min(max(mean, 0.0), 0.999)
+
+    def survival(self, drafter: int, row: int, k: int, match: int | None = None, optimism: float = 0.0) -> list[float]:
+        """[k] S(i): the probability that a draft for request `row` survives to position i (1..k)."""
+        out, s = [], 1.0
+        for i in range(1, k + 1):
+            s *= self.conditional(drafter, row, i, match, optimism)
+            out.append(s)
+        return out
+
+
+class Planner:
+    """Sizes every step's drafts against the `CostProfile` (see the module docstring)."""
+
+    def __init__(self, profile: CostProfile):
+        self.profile = profile
+        self.acceptance = Acceptance(len(profile.drafters))
+        self.paying = [profile.pays(d) for d in range(len(profile.drafters))]  # re-judged as the profile is refined
+        self.steps = 0
+        self.lock = threading.Lock()  # a pipeline sizes one micro-batch while another's step is learned from
+
+    @property
+    def can_win(self) -> bool:
+        """Whether any drafter can pay on this machine (else every step is plain)."""
+        return any(self.paying)
+
+    def _curve(self, row: int, drafters: tuple[int, ...], k: int, match: dict[int, int] | None, optimism: float) -> list[float]:
+        """[k] survival of request `row` drafted by `drafters` (several: the best of them at each position)."""
+        curves = [self.acceptance.survival(d, row, k, (match or {}).get(d), optimism) for d in drafters if self.paying[d]]
+        return [max(c[i] for c in curves) for i in range(k)] if curves else []
+
+    def _best(self, curves: list[list[float]], chosen: list[tuple[int, ...]], padded: bool, drafting: bool) -> list[int]:
+        """[B] draft lengths of the best prefix of the slots ranked by survival; all 0 when no prefix
+        beats a plain step by MIN_GAIN. `drafting`: charge the drafters' forwards (before drafting)."""
+        profile, B = self.profile, len(curves)
+        slots = sorted(((s, i + 1, b) for b, curve in enumerate(curves) for i, s in enumerate(curve)), key=lambda x: (-x[0], x[1]))
+        ks, value, total, longest = [0] * B, float(B), 0, 0
+        longest_of, served, draft_of = {}, {}, {}  # per drafter: its longest draft, rows served, predicted seconds
+        best_rate, best_m = MIN_GAIN * B / profile.plain_seconds(B), 0
+        for m, (s, i, b) in enumerate(slots, 1):
+            if drafting:
+                for d in chosen[b]:
+                    served[d] = served.get(d, 0) + (ks[b] == 0)
+                    longest_of[d] = max(longest_of.get(d, 0), i)
+                    draft_of[d] = profile.draft_seconds(d, longest_of[d], served[d])
+            total, longest, value = total + i - ks[b], max(longest, i), value + s
+            ks[b] = i
+            seconds = profile.verify_seconds(B, B * (1 + longest) if padded else B + total) + sum(draft_of.values())
+            if value / seconds > best_rate:
+                best_rate, best_m = value / seconds, m
+        ks = [0] * B
+        for s, i, b in slots[:best_m]:
+            ks[b] = max(ks[b], i)
+        return ks
+
+    def size(self, row_ids: list[int], chosen: list[tuple[int, ...]], caps: list[int], padded: bool) -> list[int]:
+        """[B] draft length per row before drafting, at most `caps` ([B], the policy's k), 0 allowed."""
+        with self.lock:
+            curves = [self._curve(r, ds, k, None, OPTIMISM) if ds and k > 0 else [] for r, ds, k in zip(row_ids, chosen, caps)]
+            return self._best(curves, chosen, padded, drafting=True)
+
+    def trim(self, row_ids: list[int], drafts: list[list[int]], chosen: list[tuple[int, ...]], matches: list[dict[int, int]], padded: bool) -> list[int]:
+        """[B] how many tokens of each row's draft to verify, the drafting being paid for."""
+        with self.lock:
+            curves = [self._curve(r, ds, len(t), m, 0.0) if t else [] for r, t, ds, m in zip(row_ids, drafts, chosen, matches)]
+            return self._best(curves, chosen, padded, drafting=False)
+
+    def update(self, feedback: StepFeedback, verified_tokens: int) -> None:
+        """Learn from a step: the target's timed forward, each drafter's timed call, and every draft
+        (served, shadow, or cut by `trim`) against the tokens the step committed."""
+        with self.lock:
+            self._learn(feedback, verified_tokens)
+
+    def _learn(self, feedback: StepFeedback, verified_tokens: int) -> None:
+        profile, acceptance = self.profile, self.acceptance
+        acceptance.decay()
+        B = feedback.batch_size
+        if feedback.verify_seconds > 0:
+            profile.observe_verify(B, verified_tokens, feedback.verify_seconds)
+        for d, seconds in enumerate(feedback.draft_seconds):
+            lengths = [p[d] for p in feedback.proposed if d in p] + [p[d] for p in feedback.shadow_proposed if d in p]
+            if lengths and seconds > 0:
+                profile.observe_draft(d, max(lengths), len(lengths), seconds)
+        for b in range(B):
+            committed = feedback.accepted[b] + 1
+            for proposed, matched in ((feedback.proposed[b], feedback.matched[b]), (feedback.shadow_proposed[b], feedback.shadow_matched[b]) if feedback.shadow_proposed else ({}, {})):
+                for d, p in proposed.items():
+                    match = feedback.match_lengths[b].get(d) if feedback.match_lengths else None
+                    acceptance.observe(d, feedback.row_ids[b], p, matched.get(d, 0), committed, match)
+        self.steps += 1
+        if self.steps % 64 == 0:  # the profile has been refined: judge the drafters again
+            self.paying = [profile.pays(d) for d in range(len(profile.drafters))]

@@ -1,0 +1,281 @@
+"""The cost profile and the planner, on injected costs: no real timing anywhere.
+
+A `CostClock` stands in for the engine's clock: every forward of a model advances it by that
+model's injected cost (t(N) of the positions it ran), nothing else does. So the engine times what
+the injected costs say, the profile's online refinement sees them, and a run's clock total is what
+the run would take on a machine with those costs. Each case checks the planner's decision and that
+the output is still plain `generate`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+
+import pytest
+import torch
+
+import hf_spin
+from hf_spin.cost_profile import CostProfile, ForwardCost, measure
+from hf_spin.drafters import Draft, Drafter
+from hf_spin.planner import Acceptance, Planner
+from hf_spin.profiling import build_profile
+
+from .archs import EOS, VOCAB, tiny_model
+from .speculation import perturbed
+
+
+class CostClock:
+    """A clock that only forwards move: each hooked model's forward adds cost.predict(N, rows)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def hook(self, model, cost: ForwardCost) -> None:
+        def advance(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self.now += cost.predict(ids.numel(), ids.shape[0])
+
+        model.register_forward_pre_hook(advance, with_kwargs=True)
+
+
+def table(fn, knots=(1, 2, 4, 8, 16, 32, 64)) -> ForwardCost:
+    return ForwardCost.from_table({n: fn(n) for n in knots})
+
+
+def linear(n):  # an AVX2 CPU in bf16: 8 tokens cost ~6 plain steps
+    return 0.1 * (0.3 + 0.7 * n)
+
+
+def flat(n):  # a GPU or an AMX CPU: up to 64 tokens cost one step
+    return 0.1
+
+
+class Scripted(Drafter):
+    """A model-free drafter that knows plain `generate`'s output and proposes it, each token right
+    with its row's probability (`acceptance` by the row's position in `references`), else wrong:
+    drafts with a known per-position acceptance, whatever the tiny model."""
+
+    kind = "scripted"
+
+    def __init__(self, references: list[list[int]], acceptance: list[float], seed: int = 0):
+        self.references, self.acceptance = references, acceptance
+        self.rng = random.Random(seed)
+        self.name = "scripted"
+
+    def draft(self, request):
+        tokens = []
+        for row, k in zip(request.rows, request.k):
+            seq = request.sequences[row]
+            i = next(i for i, ref in enumerate(self.references) if ref[: len(seq)] == seq)
+            truth = self.references[i][len(seq) : len(seq) + k]
+            tokens.append([t if self.rng.random() < self.acceptance[i] else (t + 1) % VOCAB or 3 for t in truth])
+        return Draft(tokens=tokens, q=[None] * len(tokens))
+
+
+def case(batch: int, new_tokens: int = 40, seed: int = 0):
+    """(target, prompts [batch, 8], plain output, reference sequences per row), no EOS stop."""
+    target = tiny_model("llama", seed=0)
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, VOCAB, (batch, 8), generator=g)
+    plain = target.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS)
+    return target, prompts, plain, [row.tolist() for row in plain]
+
+
+def run(target, prompts, pool, clock, monkeypatch, new_tokens=40):
+    for module in (hf_spin.engine, hf_spin.faults):
+        monkeypatch.setattr(module, "perf_counter", clock)
+    return target.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS, custom_generate=hf_spin.generate, assistant_pool=pool)
+
+
+def profile_of(target_cost: ForwardCost, drafters: list[ForwardCost | None], names: list[str]) -> CostProfile:
+    copy = [ForwardCost.from_dict(c.to_dict()) if c is not None else None for c in drafters]
+    return CostProfile(ForwardCost.from_dict(target_cost.to_dict()), copy, names)
+
+
+# --- the profile ---------------------------------------------------------------------------------
+
+
+def test_forward_cost_interpolates_and_never_decreases():
+    cost = ForwardCost.from_table({1: 1.0, 4: 1.0, 8: 3.0})
+    assert cost.predict(2) == pytest.approx(1.0)
+    assert cost.predict(6) == pytest.approx(2.0)
+    assert cost.predict(16) == pytest.approx(7.0)  # the last slope beyond the last knot
+    noisy = ForwardCost.from_table({1: 1.0, 2: 1.5, 4: 0.9})  # a noisy grid
+    assert noisy.predict(4) >= noisy.predict(2) >= noisy.predict(1)
+
+
+def test_online_refinement_follows_a_change_and_shrugs_off_a_stall():
+    cost = ForwardCost.from_table({1: 1.0, 8: 1.0})
+    for _ in range(150):
+        cost.observe(8, 1, 2.0)  # the machine is now twice as slow at 8 tokens
+    assert cost.predict(8) == pytest.approx(2.0, rel=0.1)
+    steady = ForwardCost.from_table({1: 1.0, 8: 1.0})
+    for _ in range(100):
+        steady.observe(1, 1, 1.0)
+    steady.observe(1, 1, 100.0)  # one stall of 100x
+    assert steady.predict(1) < 1.1
+    steady.observe(1000, 1, 5.0)  # far beyond the grid: a knot of its own, the small N untouched
+    assert 1024 in steady.knots and steady.predict(1) < 1.1
+
+
+def test_measure_reads_the_injected_costs_within_its_budget():
+    model = tiny_model("llama", seed=0)
+    clock = CostClock()
+    clock.hook(model, table(lambda n: 0.1 * n))
+    cost = measure(model, budget=3.0, clock=clock)
+    # two timed runs a point: 0.2 + 0.4 + 0.8 + 1.6 s spent at N = 8; N = 16 (3.2 s more) would overrun
+    assert cost.knots == [1, 2, 4, 8]
+    assert cost.seconds == pytest.approx([0.1, 0.2, 0.4, 0.8])
+    assert cost.per_row == 0.0  # the batch-4 point did not fit either
+
+
+def test_profile_is_cached_per_model_and_threads(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_SPIN_PROFILES", str(tmp_path))
+    target, drafter = tiny_model("llama", seed=0), tiny_model("qwen2", seed=0)
+    forwards = []
+    for m in (target, drafter):
+        m.register_forward_pre_hook(lambda *a: forwards.append(1))
+    first = build_profile(target, [drafter, None], ["drafter", "prompt_lookup"])
+    measured = len(forwards)
+    assert measured > 0 and first.source == "measured" and first.drafters[1] is None
+    second = build_profile(target, [drafter, None], ["drafter", "prompt_lookup"])
+    assert len(forwards) == measured and second.source == "cached"  # no forward: read from disk
+    assert second.target.seconds == first.target.seconds
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        build_profile(target, [drafter, None], ["drafter", "prompt_lookup"])
+    finally:
+        torch.set_num_threads(threads)
+    assert len(forwards) > measured  # another thread count is another machine
+    path = tmp_path / "one.json"
+    build_profile(target, [drafter], ["drafter"], path)
+    assert len(json.loads(path.read_text())) == 2  # one file: both models
+    assert build_profile(target, [drafter], ["drafter"], path).source.startswith("cached")
+
+
+def test_profile_prints_as_a_table_with_a_verdict():
+    profile = profile_of(table(linear), [table(lambda n: 0.02 * n), None], ["draft-model", "prompt_lookup"])
+    text = str(profile)
+    assert "| target |" in text and "| draft-model |" in text and "model-free" in text
+    assert profile.verdict().startswith("speculate") and "prompt_lookup" in profile.verdict()
+    assert not profile.pays(0)  # a model drafter costing 20% of the target per token cannot pay on linear costs
+    hopeless = profile_of(table(lambda n: 0.1 * n), [table(lambda n: 0.02 * n)], ["draft-model"])
+    hopeless.dtype, hopeless.other_dtypes = "bfloat16", {"float32": table(flat)}
+    assert hopeless.verdict().startswith("plain: speculation cannot pay here in bfloat16")
+    assert "it would in float32" in hopeless.verdict()
+
+
+# --- the planner's decisions ---------------------------------------------------------------------
+
+
+def test_plain_when_verification_grows_linearly_at_moderate_acceptance(monkeypatch):
+    """Linear verification (8 tokens ~6 steps) with drafts right 60% of the time: after a few
+    probes the planner decodes plainly, and the run costs no more than plain decoding."""
+    target, prompts, plain, refs = case(batch=1, new_tokens=60)
+    clock = CostClock()
+    clock.hook(target, table(linear))
+    pool = hf_spin.AssistantPool([Scripted(refs, [0.6])], profile=profile_of(table(linear), [None], ["scripted"]))
+    out = run(target, prompts, pool, clock, monkeypatch, new_tokens=60)
+    assert torch.equal(out, plain)
+    stats = pool.last_stats
+    assert stats.steps > 40  # mostly one token a step: plain
+    plain_seconds = 60 * linear(1)  # the prefill aside, a plain step per token
+    assert stats.verify_seconds <= 1.03 * plain_seconds, f"{stats.verify_seconds:.2f}s vs plain {plain_seconds:.2f}s"
+
+
+def test_long_drafts_when_verification_is_flat(monkeypatch):
+    target, prompts, plain, refs = case(batch=1)
+    clock = CostClock()
+    clock.hook(target, table(flat))
+    pool = hf_spin.AssistantPool([Scripted(refs, [0.6])], draft_length=8, profile=profile_of(table(flat), [None], ["scripted"]))
+    out = run(target, prompts, pool, clock, monkeypatch)
+    assert torch.equal(out, plain)
+    d = pool.last_stats.drafters["scripted"]
+    assert d.longest_draft == 8 and d.drafted >= 0.85 * 8 * d.steps  # at the cap but where the length limit is nearer
+
+
+def test_model_drafter_sized_by_its_cost(monkeypatch):
+    """A real draft model priced by the profile: flat verification, drafting at 5% of a step a token:
+    drafts of several tokens, accepted and rejected, output unchanged."""
+    target, prompts, plain, _ = case(batch=2)
+    drafter = perturbed("llama")
+    clock = CostClock()
+    clock.hook(target, table(flat))
+    clock.hook(drafter, table(lambda n: 0.005 * n))
+    profile = profile_of(table(flat), [table(lambda n: 0.005 * n)], ["drafter"])
+    pool = hf_spin.AssistantPool([drafter], draft_length=hf_spin.policies.FixedLength(6, min_confidence=0), profile=profile)
+    out = run(target, prompts, pool, clock, monkeypatch)
+    assert torch.equal(out, plain)
+    d = pool.last_stats.drafters[pool.names[0]]
+    assert d.longest_draft >= 2 and d.accepted > 0 and d.drafted > d.accepted
+
+
+def test_batch_budget_goes_to_the_rows_most_likely_to_survive(monkeypatch):
+    """Batch 8, packed rows, verification flat up to 24 positions and steep beyond: the draft slots
+    go to the four rows whose drafts survive (95%), not to the four whose drafts fail (20%)."""
+    target, prompts, plain, refs = case(batch=8, new_tokens=60)
+    clock = CostClock()
+    budget = table(lambda n: 0.1 if n <= 24 else 0.1 * (1 + (n - 24) / 4), knots=(1, 2, 4, 8, 16, 24, 32, 64))
+    clock.hook(target, budget)
+    acceptance = [0.95] * 4 + [0.2] * 4
+    pool = hf_spin.AssistantPool([Scripted(refs, acceptance)], draft_length=8, ragged_attention=True, profile=profile_of(budget, [None], ["scripted"]))
+    trims = []
+    trim = Planner.trim
+    monkeypatch.setattr(Planner, "trim", lambda self, *a, **kw: trims.append(trim(self, *a, **kw)) or trims[-1])
+    out = run(target, prompts, pool, clock, monkeypatch, new_tokens=60)
+    assert torch.equal(out, plain)
+    full = [ks for ks in trims[3:] if len(ks) == 8]  # after a few steps of learning, while every row runs
+    high, low = sum(sum(ks[:4]) for ks in full), sum(sum(ks[4:]) for ks in full)
+    assert len(full) >= 3 and high > 3 * low, f"verified draft tokens: likely rows {high}, unlikely rows {low} over {len(full)} steps"
+    assert all(8 + sum(ks) <= 28 for ks in full)  # within the flat part, give or take one slot
+
+
+def test_a_pool_that_cannot_win_says_so_once_and_decodes_plainly(monkeypatch):
+    target, prompts, plain, _ = case(batch=1)
+    drafter = perturbed("llama")
+    clock = CostClock()
+    clock.hook(target, table(lambda n: 0.1 * n))
+    clock.hook(drafter, table(lambda n: 0.02 * n))
+    pool = hf_spin.AssistantPool([drafter], profile=profile_of(table(lambda n: 0.1 * n), [table(lambda n: 0.02 * n)], ["drafter"]))
+    with pytest.warns(UserWarning, match="speculation cannot pay here"):
+        out = run(target, prompts, pool, clock, monkeypatch)
+    assert torch.equal(out, plain)
+    assert pool.last_stats.drafters[pool.names[0]].drafted == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(target, prompts, pool, clock, monkeypatch)  # said once per pool and target
+
+
+def test_policies_read_the_profile():
+    profile = profile_of(table(linear), [table(lambda n: 0.01 * n), None], ["drafter", "prompt_lookup"])
+    drafter = perturbed("llama")
+    pool = hf_spin.AssistantPool([drafter, "prompt_lookup"], policy="lbss", profile=profile)
+    pool.bind(tiny_model("llama", seed=0))
+    costs = pool.policy.costs
+    assert costs.verify_seconds(4, 12) == profile.verify_seconds(4, 12)
+    assert costs.plain_seconds(4) == profile.plain_seconds(4)
+    assert costs.draft_seconds(0, 3, 6) == pytest.approx(profile.draft_seconds(0, 3, 2))
+
+
+def test_acceptance_learns_per_position_and_per_row():
+    acc = Acceptance(1)
+    for _ in range(30):
+        acc.observe(0, row=7, proposed=4, matched=4, committed=5)  # row 7: always right
+        acc.observe(0, row=8, proposed=4, matched=0, committed=1)  # row 8: never
+    assert acc.survival(0, 7, 4)[-1] > 0.5 > 0.1 > acc.survival(0, 8, 4)[0]
+    acc.observe(0, row=9, proposed=4, matched=2, committed=2)  # censored: 2 right, the third unchecked
+    assert acc.rows[(0, 9)] == [2.0, 0.0]
+
+
+def test_planner_sizes_zero_and_full():
+    flat_planner = Planner(profile_of(table(flat), [None], ["lookup"]))
+    assert flat_planner.size([0, 1], [(0,), (0,)], [8, 8], padded=False) == [8, 8]
+    linear_planner = Planner(profile_of(table(lambda n: 0.1 * n), [None], ["lookup"]))
+    assert linear_planner.size([0, 1], [(0,), (0,)], [8, 8], padded=False) == [0, 0]
+    assert linear_planner.trim([0, 1], [[5, 6], [7]], [(0,), (0,)], [{}, {}], padded=False) == [0, 0]
