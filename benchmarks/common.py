@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from hf_spin.machine import cpu
+from hf_spin.machine import cpu, describe
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -78,7 +78,7 @@ def machine(num_processes: int = 1) -> dict:
     import hf_spin
 
     return {
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "machine": describe("cuda" if torch.cuda.is_available() else "cpu") + (f" on {cpu()['cpu']}" if torch.cuda.is_available() else ""),
         **cpu(),
         "threads": torch.get_num_threads(),
         "processes": num_processes,

@@ -59,6 +59,7 @@ def parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentPars
     ap.add_argument("--policies", nargs="+", default=None, help=f"default: every registered policy but 'fixed' ({sorted(POLICIES)})")
     ap.add_argument("--draft-length", default="5", help="an int or a DraftLength name, for every hf_spin run")
     ap.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
+    ap.add_argument("--singles", nargs="*", default=None, choices=list(DRAFTERS), help="drafters run alone too (hf_spin's default pool of one, and transformers' assisted generation); default: every --drafters")
     ap.add_argument("--summarize", type=Path, default=None, help="only rebuild the tables from a partial .jsonl (no models loaded)")
     ap.add_argument("--resume", type=Path, default=None, help="a partial .jsonl of an interrupted run: its questions are not run again")
     ap.add_argument("--ragged-attention", action="store_true", help="hf_spin on packed rows (AssistantPool(ragged_attention=True))")
@@ -101,7 +102,9 @@ class Bench:
         draft_length = int(args.draft_length) if args.draft_length.isdigit() else args.draft_length
         policies = args.policies or sorted(p for p in POLICIES if p != "fixed")
         options = dict(tokenizer=self.tok, ragged_attention=args.ragged_attention)
-        self.pools = {f"spin:{label}": hf_spin.AssistantPool([entry], draft_length=make_draft_length(draft_length), **options) for label, entry in self.entries.items()}
+        singles = args.drafters if args.singles is None else args.singles
+        self.assist = {label: kwargs for label, kwargs in self.assist.items() if label in singles}
+        self.pools = {f"spin:{label}": hf_spin.AssistantPool([entry], draft_length=make_draft_length(draft_length), **options) for label, entry in self.entries.items() if label in singles}
         for policy in policies:
             self.pools[f"policy:{policy}"] = hf_spin.AssistantPool(list(self.entries.values()), policy=policy, draft_length=make_draft_length(draft_length), **options)
         self.gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=self.tok.pad_token_id)
