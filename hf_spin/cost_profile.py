@@ -43,7 +43,8 @@ GRID_CONTEXT = 128
 GRID_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 # Rows of the per-row overhead point (measured with one new token per row).
 GRID_ROWS = 4
-# Seconds the grid of one model may take (beyond its first two points, always measured).
+# Seconds the grid of the target may take (beyond its first two points, always measured); a drafter
+# gets half: its forwards are mostly over one token a row.
 GRID_BUDGET = 3.0
 
 
@@ -161,7 +162,8 @@ def measure(model, budget: float = GRID_BUDGET, clock: Callable[[], float] = per
     """Measure a model's `ForwardCost` on the grid: forwards over N = 1, 2, 4, ... new tokens after a
     context of GRID_CONTEXT positions (the cache cropped back after each), each timed twice and the
     faster kept (the first run pays allocations), until the next point would overrun `budget`
-    seconds; then GRID_ROWS rows of one token for the per-row overhead, if the budget allows.
+    seconds (a warm-up forward first, outside the budget); then GRID_ROWS rows of one token for the
+    per-row overhead, if the budget allows.
     `progress`: called with each point's description (a progress bar's update)."""
     device = model.device
     vocab = model.config.get_text_config().vocab_size
@@ -184,6 +186,7 @@ def measure(model, budget: float = GRID_BUDGET, clock: Callable[[], float] = per
             progress(f"{rows} x {tokens} tokens")
         return max(best, 1e-9)
 
+    timed(1, 1)  # untimed warm-up: the first forward of a freshly loaded model pages its weights in
     started = clock()
     table: dict[int, float] = {}
     for n in GRID_TOKENS:

@@ -40,8 +40,10 @@ LEVEL_WEIGHT = 4.0
 # Forgetting per step, for every count: acceptance drifts with the text, and evidence against a
 # drafter fades (half-life ~35 steps), so a drafter judged not worth drafting is measured again.
 SURVIVAL_DECAY = 0.98
-# Standard deviations of optimism when sizing before drafting (an upper confidence bound).
-OPTIMISM = 1.0
+# Standard deviations of optimism when sizing before drafting (an upper confidence bound): two, so
+# that one rejected draft (with the prior's two pseudo-observations) does not rule a drafter out
+# until its evidence has decayed.
+OPTIMISM = 2.0
 # A speculative step must beat a plain one by this factor: inside it the estimates' noise could
 # make a plan that only ties plain decoding cost time.
 MIN_GAIN = 1.02
@@ -131,6 +133,7 @@ class Planner:
         self.acceptance = Acceptance(len(profile.drafters))
         self.paying = [profile.pays(d) for d in range(len(profile.drafters))]  # re-judged as the profile is refined
         self.steps = 0
+        self.drafted_last: set[int] = set()  # drafters that drafted in the last step learned from
         self.lock = threading.Lock()  # a pipeline sizes one micro-batch while another's step is learned from
 
     @property
@@ -191,10 +194,15 @@ class Planner:
         B = feedback.batch_size
         if feedback.verify_seconds > 0:
             profile.observe_verify(B, verified_tokens, feedback.verify_seconds)
+        drafting = set()
         for d, seconds in enumerate(feedback.draft_seconds):
             lengths = [p[d] for p in feedback.proposed if d in p] + [p[d] for p in feedback.shadow_proposed if d in p]
-            if lengths and seconds > 0:
+            if lengths:
+                drafting.add(d)
+            # after a step it sat out, a drafter first catches up on every token since: not a draft's cost
+            if lengths and seconds > 0 and d in self.drafted_last:
                 profile.observe_draft(d, max(lengths), len(lengths), seconds)
+        self.drafted_last = drafting
         for b in range(B):
             committed = feedback.accepted[b] + 1
             for proposed, matched in ((feedback.proposed[b], feedback.matched[b]), (feedback.shadow_proposed[b], feedback.shadow_matched[b]) if feedback.shadow_proposed else ({}, {})):

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from .cost_profile import CostProfile, ForwardCost, measure
+from .cost_profile import GRID_BUDGET, CostProfile, ForwardCost, measure
 from .machine import describe
 
 
@@ -51,7 +51,7 @@ def key_hash(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def cached_cost(model, progress=None) -> tuple[ForwardCost, bool]:
+def cached_cost(model, budget: float = GRID_BUDGET, progress=None) -> tuple[ForwardCost, bool]:
     """(the model's ForwardCost, whether it came from the cache): read from `cache_dir()` or measured
     and written there. A cache that cannot be written (read-only home) only costs a re-measure."""
     key = model_key(model)
@@ -63,7 +63,7 @@ def cached_cost(model, progress=None) -> tuple[ForwardCost, bool]:
                 return ForwardCost.from_dict(data["cost"]), True
         except (OSError, ValueError, KeyError):
             pass
-    cost = measure(model, progress=progress)
+    cost = measure(model, budget, progress=progress)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"key": key, "cost": cost.to_dict()}, indent=1))
@@ -106,14 +106,14 @@ def build_profile(target, drafter_models: list, names: list[str], spec: str | os
             if entry is not None:
                 costs[id(m)] = ForwardCost.from_dict(entry)
             else:
-                costs[id(m)] = measure(m, progress=lambda what: bar.set_postfix_str(what, refresh=True))
+                costs[id(m)] = measure(m, GRID_BUDGET if m is target else GRID_BUDGET / 2, progress=lambda what: bar.set_postfix_str(what, refresh=True))
                 source = "measured"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({key_hash(model_key(m)): costs[id(m)].to_dict() for m in unique}, indent=1))
         source = f"{source}, {path}"
     else:
         for m in unique:
-            costs[id(m)], hit = cached_cost(m, progress=lambda what: bar.set_postfix_str(what, refresh=True))
+            costs[id(m)], hit = cached_cost(m, GRID_BUDGET if m is target else GRID_BUDGET / 2, progress=lambda what: bar.set_postfix_str(what, refresh=True))
             source = source if hit else "measured"
     bar.close()
     # A model serving as target and drafter (self-speculation) gets its own copy: each is refined by its own forwards.
