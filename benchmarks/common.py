@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from hf_spin.machine import cpu, describe
+from hf_spin.machine import cpu, describe, kernels
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -80,6 +80,7 @@ def machine(num_processes: int = 1) -> dict:
     return {
         "machine": describe("cuda" if torch.cuda.is_available() else "cpu") + (f" on {cpu()['cpu']}" if torch.cuda.is_available() else ""),
         **cpu(),
+        "kernels": kernels(),
         "threads": torch.get_num_threads(),
         "processes": num_processes,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

@@ -4,6 +4,7 @@ bf16), the GPU, the thread count."""
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -26,12 +27,21 @@ def cpu() -> dict:
     return {"cpu": fields.get("model name", "unknown"), "isa": [f for f in ISA_FLAGS if f in flags]}
 
 
+def kernels() -> str:
+    """The vector ISA PyTorch's CPU kernels dispatch to, and oneDNN's cap where one is set: less than
+    the CPU has when `ATEN_CPU_CAPABILITY` / `ONEDNN_MAX_CPU_ISA` say so (how an AVX2-only machine's
+    costs are reproduced on a newer one)."""
+    kind = f"torch {torch.backends.cpu.get_cpu_capability()}"
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return f"{kind}, oneDNN {cap}" if cap else kind
+
+
 def describe(device: torch.device | str = "cpu") -> str:
-    """One line naming the machine a model runs on: the GPU's name, or the CPU's model, its ISA flags
-    and the thread count."""
+    """One line naming the machine a model runs on: the GPU's name, or the CPU's model, its ISA flags,
+    the kernels PyTorch uses on it and the thread count."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     info = cpu()
     isa = " ".join(info["isa"]) if isinstance(info["isa"], list) else info["isa"]
-    return f"{info['cpu']} [{isa or 'no avx2'}], {torch.get_num_threads()} threads"
+    return f"{info['cpu']} [{isa or 'no avx2'}] ({kernels()}), {torch.get_num_threads()} threads"
