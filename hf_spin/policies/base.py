@@ -17,9 +17,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-# Draft length (k, docs/design.md#glossary) when none is given: on the packaged models (bf16, CPU)
-# verifying 8 tokens costs about as much as verifying one, and with the confidence stop below k = 8
-# beat k = 5 and k = 20 on Spec-Bench prompts with the 0.5B drafter (`benchmarks/spec_bench.py --draft-length`).
+# Draft length (k, docs/design.md#glossary) when none is given: with a cost profile (the default) the
+# most a row drafts in a step, the planner choosing 0..8 from measured costs (docs/planning.md);
+# without one, every step's k. With the confidence stop below, k = 8 beat k = 5 and k = 20 on
+# Spec-Bench prompts with the 0.5B drafter on a CPU where verification is cheap (AVX-512 bf16).
 DEFAULT_DRAFT_LENGTH = 8
 # A model drafter stops a row's draft after a token it gives less than this probability:
 # transformers' assistant_confidence_threshold default, which saves draft forwards on hard text.
