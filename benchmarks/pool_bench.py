@@ -235,7 +235,7 @@ def markdown(summary: dict, env: dict) -> str:
         f"Spec-Bench pool benchmark: greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, draft_length={env['draft_length']}, "
         f"ragged_attention={env['ragged_attention']}, "
         f"pools warmed on {env.get('policy_warmup', 0)} held-out question(s) per task before each batch size; "
-        f"target {TARGET}; {env['machine']}, {env['threads']} threads, {env['processes']} process(es); "
+        f"target {TARGET}; {env['machine']}, {env['processes']} process(es); "
         f"torch {env['torch']}, transformers {env['transformers']}, hf_spin {env['hf_spin']}.",
     ]
     for bs, table in summary.items():

@@ -62,7 +62,8 @@ def main() -> None:
         entries.append(hf_spin.ModelDrafter(model, name=label) if draft_tok.get_vocab() == tok.get_vocab() else hf_spin.TranslatingDrafter(model, draft_tok, tok, name=label))
     pool = hf_spin.AssistantPool(entries, policy="lbss" if len(entries) > 1 else "fixed", tokenizer=tok)
     hf_spin.enable()
-    print(f"machine: {describe(target.device)}; dtype {args.dtype}")
+    why = "the packaged weights' own dtype" if args.dtype == "bfloat16" else "chosen with --dtype"
+    print(f"machine: {describe(target.device)}; dtype {args.dtype} ({why}; the profile below says whether speculation pays in it)")
 
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     start = time.perf_counter()

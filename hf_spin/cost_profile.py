@@ -60,6 +60,7 @@ class ForwardCost:
     per_row: float = 0.0
     observations: int = 0  # online observations so far
     corrections: list[DecayedMean] = field(default_factory=list)  # [K] log(measured / predicted)
+    _values: list[float] | None = field(default=None, repr=False, compare=False)  # `values()` until the next observation
 
     def __post_init__(self):
         if not self.knots or len(self.knots) != len(self.seconds) or sorted(set(self.knots)) != list(self.knots):
@@ -75,12 +76,15 @@ class ForwardCost:
 
     def values(self) -> list[float]:
         """[K] f at each knot with its online correction, made non-decreasing in N (a forward over more
-        positions never costs less; a noisy correction must not say otherwise)."""
-        out, top = [], 0.0
-        for seconds, correction in zip(self.seconds, self.corrections):
-            top = max(top, seconds * math.exp(correction.mean or 0.0))
-            out.append(top)
-        return out
+        positions never costs less; a noisy correction must not say otherwise). Kept until the next
+        observation: the planner reads it for every draft slot."""
+        if self._values is None or len(self._values) != len(self.knots):
+            out, top = [], 0.0
+            for seconds, correction in zip(self.seconds, self.corrections):
+                top = max(top, seconds * math.exp(correction.mean or 0.0))
+                out.append(top)
+            self._values = out
+        return self._values
 
     def _interpolate(self, values: list[float], n_tokens: float) -> float:
         """Linear between knots, by the last slope beyond the last (proportional to N with one knot),
@@ -123,6 +127,7 @@ class ForwardCost:
         residual = max(-MAX_LOG_RESIDUAL, min(MAX_LOG_RESIDUAL, math.log(seconds / self.predict(n_tokens, rows))))
         for i, w in self._weights(n_tokens):
             self.corrections[i].add((self.corrections[i].mean or 0.0) + residual, w)
+        self._values = None
         self.observations += 1
 
     def flatness(self, n_tokens: int) -> float:

@@ -263,7 +263,8 @@ class SpinEngine:
             chosen = [tuple(d for d in plan.drafters[b] if self.usable[d] and d not in rows[b].banned) for b in range(B)]
             ks = [max(0, min(plan.k[b], rows[b].draft_room)) if chosen[b] else 0 for b in range(B)]
             if self.planner is not None:  # the policy's k is the cap; the planner sizes within it (0: plain)
-                ks = self.planner.size([r.id for r in rows], chosen, ks, self._padded)
+                lags = [{d: len(r.sequence) - n for d in chosen[b] if (n := self.drafters[d].synced(b)) is not None} for b, r in enumerate(rows)]
+                ks = self.planner.size([r.id for r in rows], lags, [r.draft_room + 1 for r in rows], chosen, ks, self._padded)
         # 4. Draft: a preempting drafter first (4a), then each drafter over the rows it serves (4b), shadow
         #    drafts for measurement (4c); rows with several drafters take their vote tree's heaviest path.
         drafting = Drafting(self, plan, draft_seconds)

@@ -2,7 +2,7 @@
 
 Policies choose drafters; the planner sizes. Every step, twice (docs/planning.md):
 
-    ks = planner.size(row_ids, chosen, caps, padded)                 # before drafting: k per row, 0 allowed
+    ks = planner.size(row_ids, lags, rooms, chosen, caps, padded)     # before drafting: k per row, 0 allowed
     keep = planner.trim(row_ids, drafts, chosen, matches, padded)    # after: how much of each draft to verify
 
 Both maximise the step's expected committed tokens per second,
@@ -12,10 +12,13 @@ Both maximise the step's expected committed tokens per second,
 S_b(i) being the probability that row b's draft survives to position i (the product of the
 per-position acceptances, `Acceptance`), t_verify the target's forward over the step's positions
 (B + sum k packed, B (1 + max k) padded) and t_draft each drafter's forwards (its longest draft,
-over the rows it serves), both from the `CostProfile`. Draft slots (b, i) are taken in order of S,
+over the rows it serves, plus its catch-up on a row it has not drafted for lately, spread over the
+steps the row has left: a draft model that has never seen a 1000-token prompt must read it first,
+which pays back over a long answer and not over a short one), all from the `CostProfile`. Draft slots (b, i) are taken in order of S,
 most likely first (vLLM's adaptive verification budget), and the best prefix wins; if no prefix
 beats a plain step (B / t_verify(B)) by MIN_GAIN, the step is plain. Before drafting the survival is
-read optimistically (an upper bound, so a drafter with little evidence gets measured); after
+read optimistically (an upper bound on what the request has shown, so each new request tries a
+drafter that might pay on it); after
 drafting, at its mean, with the drafting already paid for and, for prompt lookup, the length of the
 match each draft continued. A drafter that cannot pay on this machine at any realistic acceptance
 (`CostProfile.pays`) is never sized above 0.
@@ -40,10 +43,11 @@ LEVEL_WEIGHT = 4.0
 # Forgetting per step, for every count: acceptance drifts with the text, and evidence against a
 # drafter fades (half-life ~35 steps), so a drafter judged not worth drafting is measured again.
 SURVIVAL_DECAY = 0.98
-# Standard deviations of optimism when sizing before drafting (an upper confidence bound): two, so
-# that one rejected draft (with the prior's two pseudo-observations) does not rule a drafter out
-# until its evidence has decayed.
-OPTIMISM = 2.0
+# Standard deviations of optimism when sizing before drafting: an upper confidence bound on the
+# request's acceptance with the drafter (its uncertainty: what this request has shown, not what all
+# requests have), so every new request tries a drafter that might pay on it, and one that has shown
+# what it does on the request is judged at about its mean.
+OPTIMISM = 1.0
 # A speculative step must beat a plain one by this factor: inside it the estimates' noise could
 # make a plan that only ties plain decoding cost time.
 MIN_GAIN = 1.02
@@ -105,15 +109,13 @@ class Acceptance:
         """P(position accepted | positions before it accepted) on request `row`, `optimism` posterior sds up."""
         a, r = self.pooled[drafter]
         pooled = mean = acceptance_with_prior(a, r, PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
-        weight = a + r + PRIOR_WEIGHT
         for m in (None, self.bucket(match)) if match is not None else (None,):
             a, r = self.counts.get((drafter, m, position), (0.0, 0.0))
             mean = acceptance_with_prior(a, r, mean, LEVEL_WEIGHT)
-            weight = a + r + LEVEL_WEIGHT
         a, r = self.rows.get((drafter, row), (0.0, 0.0))
         mean = min(mean * acceptance_with_prior(a, r, pooled, LEVEL_WEIGHT) / pooled, 0.999)
-        if optimism:
-            mean += optimism * math.sqrt(mean * (1 - mean) / (weight + 1))
+        if optimism:  # the request's own evidence (with the pool's mean as LEVEL_WEIGHT pseudo-observations)
+            mean += optimism * math.sqrt(mean * (1 - mean) / (a + r + LEVEL_WEIGHT + 1))
         return min(max(mean, 0.0), 0.999)
 
     def survival(self, drafter: int, row: int, k: int, match: int | None = None, optimism: float = 0.0) -> list[float]:
@@ -146,23 +148,25 @@ class Planner:
         curves = [self.acceptance.survival(d, row, k, (match or {}).get(d), optimism) for d in drafters if self.paying[d]]
         return [max(c[i] for c in curves) for i in range(k)] if curves else []
 
-    def _best(self, curves: list[list[float]], chosen: list[tuple[int, ...]], padded: bool, drafting: bool) -> list[int]:
+    def _best(self, curves: list[list[float]], chosen: list[tuple[int, ...]], padded: bool, catch_up: list[float] | None = None) -> list[int]:
         """[B] draft lengths of the best prefix of the slots ranked by survival; all 0 when no prefix
-        beats a plain step by MIN_GAIN. `drafting`: charge the drafters' forwards (before drafting)."""
+        beats a plain step by MIN_GAIN. `catch_up` ([B] seconds a step of the row's catch-up, spread
+        over its steps left): before drafting, the drafters' forwards and these are charged too."""
         profile, B = self.profile, len(curves)
         slots = sorted(((s, i + 1, b) for b, curve in enumerate(curves) for i, s in enumerate(curve)), key=lambda x: (-x[0], x[1]))
-        ks, value, total, longest = [0] * B, float(B), 0, 0
+        ks, value, total, longest, caught = [0] * B, float(B), 0, 0, 0.0
         longest_of, served, draft_of = {}, {}, {}  # per drafter: its longest draft, rows served, predicted seconds
         best_rate, best_m = MIN_GAIN * B / profile.plain_seconds(B), 0
         for m, (s, i, b) in enumerate(slots, 1):
-            if drafting:
+            if catch_up is not None:
+                caught += catch_up[b] if ks[b] == 0 else 0.0
                 for d in chosen[b]:
                     served[d] = served.get(d, 0) + (ks[b] == 0)
                     longest_of[d] = max(longest_of.get(d, 0), i)
                     draft_of[d] = profile.draft_seconds(d, longest_of[d], served[d])
             total, longest, value = total + i - ks[b], max(longest, i), value + s
             ks[b] = i
-            seconds = profile.verify_seconds(B, B * (1 + longest) if padded else B + total) + sum(draft_of.values())
+            seconds = profile.verify_seconds(B, B * (1 + longest) if padded else B + total) + sum(draft_of.values()) + caught
             if value / seconds > best_rate:
                 best_rate, best_m = value / seconds, m
         ks = [0] * B
@@ -170,17 +174,33 @@ class Planner:
             ks[b] = max(ks[b], i)
         return ks
 
-    def size(self, row_ids: list[int], chosen: list[tuple[int, ...]], caps: list[int], padded: bool) -> list[int]:
-        """[B] draft length per row before drafting, at most `caps` ([B], the policy's k), 0 allowed."""
+    def size(self, row_ids: list[int], lags: list[dict[int, int]], rooms: list[int | None], chosen: list[tuple[int, ...]], caps: list[int], padded: bool) -> list[int]:
+        """[B] draft length per row before drafting, at most `caps` ([B], the policy's k), 0 allowed.
+        lags: [B] drafter -> committed tokens its state lacks (`Drafter.synced`); rooms: [B] tokens
+        each row may still generate (None: unknown)."""
         with self.lock:
             curves = [self._curve(r, ds, k, None, OPTIMISM) if ds and k > 0 else [] for r, ds, k in zip(row_ids, chosen, caps)]
-            return self._best(curves, chosen, padded, drafting=True)
+            catch_up = [self._catch_up(lag, room, curve) for lag, room, curve in zip(lags, rooms, curves)]
+            return self._best(curves, chosen, padded, catch_up)
+
+    def _catch_up(self, lags: dict[int, int], room: int | None, curve: list[float]) -> float:
+        """Seconds a step that a row's model drafters would spend catching up on the tokens they lack
+        (the whole prompt, for a drafter new to the row), spread over the row's steps left: its room
+        over the tokens a step commits at this curve. 0 with no room known."""
+        if room is None or not curve:
+            return 0.0
+        seconds = 0.0
+        for d, lag in lags.items():
+            cost = self.profile.drafters[d]
+            if cost is not None and lag > 1:  # one token (the last step's bonus) is every step's own catch-up
+                seconds += cost.predict(lag) - cost.predict(1)
+        return seconds / max(room / (1.0 + sum(curve)), 1.0)
 
     def trim(self, row_ids: list[int], drafts: list[list[int]], chosen: list[tuple[int, ...]], matches: list[dict[int, int]], padded: bool) -> list[int]:
         """[B] how many tokens of each row's draft to verify, the drafting being paid for."""
         with self.lock:
             curves = [self._curve(r, ds, len(t), m, 0.0) if t else [] for r, t, ds, m in zip(row_ids, drafts, chosen, matches)]
-            return self._best(curves, chosen, padded, drafting=False)
+            return self._best(curves, chosen, padded)
 
     def update(self, feedback: StepFeedback, verified_tokens: int) -> None:
         """Learn from a step: the target's timed forward, each drafter's timed call, and every draft

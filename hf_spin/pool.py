@@ -91,8 +91,9 @@ class AssistantPool:
         self.last_stats: GenerationStats | None = None  # statistics of the latest generate call
         self.totals: dict[str, DrafterStats] = {}  # per drafter, summed over all calls
         self.profile = profile if profile is not None else os.environ.get(PROFILE_ENV, "auto")
-        if not (isinstance(self.profile, (CostProfile, os.PathLike)) or isinstance(self.profile, str)):
-            raise ValueError(f"profile must be 'auto', 'off', a path or a CostProfile, got {profile!r}")
+        named = isinstance(self.profile, str) and (self.profile in ("auto", "off") or self.profile.endswith(".json"))
+        if not (named or isinstance(self.profile, (CostProfile, os.PathLike))):
+            raise ValueError(f"profile={self.profile!r} is not supported; give 'auto', 'off', a path to a .json file or a CostProfile")
         self.cost_profile: CostProfile | None = self.profile if isinstance(self.profile, CostProfile) else None
         self.planner: Planner | None = None  # made when the pool first meets a target (bind)
         self._profiled: int | None = None  # id of the target the profile was made for

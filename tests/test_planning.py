@@ -275,7 +275,30 @@ def test_acceptance_learns_per_position_and_per_row():
 
 def test_planner_sizes_zero_and_full():
     flat_planner = Planner(profile_of(table(flat), [None], ["lookup"]))
-    assert flat_planner.size([0, 1], [(0,), (0,)], [8, 8], padded=False) == [8, 8]
+    assert flat_planner.size([0, 1], [{}, {}], [None, None], [(0,), (0,)], [8, 8], padded=False) == [8, 8]
     linear_planner = Planner(profile_of(table(lambda n: 0.1 * n), [None], ["lookup"]))
-    assert linear_planner.size([0, 1], [(0,), (0,)], [8, 8], padded=False) == [0, 0]
+    assert linear_planner.size([0, 1], [{}, {}], [None, None], [(0,), (0,)], [8, 8], padded=False) == [0, 0]
     assert linear_planner.trim([0, 1], [[5, 6], [7]], [(0,), (0,)], [{}, {}], padded=False) == [0, 0]
+
+
+def test_profile_argument_is_checked():
+    with pytest.raises(ValueError, match="profile='of' is not supported; give 'auto', 'off', a path to a .json file"):
+        hf_spin.AssistantPool(["prompt_lookup"], profile="of")
+    assert hf_spin.AssistantPool(["prompt_lookup"], profile="off").planner is None
+
+
+@pytest.mark.parametrize("new_tokens, drafts", [(12, False), (150, True)])
+def test_a_drafter_reads_a_long_prompt_only_where_the_answer_pays_for_it(new_tokens, drafts, monkeypatch):
+    """A draft model new to a 150-token prompt must read it first (15 plain steps' worth here). Over 12
+    new tokens that never pays back: plain decoding. Over 150 it does: the row drafts."""
+    target, drafter = tiny_model("llama", seed=0), perturbed("llama")
+    prompts = torch.randint(3, VOCAB, (1, 150), generator=torch.Generator().manual_seed(0))
+    clock = CostClock()
+    clock.hook(target, table(flat))
+    clock.hook(drafter, table(lambda n: 0.01 * n))
+    profile = profile_of(table(flat), [table(lambda n: 0.01 * n)], ["drafter"])
+    pool = hf_spin.AssistantPool([drafter], draft_length=hf_spin.policies.FixedLength(4, min_confidence=0), profile=profile)
+    plain = target.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS)
+    out = run(target, prompts, pool, clock, monkeypatch, new_tokens=new_tokens)
+    assert torch.equal(out, plain)
+    assert (pool.last_stats.drafters[pool.names[0]].drafted > 0) == drafts

@@ -72,6 +72,11 @@ class Drafter(ABC):
     def draft(self, request: DraftRequest) -> Draft:
         """Propose tokens for `request.rows`."""
 
+    def synced(self, row: int) -> int | None:
+        """How many of the row's committed tokens this drafter's state covers (it catches up on the
+        rest before drafting); None for a drafter without per-row state (nothing to catch up)."""
+        return None
+
     def prefill(self, rows: list[int], sequences: list[list[int]]) -> None:
         """Bring per-row state up to date for `rows` without drafting (fast switching); no-op by default."""
 

@@ -78,6 +78,9 @@ class ModelDrafter(Drafter):
         at each row's last chunk token. keep: [B] tokens each row kept before a catch-up; None for a draft step."""
         return forward_ragged(self.model, self.cache, chunks, all_logits=False)
 
+    def synced(self, row: int) -> int | None:
+        return len(self.cached[row]) if row < len(self.cached) else 0  # draft-space tokens: about the target's
+
     def select_rows(self, rows: torch.Tensor) -> None:
         self.cache.select_rows(rows.to(self.model.device))
         self.cached = [self.cached[i] for i in rows.tolist()]
