@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 
 from .cost_profile import CostProfile
 from .policies import StepFeedback
@@ -133,15 +134,25 @@ class Planner:
     def __init__(self, profile: CostProfile):
         self.profile = profile
         self.acceptance = Acceptance(len(profile.drafters))
-        self.paying = [profile.pays(d) for d in range(len(profile.drafters))]  # re-judged as the profile is refined
+        self.paying: list[bool] = []  # per drafter: can it pay here (`judge`, again as the profile is refined)
+        self.warned = False  # said once that nothing can pay
         self.steps = 0
         self.drafted_last: set[int] = set()  # drafters that drafted in the last step learned from
         self.lock = threading.Lock()  # a pipeline sizes one micro-batch while another's step is learned from
+        self.judge()
 
     @property
     def can_win(self) -> bool:
         """Whether any drafter can pay on this machine (else every step is plain)."""
         return any(self.paying)
+
+    def judge(self) -> None:
+        """Judge the drafters against the profile (again, as it is refined); the first time none can
+        pay, say so: a warning naming the measured costs, then plain decoding."""
+        self.paying = [self.profile.pays(d) for d in range(len(self.profile.drafters))]
+        if not self.can_win and not self.warned:
+            self.warned = True
+            warnings.warn(f"hf_spin: {self.profile.verdict()}. Decoding plainly.", stacklevel=2)
 
     def _curve(self, row: int, drafters: tuple[int, ...], k: int, match: dict[int, int] | None, optimism: float) -> list[float]:
         """[k] survival of request `row` drafted by `drafters` (several: the best of them at each position)."""
@@ -231,4 +242,4 @@ class Planner:
                     acceptance.observe(d, feedback.row_ids[b], p, matched.get(d, 0), committed, match)
         self.steps += 1
         if self.steps % 64 == 0:  # the profile has been refined: judge the drafters again
-            self.paying = [profile.pays(d) for d in range(len(profile.drafters))]
+            self.judge()

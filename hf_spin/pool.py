@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-import warnings
 
 from .cache import check_packed_support
 from .cost_profile import CostProfile
@@ -179,11 +178,9 @@ class AssistantPool:
                 self.cost_profile = build_profile(target, models, self.names, self.profile)
             elif len(self.profile.drafters) != len(self.drafters):
                 raise ValueError(f"the CostProfile has {len(self.profile.drafters)} drafters, the pool {len(self.drafters)}")
-            self.planner = Planner(self.cost_profile)
+            self.planner = Planner(self.cost_profile)  # warns once if nothing can pay here
             self.policy.attach_profile(self.cost_profile)
             self._profiled = id(target)
-            if not self.planner.can_win:
-                warnings.warn(f"hf_spin: {self.cost_profile.verdict()}. Decoding plainly.", stacklevel=4)
 
     def record(self, stats: GenerationStats) -> None:
         self.last_stats = stats
