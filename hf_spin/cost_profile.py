@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from .cache.forward import CACHE_ARG
-from .policies.estimates import DecayedMean
+from .policies.estimates import DecayedMean, geometric_tokens
 
 # Forgetting factor of the online correction per observation at a knot: ~50 observations of memory.
 CORRECTION_DECAY = 0.98
@@ -212,11 +212,6 @@ def measure(model, budget: float = GRID_BUDGET, clock: Callable[[], float] = per
 CANNOT_PAY = 0.9
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """E[accepted + 1] for k drafts at a constant per-token acceptance (truncated geometric)."""
-    return k + 1.0 if acceptance >= 1.0 else (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
-
-
 @dataclass
 class CostProfile:
     """The costs of one pool on one target: the target's `ForwardCost` and, per drafter (pool
@@ -269,7 +264,7 @@ class CostProfile:
     def best_rate(self, drafter: int, acceptance: float, target: ForwardCost | None = None) -> tuple[float, int]:
         """(tokens per second, k) of the best draft length at batch 1 for a constant per-token acceptance."""
         target = target or self.target
-        rates = [(expected_tokens(acceptance, k) / (target.predict(k + 1) + self.draft_seconds(drafter, k, 1)), k) for k in range(1, self.max_k + 1)]
+        rates = [(geometric_tokens(acceptance, k) / (target.predict(k + 1) + self.draft_seconds(drafter, k, 1)), k) for k in range(1, self.max_k + 1)]
         return max(rates)
 
     def break_even(self, drafter: int, target: ForwardCost | None = None) -> tuple[float, int] | None:

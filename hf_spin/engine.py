@@ -275,7 +275,7 @@ class SpinEngine:
         shadows = drafting.shadows(chosen, firsts)
         drafts, qs = drafting.merge(proposals, q_of, ks)
         match_lengths = drafting.match_lengths
-        if self.planner is not None and plan is not None:  # verify what pays of each draft (drafting is paid for)
+        if self.planner is not None:  # verify what pays of each draft (drafting is paid for)
             keep = self.planner.trim([r.id for r in rows], drafts, chosen, match_lengths, self._padded)
             drafts = [d[:k] for d, k in zip(drafts, keep)]
             qs = [q[:k] if q is not None and k > 0 else None for q, k in zip(qs, keep)]
@@ -347,7 +347,7 @@ class SpinEngine:
             )
             self.policy.update(feedback)
             if self.planner is not None:
-                self.planner.update(feedback, feedback.verified_tokens())
+                self.planner.update(feedback)
         self.steps += 1
 
     @property

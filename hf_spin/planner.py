@@ -213,18 +213,18 @@ class Planner:
             curves = [self._curve(r, ds, len(t), m, 0.0) if t else [] for r, t, ds, m in zip(row_ids, drafts, chosen, matches)]
             return self._best(curves, chosen, padded)
 
-    def update(self, feedback: StepFeedback, verified_tokens: int) -> None:
+    def update(self, feedback: StepFeedback) -> None:
         """Learn from a step: the target's timed forward, each drafter's timed call, and every draft
         (served, shadow, or cut by `trim`) against the tokens the step committed."""
         with self.lock:
-            self._learn(feedback, verified_tokens)
+            self._learn(feedback)
 
-    def _learn(self, feedback: StepFeedback, verified_tokens: int) -> None:
+    def _learn(self, feedback: StepFeedback) -> None:
         profile, acceptance = self.profile, self.acceptance
         acceptance.decay()
         B = feedback.batch_size
         if feedback.verify_seconds > 0:
-            profile.observe_verify(B, verified_tokens, feedback.verify_seconds)
+            profile.observe_verify(B, feedback.verified_tokens(), feedback.verify_seconds)
         drafting = set()
         for d, seconds in enumerate(feedback.draft_seconds):
             lengths = [p[d] for p in feedback.proposed if d in p] + [p[d] for p in feedback.shadow_proposed if d in p]

@@ -96,6 +96,13 @@ def build_profile(target, drafter_models: list, names: list[str], spec: str | os
     models = [target] + [m for m in drafter_models if m is not None]
     unique = list({id(m): m for m in models}.values())
     bar = tqdm(total=0, desc="hf_spin cost profile", leave=False, disable=None)
+
+    def progress(what: str) -> None:
+        bar.set_postfix_str(what, refresh=True)
+
+    def budget(m) -> float:  # a drafter's forwards are mostly over one token a row: half the target's
+        return GRID_BUDGET if m is target else GRID_BUDGET / 2
+
     costs: dict[int, ForwardCost] = {}
     source = "cached"
     if spec != "auto":
@@ -106,14 +113,14 @@ def build_profile(target, drafter_models: list, names: list[str], spec: str | os
             if entry is not None:
                 costs[id(m)] = ForwardCost.from_dict(entry)
             else:
-                costs[id(m)] = measure(m, GRID_BUDGET if m is target else GRID_BUDGET / 2, progress=lambda what: bar.set_postfix_str(what, refresh=True))
+                costs[id(m)] = measure(m, budget(m), progress=progress)
                 source = "measured"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({key_hash(model_key(m)): costs[id(m)].to_dict() for m in unique}, indent=1))
         source = f"{source}, {path}"
     else:
         for m in unique:
-            costs[id(m)], hit = cached_cost(m, GRID_BUDGET if m is target else GRID_BUDGET / 2, progress=lambda what: bar.set_postfix_str(what, refresh=True))
+            costs[id(m)], hit = cached_cost(m, budget(m), progress=progress)
             source = source if hit else "measured"
     bar.close()
     # A model serving as target and drafter (self-speculation) gets its own copy: each is refined by its own forwards.
