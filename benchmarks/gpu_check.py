@@ -1,0 +1,517 @@
+"""The prepared GPU check: everything hf_spin must show on a GPU, in one run of at most 8 minutes on
+one H100/H200, with no network and no real weights (random-init models from the configs of real
+shapes: a Qwen2.5-1.5B target and a Qwen2.5-0.5B drafter).
+
+    python benchmarks/gpu_check.py --out DIR              # the full check on CUDA
+    python benchmarks/gpu_check.py --cpu-smoke --out DIR  # reduced: tiny shapes, interpreted kernel
+
+Sections, each written to DIR/gpu_check.json as soon as it ends (a run cut short keeps what it did):
+
+1. environment: GPU, capability, versions.
+2. kernel: the Triton varlen kernel against the float32 reference across dtypes, head dims, GQA
+   ratios and masks (causal, sliding window, tree, empty rows, split keys), PASS/FAIL per case.
+3. identity: greedy hf_spin against plain `generate` at batch 1, 4, 16 on both cache paths (rectangular
+   and packed), with a model drafter and with an oracle drafter; where they differ, the target's logit
+   margin at the first difference (a near-tie flipped by the numerics of a wider forward, or a bug).
+4. end_to_end: an oracle drafter that proposes the known greedy continuation with probability alpha
+   per token; tokens/s against plain generate in the same run, accepted tokens per step against the
+   theoretical sum_{i=1..k} alpha^i, ms per step split into draft / verify / other.
+5. syncs: host synchronisations per step at batch 1 and 16 (CUDA's sync debug mode; on CPU the
+   instrumented count of `hf_spin.host_syncs` where it exists).
+6. kernel_timing: the kernel against padded SDPA and `torch.nn.attention.varlen.varlen_attn` (where the
+   installed torch has it) on ragged verification batches of 1-32 rows, 256-4096 keys.
+
+docs/benchmarks.md says how to read it; tests/test_gpu_check.py runs the CPU smoke.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter
+from pathlib import Path
+
+# The smoke runs the Triton kernel in its interpreter, which triton reads when it is first imported.
+if "--cpu-smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_spin  # noqa: E402
+from hf_spin import machine  # noqa: E402
+from hf_spin.drafters import Draft, Drafter, DraftRequest  # noqa: E402
+from hf_spin.kernels import pack_tree_masks, varlen_attention, varlen_attention_ref  # noqa: E402
+from hf_spin.policies import FixedLength  # noqa: E402
+
+# Real shapes (Qwen2.5 configs), random weights. The vocabulary is the real one: the lm_head's cost
+# and the sampling/argmax over 152k entries are part of what a step costs on a GPU.
+QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936)
+QWEN_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
+TINY_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+TINY_DRAFTER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+
+# What each run covers: the full check on a GPU, the smoke on CPU (minutes under the interpreter).
+FULL = dict(
+    target=QWEN_1_5B, drafter=QWEN_0_5B, dtype=torch.bfloat16, batches=(1, 4, 16), prompt=(64, 512),
+    identity_tokens=48, e2e_tokens=128, alphas=(0.0, 0.6, 0.9), k=4,
+    kernel_dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=(64, 128, 256), groups=(1, 4, 8),
+    context=(0, 700), split_context=3000, timing_rows=(1, 4, 16, 32), timing_keys=(256, 4096), budget_s=450,
+)
+SMOKE = dict(
+    target=TINY_TARGET, drafter=TINY_DRAFTER, dtype=torch.float32, batches=(1, 4), prompt=(6, 20),
+    identity_tokens=10, e2e_tokens=12, alphas=(0.0, 0.9), k=4,
+    kernel_dtypes=(torch.bfloat16, torch.float32), head_dims=(16,), groups=(1, 2),
+    context=(0, 20), split_context=300, timing_rows=(1, 2), timing_keys=(16, 64), budget_s=600,
+)
+# Kernel tolerance against the float32 reference: max |error| / max(1, max |reference|).
+TOLERANCE = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float32: 1e-4}
+MASKS = ("causal", "window", "tree", "empty_rows", "splits")
+KEY = 6  # prompt tokens that key a row's reference continuation (random prompts: they tell rows apart)
+
+
+class Oracle(Drafter):
+    """Proposes the known greedy continuation of a row, each token right with probability alpha; the
+    first wrong token ends the draft. Acceptance is then alpha per token by construction, so a step
+    should commit 1 + sum_{i=1..k} alpha^i tokens."""
+
+    name = kind = "oracle"
+
+    def __init__(self, references: list[list[int]], alpha: float, vocab: int, seed: int = 0):
+        self.by_prefix = {tuple(r[:KEY]): r for r in references}
+        self.alpha, self.vocab, self.rng = alpha, vocab, random.Random(seed)
+
+    def draft(self, request: DraftRequest) -> Draft:
+        tokens = []
+        for row, k in zip(request.rows, request.k):
+            seq = request.sequences[row]
+            truth = self.by_prefix[tuple(seq[:KEY])][len(seq) : len(seq) + k]
+            draft = []
+            for token in truth:
+                right = self.rng.random() < self.alpha
+                draft.append(token if right else (token + 1) % self.vocab)
+                if not right:
+                    break
+            tokens.append(draft)
+        return Draft(tokens=tokens, q=[None] * len(tokens))
+
+
+def theoretical_accepted(alpha: float, k: int) -> float:
+    return sum(alpha**i for i in range(1, k + 1))
+
+
+class Check:
+    """The run: its settings, its device, the JSON it keeps writing, the time left."""
+
+    def __init__(self, smoke: bool, out: Path, sections: list[str]):
+        self.cfg = SMOKE if smoke else FULL
+        self.smoke = smoke
+        self.device = torch.device("cpu" if smoke else "cuda")
+        self.out = out
+        self.sections = sections
+        self.report: dict = {"smoke": smoke}
+        self.start = time.perf_counter()
+        self.models: dict = {}
+
+    def left(self) -> float:
+        return self.cfg["budget_s"] - (time.perf_counter() - self.start)
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpu_check.json").write_text(json.dumps(self.report, indent=1, default=str))
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def model(self, which: str):
+        if which not in self.models:
+            shape = self.cfg[which]
+            config = Qwen2Config(**shape, max_position_embeddings=8192, bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=which == "drafter")
+            torch.manual_seed(0 if which == "target" else 1)
+            with self.device:
+                model = AutoModelForCausalLM.from_config(config, dtype=self.cfg["dtype"]).eval()
+            model.generation_config.eos_token_id = None
+            model.generation_config.pad_token_id = 0
+            self.models[which] = model
+        return self.models[which]
+
+    def prompts(self, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded random prompts of ragged lengths: [B, L] ids and mask."""
+        g = torch.Generator().manual_seed(seed)
+        lo, hi = self.cfg["prompt"]
+        lengths = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
+        L = max(lengths)
+        vocab = self.cfg["target"]["vocab_size"]
+        ids = torch.zeros(batch, L, dtype=torch.long)
+        mask = torch.zeros(batch, L, dtype=torch.long)
+        for b, n in enumerate(lengths):
+            ids[b, L - n :] = torch.randint(3, vocab, (n,), generator=g)
+            mask[b, L - n :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+
+def plain(check: Check, ids, mask, tokens: int) -> torch.Tensor:
+    return check.model("target").generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False)
+
+
+def spin(check: Check, ids, mask, tokens: int, drafter, ragged: bool):
+    pool = hf_spin.AssistantPool([drafter], draft_length=FixedLength(check.cfg["k"], min_confidence=0.0), ragged_attention=ragged, profile="off")
+    out = check.model("target").generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False, custom_generate=hf_spin.generate, assistant_pool=pool
+    )
+    return out, pool.last_stats
+
+
+def references(out: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's committed sequence (prompt without padding + generated) of a plain generate."""
+    L = mask.shape[1]
+    return [out[b, L - int(mask[b].sum()) :].tolist() for b in range(out.shape[0])]
+
+
+# --- 1. environment -------------------------------------------------------------------------------
+
+
+def environment(check: Check) -> dict:
+    env = {
+        "device": machine.describe(check.device),
+        "torch": torch.__version__, "transformers": transformers.__version__, "hf_spin": hf_spin.__version__,
+        "cuda": torch.version.cuda, "python": sys.version.split()[0],
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if check.device.type == "cuda":
+        p = torch.cuda.get_device_properties(check.device)
+        env.update(capability=f"sm{p.major}{p.minor}", sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1))
+    print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
+    return env
+
+
+# --- 2. kernel against the reference ---------------------------------------------------------------
+
+
+def kernel_case(check: Check, dtype, D: int, group: int, mask: str, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    H_kv = 2
+    H = H_kv * group
+    q_lens = [5, 1, 16, 3] if mask != "empty_rows" else [5, 0, 3, 0]
+    hi = check.cfg["split_context"] if mask == "splits" else check.cfg["context"][1]
+    k_lens = [q + int(torch.randint(0, hi + 1, (1,), generator=g)) for q in q_lens]
+    if mask == "empty_rows":
+        k_lens[3] = 0
+    q = torch.randn(sum(q_lens), H, D, generator=g).to(check.device, dtype)
+    k = torch.randn(sum(k_lens), H_kv, D, generator=g).to(check.device, dtype)
+    v = torch.randn(sum(k_lens), H_kv, D, generator=g).to(check.device, dtype)
+    cu_q = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=check.device)
+    cu_k = torch.tensor([0] + list(itertools.accumulate(k_lens)), dtype=torch.int32, device=check.device)
+    kwargs = {}
+    if mask == "window":
+        kwargs["sliding_window"] = 64 if not check.smoke else 8
+    if mask == "tree":
+        trees = []
+        for n in q_lens:  # random trees: each node's parent is an earlier node
+            m = torch.eye(n, dtype=torch.bool)
+            for i in range(1, n):
+                parent = int(torch.randint(0, i, (1,), generator=g))
+                m[i] |= m[parent]
+            trees.append(m)
+        kwargs["tree_mask"] = pack_tree_masks(trees).to(check.device)
+    if mask == "splits":
+        kwargs["num_splits"] = 4
+    args = (q, k, v, cu_q, cu_k, max(q_lens), max(k_lens))
+    ref_kwargs = {key: val for key, val in kwargs.items() if key != "num_splits"}
+    out = varlen_attention(*args, **kwargs)
+    ref = varlen_attention_ref(*args, **ref_kwargs)
+    same = varlen_attention_ref(*args, upcast=False, **ref_kwargs)
+    scale = max(1.0, ref.float().abs().max().item())
+    err = (out.float() - ref.float()).abs().max().item() / scale
+    same_err = (same.float() - ref.float()).abs().max().item() / scale
+    ok = bool(torch.isfinite(out.float()).all()) and err <= TOLERANCE[dtype]
+    return {"dtype": str(dtype).removeprefix("torch."), "head_dim": D, "group": group, "mask": mask, "error": err, "same_precision_torch_error": same_err, "pass": ok}
+
+
+def kernel(check: Check) -> dict:
+    cfg = check.cfg
+    cases = [(dt, D, gr, "causal") for dt in cfg["kernel_dtypes"] for D in cfg["head_dims"] for gr in cfg["groups"]]
+    mid_D, mid_group = cfg["head_dims"][len(cfg["head_dims"]) // 2], cfg["groups"][-1]
+    cases += [(dt, mid_D, mid_group, m) for dt in cfg["kernel_dtypes"] for m in MASKS[1:]]
+    results = []
+    for i, (dt, D, gr, m) in enumerate(cases):
+        if check.left() < 0.6 * cfg["budget_s"]:  # the kernel cases may use the first 40% of the budget
+            results.append({"dtype": str(dt), "head_dim": D, "group": gr, "mask": m, "pass": None, "skipped": "time budget"})
+            continue
+        try:
+            r = kernel_case(check, dt, D, gr, m, seed=i)
+        except Exception as e:  # a case that cannot run is a FAIL with its error, and the check goes on
+            r = {"dtype": str(dt), "head_dim": D, "group": gr, "mask": m, "pass": False, "error": f"{type(e).__name__}: {e}"[:400]}
+        results.append(r)
+        verdict = "PASS" if r["pass"] else ("SKIP" if r["pass"] is None else "FAIL")
+        error = r.get("error", "")
+        print(f"  kernel {r['dtype']:>8} D={D:<3} group={gr} {m:<10} {verdict} " + (error if isinstance(error, str) else f"err {error:.2e}"))
+    passed = sum(1 for r in results if r["pass"])
+    print(f"kernel: {passed}/{len(results)} PASS")
+    return {"cases": results, "passed": passed, "total": len(results)}
+
+
+# --- 3. greedy identity ----------------------------------------------------------------------------
+
+
+def first_difference(check: Check, ref: list[int], got: list[int], prompt_len: int) -> dict:
+    """Where two greedy sequences part: the position, both tokens, and the target's top-2 logit margin there."""
+    j = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
+    with torch.no_grad():
+        logits = check.model("target")(torch.tensor([ref[:j]], device=check.device)).logits[0, -1].float()
+    top = logits.topk(2)
+    return {
+        "generated_index": j - prompt_len, "plain": ref[j], "hf_spin": got[j],
+        "margin": (top.values[0] - top.values[1]).item(), "hf_spin_token_logit_gap": (logits[ref[j]] - logits[got[j]]).item(),
+    }
+
+
+def identity(check: Check) -> dict:
+    cfg, results = check.cfg, []
+    tokens = cfg["identity_tokens"]
+    for batch in cfg["batches"]:
+        ids, mask = check.prompts(batch, seed=batch)
+        ref_out = plain(check, ids, mask, tokens)
+        refs = references(ref_out, mask)
+        drafters = {"model": check.model("drafter"), "oracle": Oracle(refs, 0.7, cfg["target"]["vocab_size"], seed=batch)}
+        for ragged in (False, True):
+            for name, drafter in drafters.items():
+                if check.left() < 0.35 * cfg["budget_s"]:
+                    results.append({"batch": batch, "packed": ragged, "drafter": name, "skipped": "time budget"})
+                    continue
+                try:
+                    out, stats = spin(check, ids, mask, tokens, drafter, ragged)
+                    got = references(out, mask)
+                    same = [a == b for a, b in zip(refs, got)]
+                    r = {
+                        "batch": batch, "packed": ragged, "drafter": name, "identical_rows": sum(same), "rows": batch,
+                        "accepted": sum(d.accepted for d in stats.drafters.values()), "drafted": sum(d.drafted for d in stats.drafters.values()),
+                        "failures": sum(d.failures for d in stats.drafters.values()),
+                        "differences": [first_difference(check, a, b, len(a) - tokens) for a, b, s in zip(refs, got, same) if not s][:4],
+                    }
+                except Exception as e:
+                    r = {"batch": batch, "packed": ragged, "drafter": name, "error": f"{type(e).__name__}: {e}"[:600], "trace": traceback.format_exc()[-1500:]}
+                results.append(r)
+                if "error" in r:
+                    print(f"  identity b={batch:<2} {'packed' if ragged else 'rect  '} {name:<6} ERROR {r['error']}")
+                elif "skipped" not in r:
+                    margins = ", ".join(f"margin {d['margin']:.3f} at {d['generated_index']}" for d in r["differences"])
+                    print(f"  identity b={batch:<2} {'packed' if ragged else 'rect  '} {name:<6} {r['identical_rows']}/{batch} identical, accepted {r['accepted']}/{r['drafted']}, failures {r['failures']} {margins}")
+    return {"runs": results}
+
+
+# --- 4. end to end with a controlled acceptance ----------------------------------------------------
+
+
+def timed(check: Check, fn):
+    check.sync()
+    t = time.perf_counter()
+    out = fn()
+    check.sync()
+    return out, time.perf_counter() - t
+
+
+def end_to_end(check: Check) -> dict:
+    cfg, results = check.cfg, []
+    tokens, k = cfg["e2e_tokens"], cfg["k"]
+    for batch in cfg["batches"]:
+        ids, mask = check.prompts(batch, seed=100 + batch)
+        plain(check, ids, mask, 4)  # warm-up
+        ref_out, plain_s = timed(check, lambda: plain(check, ids, mask, tokens))
+        refs = references(ref_out, mask)
+        for ragged in (False, True):
+            for alpha in cfg["alphas"]:
+                if check.left() < 0.15 * cfg["budget_s"]:
+                    results.append({"batch": batch, "packed": ragged, "alpha": alpha, "skipped": "time budget"})
+                    continue
+                oracle = Oracle(refs, alpha, cfg["target"]["vocab_size"], seed=batch)
+                try:
+                    spin(check, ids, mask, 4, oracle, ragged)  # warm-up (kernel compiles)
+                    (out, stats), spin_s = timed(check, lambda: spin(check, ids, mask, tokens, oracle, ragged))
+                except Exception as e:
+                    results.append({"batch": batch, "packed": ragged, "alpha": alpha, "error": f"{type(e).__name__}: {e}"[:600]})
+                    print(f"  e2e b={batch} alpha={alpha} ERROR {e}")
+                    continue
+                steps = max(stats.steps, 1)
+                draft_s = sum(d.draft_seconds for d in stats.drafters.values())
+                other_s = stats.wall_seconds - stats.prefill_seconds - stats.verify_seconds - draft_s
+                r = {
+                    "batch": batch, "packed": ragged, "alpha": alpha, "plain_tok_s": batch * tokens / plain_s, "hf_spin_tok_s": batch * tokens / spin_s,
+                    "speedup": plain_s / spin_s, "identical_rows": sum(a == b for a, b in zip(refs, references(out, mask))),
+                    "accepted_per_step": stats.mean_accepted_length - 1, "theoretical_accepted_per_step": theoretical_accepted(alpha, k),
+                    "steps": stats.steps, "ms_per_step": {"draft": 1e3 * draft_s / steps, "verify": 1e3 * stats.verify_seconds / steps, "other": 1e3 * other_s / steps},
+                    "plain_ms_per_token_step": 1e3 * plain_s / tokens,
+                }
+                results.append(r)
+                ms = r["ms_per_step"]
+                print(
+                    f"  e2e b={batch:<2} {'packed' if ragged else 'rect  '} alpha={alpha:.1f}: {r['speedup']:.2f}x plain ({r['hf_spin_tok_s']:.0f} vs {r['plain_tok_s']:.0f} tok/s), "
+                    f"accepted/step {r['accepted_per_step']:.2f} (theory {r['theoretical_accepted_per_step']:.2f}), "
+                    f"ms/step draft {ms['draft']:.1f} verify {ms['verify']:.1f} other {ms['other']:.1f} (plain {r['plain_ms_per_token_step']:.1f}), identical {r['identical_rows']}/{batch}"
+                )
+    return {"runs": results, "k": k}
+
+
+# --- 5. synchronisations per step ------------------------------------------------------------------
+
+
+def syncs(check: Check) -> dict:
+    cfg, results = check.cfg, []
+    tokens = cfg["identity_tokens"]
+    for batch in (1, 16):
+        ids, mask = check.prompts(batch, seed=200 + batch)
+        refs = references(plain(check, ids, mask, tokens), mask)
+        for ragged in (False, True):
+            oracle = Oracle(refs, 0.6, cfg["target"]["vocab_size"])
+            spin(check, ids, mask, 4, oracle, ragged)  # warm-up
+            count, sites = count_syncs(check, lambda: spin(check, ids, mask, tokens, oracle, ragged))
+            if count is None:
+                results.append({"batch": batch, "packed": ragged, "skipped": "no sync counter on this device"})
+                continue
+            _, stats = spin(check, ids, mask, tokens, oracle, ragged)
+            r = {"batch": batch, "packed": ragged, "syncs": count, "steps": stats.steps, "per_step": count / max(stats.steps, 1), "bound": cfg["k"] + 2, "top_sites": sites.most_common(8)}
+            results.append(r)
+            print(f"  syncs b={batch:<2} {'packed' if ragged else 'rect  '}: {r['per_step']:.1f} per step (bound k + 2 = {r['bound']}), {count} in {stats.steps} steps (prefill included); top: {sites.most_common(3)}")
+    return {"runs": results}
+
+
+def count_syncs(check: Check, fn) -> tuple[int | None, Counter]:
+    """Synchronisations while fn runs, and the source lines they came from: CUDA's sync debug mode warns
+    at each one."""
+    if check.device.type != "cuda":
+        return None, Counter()
+    sites: Counter = Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    hits = [w for w in caught if "synchroniz" in str(w.message)]
+    for w in hits:
+        sites[f"{Path(w.filename).name}:{w.lineno}"] += 1
+    return len(hits), sites
+
+
+# --- 6. kernel timing ------------------------------------------------------------------------------
+
+
+def bench(check: Check, fn, reps: int) -> float:
+    """Median milliseconds of fn."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if check.device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_timing(check: Check) -> dict:
+    cfg, results = check.cfg, []
+    shape = cfg["target"]
+    H, H_kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    D = shape["hidden_size"] // H
+    lo, hi = cfg["timing_keys"]
+    q_len = cfg["k"] + 1
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        varlen_attn = None
+    for rows in cfg["timing_rows"]:
+        if check.left() < 0.05 * cfg["budget_s"]:
+            break
+        g = torch.Generator().manual_seed(rows)
+        k_lens = torch.randint(lo, hi + 1, (rows,), generator=g).tolist()
+        q = torch.randn(rows * q_len, H, D, generator=g).to(check.device, cfg["dtype"])
+        k = torch.randn(sum(k_lens), H_kv, D, generator=g).to(check.device, cfg["dtype"])
+        v = torch.randn_like(k)
+        cu_q = torch.arange(0, (rows + 1) * q_len, q_len, dtype=torch.int32, device=check.device)
+        cu_k = torch.tensor([0] + list(itertools.accumulate(k_lens)), dtype=torch.int32, device=check.device)
+        L = max(k_lens)
+        kp = torch.zeros(rows, H_kv, L, D, dtype=k.dtype, device=check.device)  # padded, left-aligned
+        vp = torch.zeros_like(kp)
+        allowed = torch.zeros(rows, 1, q_len, L, dtype=torch.bool, device=check.device)
+        for b, n in enumerate(k_lens):
+            kp[b, :, :n] = k[cu_k[b] : cu_k[b + 1]].transpose(0, 1)
+            vp[b, :, :n] = v[cu_k[b] : cu_k[b + 1]].transpose(0, 1)
+            allowed[b, 0] = torch.arange(L, device=check.device)[None, :] <= (n - q_len + torch.arange(q_len, device=check.device))[:, None]
+        qp = q.view(rows, q_len, H, D).transpose(1, 2)
+        methods = {
+            "hf_spin": lambda: varlen_attention(q, k, v, cu_q, cu_k, q_len, L),
+            "padded_sdpa": lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed, enable_gqa=True),
+        }
+        if varlen_attn is not None and check.device.type == "cuda":
+            # bottom-right causal: keys are the row's whole cache, queries its last q_len positions
+            methods["torch_varlen_attn"] = lambda: varlen_attn(q, k, v, cu_q, cu_k, q_len, L, window_size=(-1, 0), enable_gqa=True)
+        r = {"rows": rows, "keys": k_lens if rows <= 4 else [min(k_lens), max(k_lens)], "ms": {}}
+        for name, fn in methods.items():
+            try:
+                r["ms"][name] = bench(check, fn, reps=20 if check.device.type == "cuda" else 2)
+            except Exception as e:
+                r["ms"][name] = f"{type(e).__name__}: {e}"[:200]
+        results.append(r)
+        print(f"  timing rows={rows:<2} keys {lo}-{hi}: " + ", ".join(f"{n} {t:.3f} ms" if isinstance(t, float) else f"{n} {t}" for n, t in r["ms"].items()))
+    return {"head_dim": D, "heads": H, "kv_heads": H_kv, "q_len": q_len, "dtype": str(cfg["dtype"]), "runs": results}
+
+
+SECTIONS = {"environment": environment, "kernel": kernel, "identity": identity, "end_to_end": end_to_end, "syncs": syncs, "kernel_timing": kernel_timing}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, the kernel interpreted (TRITON_INTERPRET=1)")
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--budget-s", type=float, help="time budget of the whole run (default: 450 s on GPU, 600 s smoke)")
+    args = parser.parse_args(argv)
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --cpu-smoke on a machine without a GPU")
+    check = Check(args.cpu_smoke, args.out, args.sections)
+    if args.budget_s:
+        check.cfg = {**check.cfg, "budget_s": args.budget_s}
+    failed = False
+    for name in args.sections:
+        t = time.perf_counter()
+        print(f"== {name} ({check.left():.0f} s left)", flush=True)
+        try:
+            check.report[name] = SECTIONS[name](check)
+        except Exception as e:
+            failed = True
+            check.report[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+            print(check.report[name]["trace"])
+        check.report.setdefault("seconds", {})[name] = round(time.perf_counter() - t, 1)
+        check.save()
+    print(f"wrote {args.out / 'gpu_check.json'} in {time.perf_counter() - check.start:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
