@@ -27,6 +27,7 @@ docs/benchmarks.md says how to read it; tests/test_gpu_check.py runs the CPU smo
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import json
 import os
@@ -55,6 +56,7 @@ from hf_spin import machine  # noqa: E402
 from hf_spin.drafters import Draft, Drafter, DraftRequest  # noqa: E402
 from hf_spin.kernels import pack_tree_masks, varlen_attention, varlen_attention_ref  # noqa: E402
 from hf_spin.policies import FixedLength  # noqa: E402
+from hf_spin.stats import DrafterStats  # noqa: E402
 
 # Real shapes (Qwen2.5 configs), random weights. The vocabulary is the real one: the lm_head's cost
 # and the sampling/argmax over 152k entries are part of what a step costs on a GPU.
@@ -65,13 +67,13 @@ TINY_DRAFTER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, n
 
 # What each run covers: the full check on a GPU, the smoke on CPU (minutes under the interpreter).
 FULL = dict(
-    target=QWEN_1_5B, drafter=QWEN_0_5B, dtype=torch.bfloat16, batches=(1, 4, 16), prompt=(64, 512),
+    target=QWEN_1_5B, drafter=QWEN_0_5B, dtype=torch.float32, batches=(1, 4, 16), near_tie_dtype=torch.bfloat16, timing_dtype=torch.bfloat16, prompt=(64, 512),
     identity_tokens=48, e2e_tokens=128, alphas=(0.0, 0.6, 0.9), k=4,
     kernel_dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=(64, 128, 256), groups=(1, 4, 8),
     context=(0, 700), split_context=3000, timing_rows=(1, 4, 16, 32), timing_keys=(256, 4096), budget_s=450,
 )
 SMOKE = dict(
-    target=TINY_TARGET, drafter=TINY_DRAFTER, dtype=torch.float32, batches=(1, 4), prompt=(6, 20),
+    target=TINY_TARGET, drafter=TINY_DRAFTER, dtype=torch.float32, batches=(1, 4), near_tie_dtype=torch.bfloat16, timing_dtype=torch.bfloat16, prompt=(6, 20),
     identity_tokens=10, e2e_tokens=12, alphas=(0.0, 0.9), k=4,
     kernel_dtypes=(torch.bfloat16, torch.float32), head_dims=(16,), groups=(1, 2),
     context=(0, 20), split_context=300, timing_rows=(1, 2), timing_keys=(16, 64), budget_s=600,
@@ -136,17 +138,19 @@ class Check:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def model(self, which: str):
-        if which not in self.models:
+    def model(self, which: str, dtype: torch.dtype | None = None):
+        """The random-init target or drafter in `dtype` (default: the run's exact dtype), made once."""
+        dtype = dtype or self.cfg["dtype"]
+        if (which, dtype) not in self.models:
             shape = self.cfg[which]
             config = Qwen2Config(**shape, max_position_embeddings=8192, bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=which == "drafter")
             torch.manual_seed(0 if which == "target" else 1)
             with self.device:
-                model = AutoModelForCausalLM.from_config(config, dtype=self.cfg["dtype"]).eval()
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
             model.generation_config.eos_token_id = None
             model.generation_config.pad_token_id = 0
-            self.models[which] = model
-        return self.models[which]
+            self.models[which, dtype] = model
+        return self.models[which, dtype]
 
     def prompts(self, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded random prompts of ragged lengths: [B, L] ids and mask."""
@@ -163,13 +167,15 @@ class Check:
         return ids.to(self.device), mask.to(self.device)
 
 
-def plain(check: Check, ids, mask, tokens: int) -> torch.Tensor:
-    return check.model("target").generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False)
+def plain(check: Check, ids, mask, tokens: int, dtype=None) -> torch.Tensor:
+    return check.model("target", dtype).generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False)
 
 
-def spin(check: Check, ids, mask, tokens: int, drafter, ragged: bool):
-    pool = hf_spin.AssistantPool([drafter], draft_length=FixedLength(check.cfg["k"], min_confidence=0.0), ragged_attention=ragged, profile="off")
-    out = check.model("target").generate(
+def spin(check: Check, ids, mask, tokens: int, drafter, ragged: bool, dtype=None, profile: str = "off"):
+    """hf_spin's greedy generate with one drafter drafting k tokens a step (profile "off": the planner
+    would cut drafts it does not expect to pay, and the check wants the k it asked for)."""
+    pool = hf_spin.AssistantPool([drafter], draft_length=FixedLength(check.cfg["k"], min_confidence=0.0), ragged_attention=ragged, profile=profile)
+    out = check.model("target", dtype).generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False, custom_generate=hf_spin.generate, assistant_pool=pool
     )
     return out, pool.last_stats
@@ -272,11 +278,11 @@ def kernel(check: Check) -> dict:
 # --- 3. greedy identity ----------------------------------------------------------------------------
 
 
-def first_difference(check: Check, ref: list[int], got: list[int], prompt_len: int) -> dict:
+def first_difference(check: Check, ref: list[int], got: list[int], prompt_len: int, dtype) -> dict:
     """Where two greedy sequences part: the position, both tokens, and the target's top-2 logit margin there."""
     j = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
     with torch.no_grad():
-        logits = check.model("target")(torch.tensor([ref[:j]], device=check.device)).logits[0, -1].float()
+        logits = check.model("target", dtype)(torch.tensor([ref[:j]], device=check.device)).logits[0, -1].float()
     top = logits.topk(2)
     return {
         "generated_index": j - prompt_len, "plain": ref[j], "hf_spin": got[j],
@@ -285,37 +291,45 @@ def first_difference(check: Check, ref: list[int], got: list[int], prompt_len: i
 
 
 def identity(check: Check) -> dict:
+    """Every batch size in the exact dtype (float32: a flip is a bug); batch 4 in the near-tie dtype
+    (bfloat16: a 5-token forward rounds differently from a 1-token one, so random weights' near-ties
+    flip; the margins say whether each difference was one)."""
     cfg, results = check.cfg, []
-    tokens = cfg["identity_tokens"]
-    for batch in cfg["batches"]:
+    runs = [(batch, cfg["dtype"]) for batch in cfg["batches"]] + [(4, cfg["near_tie_dtype"])]
+    for batch, dtype in runs:
         ids, mask = check.prompts(batch, seed=batch)
-        ref_out = plain(check, ids, mask, tokens)
-        refs = references(ref_out, mask)
-        drafters = {"model": check.model("drafter"), "oracle": Oracle(refs, 0.7, cfg["target"]["vocab_size"], seed=batch)}
+        refs = references(plain(check, ids, mask, cfg["identity_tokens"], dtype), mask)
+        drafters = {"model": check.model("drafter", dtype), "oracle": Oracle(refs, 0.7, cfg["target"]["vocab_size"], seed=batch)}
         for ragged in (False, True):
             for name, drafter in drafters.items():
+                where = {"batch": batch, "dtype": str(dtype).removeprefix("torch."), "packed": ragged, "drafter": name}
                 if check.left() < 0.35 * cfg["budget_s"]:
-                    results.append({"batch": batch, "packed": ragged, "drafter": name, "skipped": "time budget"})
+                    results.append({**where, "skipped": "time budget"})
                     continue
                 try:
-                    out, stats = spin(check, ids, mask, tokens, drafter, ragged)
-                    got = references(out, mask)
-                    same = [a == b for a, b in zip(refs, got)]
-                    r = {
-                        "batch": batch, "packed": ragged, "drafter": name, "identical_rows": sum(same), "rows": batch,
-                        "accepted": sum(d.accepted for d in stats.drafters.values()), "drafted": sum(d.drafted for d in stats.drafters.values()),
-                        "failures": sum(d.failures for d in stats.drafters.values()),
-                        "differences": [first_difference(check, a, b, len(a) - tokens) for a, b, s in zip(refs, got, same) if not s][:4],
-                    }
+                    r = {**where, **identity_run(check, ids, mask, refs, drafter, ragged, dtype)}
                 except Exception as e:
-                    r = {"batch": batch, "packed": ragged, "drafter": name, "error": f"{type(e).__name__}: {e}"[:600], "trace": traceback.format_exc()[-1500:]}
+                    r = {**where, "error": f"{type(e).__name__}: {e}"[:600], "trace": traceback.format_exc()[-1500:]}
                 results.append(r)
+                label = f"  identity {where['dtype']:>8} b={batch:<2} {'packed' if ragged else 'rect  '} {name:<6}"
                 if "error" in r:
-                    print(f"  identity b={batch:<2} {'packed' if ragged else 'rect  '} {name:<6} ERROR {r['error']}")
-                elif "skipped" not in r:
+                    print(f"{label} ERROR {r['error']}")
+                else:
                     margins = ", ".join(f"margin {d['margin']:.3f} at {d['generated_index']}" for d in r["differences"])
-                    print(f"  identity b={batch:<2} {'packed' if ragged else 'rect  '} {name:<6} {r['identical_rows']}/{batch} identical, accepted {r['accepted']}/{r['drafted']}, failures {r['failures']} {margins}")
-    return {"runs": results}
+                    print(f"{label} {r['identical_rows']}/{batch} identical, accepted {r['accepted']}/{r['drafted']}, failures {r['failures']} {margins}")
+    exact = [r for r in results if r.get("dtype") == str(cfg["dtype"]).removeprefix("torch.") and "skipped" not in r]
+    return {"runs": results, "exact_identical": all(r.get("identical_rows") == r["batch"] for r in exact)}
+
+
+def identity_run(check: Check, ids, mask, refs, drafter, ragged: bool, dtype) -> dict:
+    out, stats = spin(check, ids, mask, check.cfg["identity_tokens"], drafter, ragged, dtype)
+    got = references(out, mask)
+    same = [a == b for a, b in zip(refs, got)]
+    counts = DrafterStats.total(stats.drafters.values())
+    return {
+        "identical_rows": sum(same), "accepted": counts.accepted, "drafted": counts.drafted, "failures": counts.failures,
+        "differences": [first_difference(check, a, b, len(a) - check.cfg["identity_tokens"], dtype) for a, b, s in zip(refs, got, same) if not s][:4],
+    }
 
 
 # --- 4. end to end with a controlled acceptance ----------------------------------------------------
@@ -337,36 +351,40 @@ def end_to_end(check: Check) -> dict:
         plain(check, ids, mask, 4)  # warm-up
         ref_out, plain_s = timed(check, lambda: plain(check, ids, mask, tokens))
         refs = references(ref_out, mask)
-        for ragged in (False, True):
-            for alpha in cfg["alphas"]:
-                if check.left() < 0.15 * cfg["budget_s"]:
-                    results.append({"batch": batch, "packed": ragged, "alpha": alpha, "skipped": "time budget"})
-                    continue
-                oracle = Oracle(refs, alpha, cfg["target"]["vocab_size"], seed=batch)
-                try:
-                    spin(check, ids, mask, 4, oracle, ragged)  # warm-up (kernel compiles)
-                    (out, stats), spin_s = timed(check, lambda: spin(check, ids, mask, tokens, oracle, ragged))
-                except Exception as e:
-                    results.append({"batch": batch, "packed": ragged, "alpha": alpha, "error": f"{type(e).__name__}: {e}"[:600]})
-                    print(f"  e2e b={batch} alpha={alpha} ERROR {e}")
-                    continue
-                steps = max(stats.steps, 1)
-                draft_s = sum(d.draft_seconds for d in stats.drafters.values())
-                other_s = stats.wall_seconds - stats.prefill_seconds - stats.verify_seconds - draft_s
-                r = {
-                    "batch": batch, "packed": ragged, "alpha": alpha, "plain_tok_s": batch * tokens / plain_s, "hf_spin_tok_s": batch * tokens / spin_s,
-                    "speedup": plain_s / spin_s, "identical_rows": sum(a == b for a, b in zip(refs, references(out, mask))),
-                    "accepted_per_step": stats.mean_accepted_length - 1, "theoretical_accepted_per_step": theoretical_accepted(alpha, k),
-                    "steps": stats.steps, "ms_per_step": {"draft": 1e3 * draft_s / steps, "verify": 1e3 * stats.verify_seconds / steps, "other": 1e3 * other_s / steps},
-                    "plain_ms_per_token_step": 1e3 * plain_s / tokens,
-                }
-                results.append(r)
-                ms = r["ms_per_step"]
-                print(
-                    f"  e2e b={batch:<2} {'packed' if ragged else 'rect  '} alpha={alpha:.1f}: {r['speedup']:.2f}x plain ({r['hf_spin_tok_s']:.0f} vs {r['plain_tok_s']:.0f} tok/s), "
-                    f"accepted/step {r['accepted_per_step']:.2f} (theory {r['theoretical_accepted_per_step']:.2f}), "
-                    f"ms/step draft {ms['draft']:.1f} verify {ms['verify']:.1f} other {ms['other']:.1f} (plain {r['plain_ms_per_token_step']:.1f}), identical {r['identical_rows']}/{batch}"
-                )
+        # k tokens every step on both paths; then the default rectangular pool with the planner sizing
+        # drafts from the cost profile it measures here (profile "auto")
+        variants = [(ragged, alpha, "off") for ragged in (False, True) for alpha in cfg["alphas"]] + [(False, 0.6, "auto")]
+        for ragged, alpha, profile in variants:
+            where = {"batch": batch, "packed": ragged, "alpha": alpha, "profile": profile}
+            if check.left() < 0.15 * cfg["budget_s"]:
+                results.append({**where, "skipped": "time budget"})
+                continue
+            oracle = Oracle(refs, alpha, cfg["target"]["vocab_size"], seed=batch)
+            try:
+                if not check.smoke:  # warm-up: kernel compiles, the profile's measurement
+                    spin(check, ids, mask, 4, oracle, ragged, profile=profile)
+                (out, stats), spin_s = timed(check, lambda: spin(check, ids, mask, tokens, oracle, ragged, profile=profile))
+            except Exception as e:
+                results.append({**where, "error": f"{type(e).__name__}: {e}"[:600]})
+                print(f"  e2e b={batch} alpha={alpha} profile {profile} ERROR {e}")
+                continue
+            steps = max(stats.steps, 1)
+            draft_s = sum(d.draft_seconds for d in stats.drafters.values())
+            other_s = stats.wall_seconds - stats.prefill_seconds - stats.verify_seconds - draft_s
+            r = {
+                **where, "plain_tok_s": batch * tokens / plain_s, "hf_spin_tok_s": batch * tokens / spin_s,
+                "speedup": plain_s / spin_s, "identical_rows": sum(a == b for a, b in zip(refs, references(out, mask))),
+                "accepted_per_step": stats.mean_accepted_length - 1, "theoretical_accepted_per_step": theoretical_accepted(alpha, k),
+                "steps": stats.steps, "ms_per_step": {"draft": 1e3 * draft_s / steps, "verify": 1e3 * stats.verify_seconds / steps, "other": 1e3 * other_s / steps},
+                "plain_ms_per_step": 1e3 * plain_s / tokens,
+            }
+            results.append(r)
+            ms = r["ms_per_step"]
+            print(
+                f"  e2e b={batch:<2} {'packed' if ragged else 'rect  '} alpha={alpha:.1f} profile {profile:<4}: {r['speedup']:.2f}x plain ({r['hf_spin_tok_s']:.0f} vs {r['plain_tok_s']:.0f} tok/s), "
+                f"accepted/step {r['accepted_per_step']:.2f} (theory {r['theoretical_accepted_per_step']:.2f}), "
+                f"ms/step draft {ms['draft']:.1f} verify {ms['verify']:.1f} other {ms['other']:.1f} (plain {r['plain_ms_per_step']:.1f}), identical {r['identical_rows']}/{batch}"
+            )
     return {"runs": results, "k": k}
 
 
@@ -450,8 +468,8 @@ def kernel_timing(check: Check) -> dict:
             break
         g = torch.Generator().manual_seed(rows)
         k_lens = torch.randint(lo, hi + 1, (rows,), generator=g).tolist()
-        q = torch.randn(rows * q_len, H, D, generator=g).to(check.device, cfg["dtype"])
-        k = torch.randn(sum(k_lens), H_kv, D, generator=g).to(check.device, cfg["dtype"])
+        q = torch.randn(rows * q_len, H, D, generator=g).to(check.device, cfg["timing_dtype"])
+        k = torch.randn(sum(k_lens), H_kv, D, generator=g).to(check.device, cfg["timing_dtype"])
         v = torch.randn_like(k)
         cu_q = torch.arange(0, (rows + 1) * q_len, q_len, dtype=torch.int32, device=check.device)
         cu_k = torch.tensor([0] + list(itertools.accumulate(k_lens)), dtype=torch.int32, device=check.device)
@@ -469,8 +487,12 @@ def kernel_timing(check: Check) -> dict:
             "padded_sdpa": lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed, enable_gqa=True),
         }
         if varlen_attn is not None and check.device.type == "cuda":
-            # bottom-right causal: keys are the row's whole cache, queries its last q_len positions
-            methods["torch_varlen_attn"] = lambda: varlen_attn(q, k, v, cu_q, cu_k, q_len, L, window_size=(-1, 0), enable_gqa=True)
+            # bottom-right causal (window (-1, 0)): queries are each row's last q_len keys. Without
+            # enable_gqa (torch < 2.12) the KV heads are repeated beforehand, outside the timing.
+            gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
+            kx, vx = (k, v) if gqa else (k.repeat_interleave(H // H_kv, 1), v.repeat_interleave(H // H_kv, 1))
+            extra = {"enable_gqa": True} if gqa else {}
+            methods["torch_varlen_attn" if gqa else "torch_varlen_attn_repeated_kv"] = lambda: varlen_attn(q, kx, vx, cu_q, cu_k, q_len, L, window_size=(-1, 0), **extra)
         r = {"rows": rows, "keys": k_lens if rows <= 4 else [min(k_lens), max(k_lens)], "ms": {}}
         for name, fn in methods.items():
             try:
@@ -479,7 +501,7 @@ def kernel_timing(check: Check) -> dict:
                 r["ms"][name] = f"{type(e).__name__}: {e}"[:200]
         results.append(r)
         print(f"  timing rows={rows:<2} keys {lo}-{hi}: " + ", ".join(f"{n} {t:.3f} ms" if isinstance(t, float) else f"{n} {t}" for n, t in r["ms"].items()))
-    return {"head_dim": D, "heads": H, "kv_heads": H_kv, "q_len": q_len, "dtype": str(cfg["dtype"]), "runs": results}
+    return {"head_dim": D, "heads": H, "kv_heads": H_kv, "q_len": q_len, "dtype": str(cfg["timing_dtype"]), "runs": results}
 
 
 SECTIONS = {"environment": environment, "kernel": kernel, "identity": identity, "end_to_end": end_to_end, "syncs": syncs, "kernel_timing": kernel_timing}

@@ -1,0 +1,57 @@
+"""benchmarks/gpu_check.py runs end to end before a GPU comes: its CPU smoke (tiny shapes, the kernel
+under the Triton interpreter) in a subprocess, and every section's JSON says what the GPU run would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    pytest.importorskip("triton")
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_SPIN_PROFILES": str(out / "profiles")}
+    run = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads((out / "gpu_check.json").read_text())
+
+
+def test_every_section_ran(report):
+    for section in ("environment", "kernel", "identity", "end_to_end", "syncs", "kernel_timing"):
+        assert section in report and "error" not in report[section], report.get(section)
+
+
+def test_kernel_cases_pass_against_the_reference(report):
+    cases = report["kernel"]["cases"]
+    assert {c["mask"] for c in cases} == {"causal", "window", "tree", "empty_rows", "splits"}
+    assert all(c["pass"] for c in cases), [c for c in cases if not c["pass"]]
+
+
+def test_identity_covers_both_cache_paths_and_drafts_that_get_cut(report):
+    runs = report["identity"]["runs"]
+    assert report["identity"]["exact_identical"]
+    assert {(r["packed"], r["drafter"]) for r in runs} == {(False, "model"), (True, "model"), (False, "oracle"), (True, "oracle")}
+    oracle = [r for r in runs if r["drafter"] == "oracle"]
+    assert all(0 < r["accepted"] < r["drafted"] and r["failures"] == 0 for r in oracle), oracle
+
+
+def test_oracle_acceptance_follows_alpha(report):
+    runs = [r for r in report["end_to_end"]["runs"] if r["profile"] == "off"]
+    assert all(r["identical_rows"] == r["batch"] for r in runs)
+    assert all(r["accepted_per_step"] == 0 for r in runs if r["alpha"] == 0)
+    assert all(r["accepted_per_step"] > 1 for r in runs if r["alpha"] == 0.9)
+
+
+def test_timings_of_every_method(report):
+    for run in report["kernel_timing"]["runs"]:
+        assert isinstance(run["ms"]["hf_spin"], float) and isinstance(run["ms"]["padded_sdpa"], float), run
