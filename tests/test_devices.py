@@ -94,3 +94,110 @@ def test_drafter_on_another_device_sampling_hands_q_to_the_target(target, drafte
     out = spin(target, pool, input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=True, top_k=0)
     assert out.shape == (2, 8 + 12)
     assert_speculated(pool.last_stats, rejected=False)
+
+
+# -- caches over layers on several devices (device_map) ------------------------------------------------
+
+
+class StrictDevices(TorchFunctionMode):
+    """Raises when one op mixes tensors of two devices (0-dim CPU scalars aside), as CUDA does for a
+    gather or an index from another GPU; `.to` and `copy_` are the moves between devices."""
+
+    MOVES = {torch.Tensor.to, torch.Tensor.copy_, torch.Tensor.cpu}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.MOVES:
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            devices = {t.device for t in tensors if not (t.dim() == 0 and t.device.type == "cpu")}
+            if len(devices) > 1:
+                raise RuntimeError(f"{getattr(func, '__name__', func)} mixes tensors of devices {sorted(map(str, devices))}")
+        return func(*args, **kwargs)
+
+
+def test_strict_devices_refuses_an_index_from_another_device():
+    keys = torch.zeros(2, 1, 3, 1, device=OTHER)
+    with StrictDevices(), pytest.raises(RuntimeError, match="mixes tensors"):
+        keys[torch.tensor([1])]
+
+
+def _kv(B: int, S: int, device, start: float = 0.0) -> torch.Tensor:
+    """[B, H=2, S, D=1]: slot s of row b holds start + 100 b + s."""
+    t = start + 100 * torch.arange(B)[:, None, None, None] + torch.arange(S)[None, None, :, None]
+    return t.expand(B, 2, S, 1).float().contiguous().to(device)
+
+
+def test_ragged_cache_indexes_each_layer_on_its_device():
+    """Layer 0 on the CPU, layer 1 on another device: compaction and retirement index each where it is."""
+    mask = torch.tensor([[1, 0, 1, 1], [0, 0, 1, 0]], dtype=torch.bool)
+    cache = hf_spin.cache.RaggedCache(mask)
+    for i, device in enumerate(["cpu", OTHER]):
+        cache.update(_kv(2, 4, device), _kv(2, 4, device, start=0.5), i)
+    with StrictDevices():
+        cache.compact()  # rows' valid slots to the right: src [[0 2 3], [0 0 2]]
+    assert torch.equal(cache.layers[0].keys[:, 0, :, 0], torch.tensor([[0.0, 2, 3], [100, 100, 102]]))
+    assert cache.layers[1].keys.device == OTHER and cache.layers[1].keys.shape == (2, 2, 3, 1)
+    with StrictDevices():
+        cache.select_rows(torch.tensor([1]))
+    assert torch.equal(cache.layers[0].values[:, 0, :, 0], torch.tensor([[100.5, 100.5, 102.5]]))  # left holes stay
+    assert cache.layers[1].keys.device == OTHER and cache.layers[1].keys.shape == (1, 2, 3, 1)
+    assert cache.slot_mask.tolist() == [[False, False, True]]
+
+
+def test_packed_cache_writes_and_relays_out_each_layer_on_its_device():
+    cache = hf_spin.cache.PackedCache(2)
+    meta, _ = cache.begin([2, 1])
+    with StrictDevices():
+        for i, device in enumerate(["cpu", OTHER]):
+            kv = torch.tensor([1.0, 2.0, 3.0]).view(1, 1, 3, 1).to(device)  # [1, H_kv, total_q, D]
+            cache.update(kv, kv + 0.5, i)
+    cache.commit()
+    assert cache.layers[1].keys.device == OTHER
+    with StrictDevices():
+        cache.select_rows(torch.tensor([1]))  # row 1 alone, compacted to slot 0
+    assert cache.lengths == [1] and float(cache.layers[0].keys[0, 0, 0]) == 3.0
+    assert cache.layers[1].keys.device == OTHER and cache.layers[1].keys.shape[0] == cache.total_slots
+
+
+def test_varlen_metadata_follows_the_layer_device(monkeypatch):
+    """A layer on another device reads the metadata there (one copy per device), under that device's
+    CUDA context: Triton launches on the current device, not on the tensors'."""
+    from hf_spin.kernels import attention
+
+    meta = attention.VarlenMetadata.make_dummy([2, 1], [3, 2])
+    moved = meta.on(OTHER)
+    assert moved is meta.on(OTHER) and meta.on(torch.device("cpu")) is meta
+    assert moved.cu_seqlens_k.device == OTHER and moved.max_seqlen_k == 3
+    entered = []
+
+    class Guard:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.append(None)
+
+    def kernel(q, k, v, cu_q, cu_k, *args, seqused_k=None, tree_mask=None, **kwargs):
+        assert entered and entered[-1] == q.device, "launched outside the device guard"
+        for t in (k, v, cu_q, cu_k, seqused_k, tree_mask):
+            assert t is None or t.device == q.device, f"a tensor on {t.device}, q on {q.device}"
+        return torch.zeros(q.shape[0], q.shape[1], v.shape[2], device=q.device)
+
+    monkeypatch.setattr(attention, "varlen_attention", kernel)
+    monkeypatch.setattr(attention, "on_device", Guard)
+    q = torch.zeros(1, 2, 3, 4, device=OTHER)  # [1, H, total_q, D]
+    k = torch.zeros(1, 2, 5, 4, device=OTHER)  # [1, H_kv, total_k, D]
+    out, _ = attention.varlen_attention_forward(torch.nn.Module(), q, k, k, None, spin_varlen=meta)
+    assert out.shape == (1, 3, 2, 4) and entered == [OTHER, None]
+
+
+def test_device_guard_is_the_tensors_cuda_device():
+    from hf_spin.kernels.attention import on_device
+
+    guard = on_device(torch.device("cuda", 1))  # made, not entered: no CUDA needed
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    with on_device(torch.device("cpu")):
+        pass

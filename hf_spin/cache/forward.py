@@ -63,7 +63,8 @@ def forward_ragged(model, cache: RaggedCache | PackedCache, chunks: list[list[in
     logits = out.logits  # [B, T, V], or [B, U, V] with logits_to_keep
     if all_logits:
         return logits
-    return logits[torch.arange(len(chunks), device=device), last][:, None]  # [B, 1, V]
+    rows = torch.arange(len(chunks), device=logits.device)  # logits come out where the LM head is (device_map)
+    return logits[rows, last.to(logits.device)][:, None]  # [B, 1, V]
 
 
 
