@@ -201,3 +201,104 @@ def test_device_guard_is_the_tensors_cuda_device():
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
     with on_device(torch.device("cpu")):
         pass
+
+
+# -- device arguments: models.load(device=...), hf-spin serve --device ---------------------------------
+
+
+@pytest.fixture
+def cached_tiny(tmp_path, target):
+    """A tiny llama saved where `models.load` finds a converted packaged model (no conversion runs)."""
+    from hf_spin import models
+
+    from .tiny_tokenizers import char_tokenizer
+
+    name = "smollm2-135m-instruct"
+    folder = models.cached_path(name, torch.float32, tmp_path)
+    target.save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return name, tmp_path
+
+
+def test_load_places_the_model_on_the_device_given(cached_tiny, monkeypatch):
+    from hf_spin import models
+
+    name, cache = cached_tiny
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert models.default_device() == "cpu" and models.device_map(None) == "cpu"
+    model, tok = models.load(name, dtype=torch.float32, cache_dir=cache)  # default: cpu without a GPU
+    assert model.device.type == "cpu" and tok.padding_side == "left"
+    model, _ = models.load(name, dtype=torch.float32, cache_dir=cache, device="auto")  # a device map (accelerate)
+    assert model.device.type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert models.device_map(None) == "cuda"
+
+
+@pytest.mark.parametrize("device, expected", [("cuda:1", torch.device("cuda", 1)), ("auto", "auto"), ("balanced", "balanced"), (None, "cuda")])
+def test_load_passes_the_device_to_from_pretrained(cached_tiny, monkeypatch, device, expected):
+    from transformers import AutoModelForCausalLM
+
+    from hf_spin import models
+
+    name, cache = cached_tiny
+    seen = {}
+    real = AutoModelForCausalLM.from_pretrained
+
+    def from_pretrained(folder, **kwargs):
+        seen.update(kwargs)
+        return real(folder, dtype=kwargs["dtype"])  # no GPU here: load on the CPU, check what was asked
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    models.load(name, dtype=torch.float32, cache_dir=cache, device=device)
+    assert seen["device_map"] == expected
+
+
+def test_load_refuses_an_unknown_device(cached_tiny):
+    from hf_spin import models
+
+    name, cache = cached_tiny
+    with pytest.raises(ValueError, match=r"device='gpu0' is neither a device .* nor a device map \(auto"):
+        models.load(name, dtype=torch.float32, cache_dir=cache, device="gpu0")
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("argv, expected", [([], None), (["--device", "cuda:1"], "cuda:1"), (["--device", "auto"], "auto")])
+def test_serve_device_reaches_every_model(monkeypatch, argv, expected):
+    """`hf-spin serve --device` is parsed and handed to the target's and each drafter's load."""
+    import argparse
+
+    from hf_spin.serving import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(argv + ["--model", "./t", "--drafter", "./d", "--drafter", "prompt_lookup"])
+    assert args.device == expected
+    loads = []
+
+    def load_model(name, dtype, device=None):
+        loads.append((name, device))
+        if len(loads) == 2:
+            raise _Stop
+        return None, None
+
+    monkeypatch.setattr(cli, "load_model", load_model)
+    with pytest.raises(_Stop):
+        cli.build(args)
+    assert loads == [("./t", expected), ("./d", expected)]
+
+
+def test_serve_loads_a_local_folder_on_the_device(tmp_path, target):
+    from hf_spin.serving import cli
+
+    from .tiny_tokenizers import char_tokenizer
+
+    target.save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    model, tok = cli.load_model(str(tmp_path), torch.float32, "cpu")
+    assert model.device.type == "cpu" and not model.training and tok.padding_side == "left"
+    with pytest.raises(SystemExit, match="--device: device='gpu0'"):
+        cli.load_model(str(tmp_path), torch.float32, "gpu0")
