@@ -302,3 +302,108 @@ def test_serve_loads_a_local_folder_on_the_device(tmp_path, target):
     assert model.device.type == "cpu" and not model.training and tok.padding_side == "left"
     with pytest.raises(SystemExit, match="--device: device='gpu0'"):
         cli.load_model(str(tmp_path), torch.float32, "gpu0")
+
+
+# -- the attention switch of a model two threads share ----------------------------------------------------
+
+WAIT = 2.0  # seconds a paused forward waits for the other thread before going on alone
+
+
+def _attention_seen(model, pause=None):
+    """Record (thread, attention implementation) at every attention call of `model`; `pause(thread,
+    layer)` runs at each, to hold a forward mid-way. Returns the record and the hooks to remove."""
+    seen, hooks = [], []
+    for i, layer in enumerate(model.model.layers):
+        def hook(module, args, i=i):
+            name = threading.current_thread().name
+            seen.append((name, i, model.config._attn_implementation))
+            if pause is not None:
+                pause(name, i)
+        hooks.append(layer.self_attn.register_forward_pre_hook(hook))
+    return seen, hooks
+
+
+def _packed(model, chunk):
+    cache = hf_spin.cache.PackedCache(1)
+    return hf_spin.cache.forward_packed(model, cache, [chunk])
+
+
+def _ragged(model, chunk):
+    cache = hf_spin.cache.RaggedCache(torch.zeros(1, 0, dtype=torch.bool))
+    return hf_spin.cache.forward_ragged(model, cache, [chunk])
+
+
+def _run_together(first, second, pause):
+    """`first` on thread "a", then `second` on thread "b" once "a" is inside its forward."""
+    results = {}
+    threads = [threading.Thread(target=lambda n=n, f=f: results.__setitem__(n, f()), name=n) for n, f in (("a", first), ("b", second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
+def test_a_packed_forward_does_not_switch_the_attention_of_another_threads_forward(target):
+    """Thread a verifies on packed rows (hf_spin_varlen); thread b drafts with the same model on a
+    rectangular cache meanwhile: b runs under the model's own attention, before or after a's switch."""
+    home = target.config._attn_implementation
+    chunk = [5, 6, 7]
+    ref_packed, ref_ragged = _packed(target, chunk), _ragged(target, chunk)
+    a_inside, b_done = threading.Event(), threading.Event()
+
+    def pause(name, layer):
+        if name == "a" and layer == 0:
+            a_inside.set()
+            b_done.wait(WAIT)  # with the switch, b waits for a: a goes on after WAIT
+
+    def b():
+        a_inside.wait(WAIT)
+        try:
+            return _ragged(target, chunk)
+        finally:
+            b_done.set()
+
+    seen, hooks = _attention_seen(target, pause)
+    try:
+        out = _run_together(lambda: _packed(target, chunk), b, pause)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert {impl for name, _, impl in seen if name == "b"} == {home}, seen
+    assert {impl for name, _, impl in seen if name == "a"} == {"hf_spin_varlen"}, seen
+    assert torch.equal(out["a"], ref_packed) and torch.equal(out["b"], ref_ragged)
+    assert target.config._attn_implementation == home
+
+
+def test_two_packed_forwards_keep_the_switch_until_both_are_done(target):
+    """a and b both run packed: a finishing first must not switch the attention back under b."""
+    home = target.config._attn_implementation
+    a_inside, b_inside, a_done = threading.Event(), threading.Event(), threading.Event()
+
+    def pause(name, layer):
+        if layer == 0 and name == "a":
+            a_inside.set()
+            b_inside.wait(WAIT)
+        elif layer == 0 and name == "b":
+            b_inside.set()
+            a_done.wait(WAIT)
+
+    def a():
+        try:
+            return _packed(target, [5, 6, 7])
+        finally:
+            a_done.set()
+
+    def b():
+        a_inside.wait(WAIT)
+        return _packed(target, [8, 9])
+
+    seen, hooks = _attention_seen(target, pause)
+    try:
+        _run_together(a, b, pause)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert [impl for name, _, impl in seen if name == "b"] == ["hf_spin_varlen"] * len(target.model.layers), seen
+    assert target.config._attn_implementation == home
