@@ -407,3 +407,126 @@ def test_two_packed_forwards_keep_the_switch_until_both_are_done(target):
             h.remove()
     assert [impl for name, _, impl in seen if name == "b"] == ["hf_spin_varlen"] * len(target.model.layers), seen
     assert target.config._attn_implementation == home
+
+
+# -- CUDA stream ordering in the pipeline ------------------------------------------------------------------
+
+
+class FakeCuda:
+    """torch.cuda's stream API, logging what it is asked: ("record", event, stream), ("wait", stream,
+    event), ("wait_stream", waiter, waited, thread). Each thread has its own current stream."""
+
+    class Stream:
+        def __init__(self, name, log, device=torch.device("cuda", 0)):
+            self.name, self.log, self.device = name, log, device
+
+        def wait_event(self, event):
+            self.log.append(("wait", self.name, event.id))
+
+        def wait_stream(self, other):
+            self.log.append(("wait_stream", self.name, other.name, threading.current_thread().name))
+
+    class _Event:
+        count = 0
+
+        def __init__(self, log):
+            FakeCuda._Event.count += 1
+            self.id, self.log = FakeCuda._Event.count, log
+
+        def record(self, stream):
+            self.log.append(("record", self.id, stream.name))
+
+    def __init__(self):
+        self.log: list = []
+        self.default = FakeCuda.Stream("default", self.log)
+        self.local = threading.local()
+
+    def Event(self):  # noqa: N802 - torch.cuda's name
+        return FakeCuda._Event(self.log)
+
+    def current_stream(self, device=None):
+        return getattr(self.local, "stream", None) or self.default
+
+    def stream(self, stream):
+        cuda = self
+
+        class Context:
+            def __enter__(self):
+                self.previous = getattr(cuda.local, "stream", None)
+                cuda.local.stream = stream
+
+            def __exit__(self, *exc):
+                cuda.local.stream = self.previous
+
+        return Context()
+
+
+def test_pipeline_orders_the_drafting_and_target_streams(target, drafter, monkeypatch):
+    """With a (simulated) drafting stream: drafts are made on it, after an event of the target's work on
+    the lane; verification waits for an event of the drafts; the target thread's own drafter calls
+    (rows retired, rows admitted) run on it too, fenced both ways."""
+    from hf_spin.engine import SpinEngine
+    from hf_spin.pipeline import Pipeline, _Streams
+
+    from .test_engine import prompts, request, run
+
+    cuda = FakeCuda()
+    log = cuda.log
+    for method in ("propose", "verify"):
+        original = getattr(SpinEngine, method)
+
+        def logged(self, *args, _original=original, _method=method):
+            log.append((_method, id(self), cuda.current_stream().name))
+            return _original(self, *args)
+
+        monkeypatch.setattr(SpinEngine, method, logged)
+    for method in ("start", "add_rows", "select_rows"):
+        original = getattr(ModelDrafter, method)
+
+        def logged_drafter(self, *args, _original=original, _method=method, **kwargs):
+            log.append(("drafter." + _method, threading.current_thread().name, cuda.current_stream().name))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(ModelDrafter, method, logged_drafter)
+    pipe = Pipeline(target, spin_pool([drafter]), micro_batches=2)
+    pipe.streams = _Streams(FakeCuda.Stream("side", log), [torch.device("cuda", 0)], cuda=cuda)
+    ps = prompts(4, seed=5)
+    rows = run(pipe, {0: [request(p, n) for p, n in zip(ps, [9, 3, 12, 6])]})
+    assert all(len(r.generated) == n for r, n in zip(rows, [9, 3, 12, 6]))
+
+    recorded_on = {e[1]: e[2] for e in log if e[0] == "record"}
+    proposes = [i for i, e in enumerate(log) if e[0] == "propose"]
+    verifies = [i for i, e in enumerate(log) if e[0] == "verify"]
+    assert proposes and verifies and all(log[i][2] == "side" for i in proposes) and all(log[i][2] == "default" for i in verifies)
+    for i in verifies:  # the default stream waited for an event on "side" recorded after this lane's drafts
+        lane = log[i][1]
+        drafted = max(j for j in proposes if j < i and log[j][1] == lane)
+        waited = [e[2] for e in log[drafted:i] if e[0] == "wait" and e[1] == "default"]
+        assert any(recorded_on[ev] == "side" and log.index(("record", ev, "side")) > drafted for ev in waited), log[drafted:i]
+    for i in proposes:  # the side stream waited for an event on "default" recorded after the lane's last verify
+        lane = log[i][1]
+        last = max((j for j in verifies if j < i and log[j][1] == lane), default=-1)
+        waited = [e[2] for e in log[last + 1 : i] if e[0] == "wait" and e[1] == "side"]
+        assert any(recorded_on[ev] == "default" and log.index(("record", ev, "default")) > last for ev in waited), log[last + 1 : i]
+    calls = [i for i, e in enumerate(log) if e[0].startswith("drafter.")]
+    assert {log[i][0] for i in calls} >= {"drafter.start", "drafter.select_rows"}
+    assert all(log[i][2] == "side" for i in calls), [log[i] for i in calls]
+    main = [e[:3] for e in log if (e[0] == "wait_stream" and e[3] == "MainThread") or (e[0].startswith("drafter.") and e[1] == "MainThread")]
+    assert main, "the target thread made no drafter call"
+    for i, e in enumerate(main):  # from the target thread: fenced both ways
+        if e[0].startswith("drafter."):
+            assert main[i - 1] == ("wait_stream", "side", "default") and main[i + 1] == ("wait_stream", "default", "side"), main
+
+
+def test_q_made_on_the_drafting_stream_is_recorded_on_the_target_stream():
+    from types import SimpleNamespace
+
+    from hf_spin.pipeline import _Streams
+
+    cuda = FakeCuda()
+    streams = _Streams(FakeCuda.Stream("side", cuda.log), [torch.device("cuda", 0)], cuda=cuda)
+    kept = []
+    q = SimpleNamespace(device=torch.device("cuda", 0), record_stream=lambda s: kept.append(s.name))
+    events = streams.mark()
+    streams.wait(events, SimpleNamespace(qs=[q, None]))
+    assert kept == ["default"] and ("wait", "default", events[0].id) in cuda.log
