@@ -530,3 +530,81 @@ def test_q_made_on_the_drafting_stream_is_recorded_on_the_target_stream():
     events = streams.mark()
     streams.wait(events, SimpleNamespace(qs=[q, None]))
     assert kept == ["default"] and ("wait", "default", events[0].id) in cuda.log
+
+
+# -- on a real GPU (skipped without one) -----------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _plain_generate(model, prompt, n):
+    ids = torch.tensor([prompt], device=model.device)
+    return model.generate(input_ids=ids, max_new_tokens=n, do_sample=False)[0, len(prompt) :].tolist()
+
+
+def split_over_devices(model, main: str = "cuda"):
+    """`model` with its last decoder layer on the CPU and the rest on `main`, as a device_map spreads a
+    model: accelerate's hook moves the layer's inputs there and its output back, so that layer's KV
+    lives on the CPU while the others' lives on the GPU."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    model.to(main)
+    layer = model.model.layers[-1].to("cpu")
+    add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device("cpu"), io_same_device=True))
+    return model
+
+
+@needs_cuda
+@pytest.mark.parametrize("ragged_attention", [False, True], ids=["ragged_cache", "packed_cache"])
+def test_cuda_pipeline_greedy_equals_plain_generate(ragged_attention):
+    """Drafting on a side stream of the GPU while the target verifies on the default one."""
+    from hf_spin.pipeline import Pipeline
+
+    from .archs import tiny_model
+    from .speculation import perturbed
+    from .test_engine import prompts, request, run
+
+    target, draft = tiny_model("llama", seed=0).cuda(), perturbed("llama").cuda()
+    pipe = Pipeline(target, spin_pool([draft, "prompt_lookup"], policy="round_robin", ragged_attention=ragged_attention), micro_batches=2)
+    assert pipe.streams.stream is not None
+    ps, lengths = prompts(6, seed=11), [18, 6, 14, 20, 9, 3]
+    rows = run(pipe, {0: [request(ps[i], lengths[i]) for i in range(4)], 3: [request(ps[4], lengths[4]), request(ps[5], lengths[5])]})
+    for row, p, n in zip(rows, ps, lengths):
+        assert row.generated == _plain_generate(target, p, n)[: len(row.generated)] and len(row.generated) in (n, len(_plain_generate(target, p, n)))
+    assert_speculated(hf_spin.stats.DrafterStats.total(pipe.drafter_stats.values()))
+
+
+@needs_cuda
+def test_cuda_target_with_a_cpu_drafter_under_processors():
+    """Target on the GPU, drafter on the CPU: the target's processors hold CUDA tensors."""
+    from .archs import tiny_model
+    from .speculation import perturbed
+
+    target, draft = tiny_model("llama", seed=0).cuda(), perturbed("llama")
+    ids, mask = ragged_batch(2, 8)
+    kwargs = dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=15, do_sample=False, repetition_penalty=1.3, min_new_tokens=10)
+    pool = spin_pool([draft])
+    assert torch.equal(spin(target, pool, **kwargs), target.generate(**kwargs))
+    assert_speculated(pool.last_stats)
+
+
+@needs_cuda
+@pytest.mark.parametrize("ragged_attention", [False, True], ids=["ragged_cache", "packed_cache"])
+def test_cuda_model_split_over_devices_keeps_its_caches_exact(ragged_attention):
+    """Layers on two devices: compaction, rows leaving the batch and packed relayouts index each
+    layer's KV where it lives; the packed path reads the metadata on each layer's device."""
+    from .archs import EOS, tiny_model
+    from .speculation import perturbed
+
+    target = split_over_devices(tiny_model("llama", seed=0))
+    draft = split_over_devices(perturbed("llama"))
+    ids, mask = ragged_batch(4, 10, seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False)
+    eos = [EOS, int(ref[0, 14]), int(ref[2, 18])]  # rows stop at different steps: retirement
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    pool = spin_pool([draft], ragged_attention=ragged_attention)
+    out = spin(target, pool, **kwargs)
+    assert target.model.layers[-1].self_attn.q_proj.weight.device.type == "cpu"
+    assert torch.equal(out, target.generate(**kwargs))
+    assert_speculated(pool.last_stats)
