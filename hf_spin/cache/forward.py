@@ -71,7 +71,6 @@ def forward_ragged(model, cache: RaggedCache | PackedCache, chunks: list[list[in
     return logits[rows, last.to(logits.device)][:, None]  # [B, 1, V]
 
 
-
 class _AttentionSwitch:
     """Which attention implementation one model's forwards in flight run under.
 
