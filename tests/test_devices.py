@@ -8,6 +8,11 @@ This machine has no second device, so the tests simulate one, and each fails wit
 * `StrictDevices`: a torch function mode that raises when one op mixes tensors of two devices (CUDA
   refuses a `gather` or an index from another GPU; meta and CPU tensors are more lenient), so cache
   layers on "meta" stand for layers on a second GPU.
+* `FakeCuda`: torch.cuda's stream and event calls, logged, so the pipeline's stream ordering is checked
+  on the CPU's code path.
+
+The tests at the end run only where CUDA is: the same fixes on a real GPU (a side stream, a CPU drafter
+for a CUDA target, a model split over the GPU and the CPU).
 """
 
 from __future__ import annotations
