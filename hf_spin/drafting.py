@@ -39,11 +39,16 @@ class Drafting:
         self.rows = engine.rows
         self.sequences = [r.sequence for r in self.rows]
         self.score_fn = self._score if any(len(r.request.processors) for r in self.rows) else None
+        self.device = getattr(engine.model, "device", None)  # the target's: where its processors hold their tensors
         self.min_confidence = plan.min_confidence if plan is not None else 0.0
         self.match_lengths: list[dict[int, int]] = [{} for _ in self.rows]  # [B] drafter -> the match its draft continued
 
     def _score(self, b: int, prefix: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """Row b's processors on one draft position: drafters score like the target (`ScoreFn`)."""
+        """Row b's processors on one draft position: drafters score like the target (`ScoreFn`). The
+        draft logits [V] move to the target's device first: the processors hold tensors there (eos ids,
+        suppressed tokens), and a drafter on another device would otherwise raise and be dropped."""
+        if self.device is not None and logits.device != self.device:
+            logits = logits.to(self.device)
         return score_position(self.rows[b], prefix, logits)
 
     def preempt(self, chosen: list[tuple[int, ...]], ks: list[int], proposals: Proposals, q_of: list[dict]) -> Proposals:

@@ -7,6 +7,7 @@ The first `load` of a (name, dtype) assembles the GGUF, checks its sha256, dequa
 folder under the cache root; later loads read that folder in seconds.
 
     model, tok = load("qwen2.5-coder-1.5b-instruct")            # bf16, cached after the first call
+    model, tok = load("qwen2.5-coder-1.5b-instruct", device="auto")  # spread over every GPU (device_map)
 
 Errors: an unknown name raises `ValueError`; a missing part package raises `MissingModelPackage`
 (an `ImportError`) whose message is the exact pip line; a corrupted download raises `ChecksumError`
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 CACHE_ENV = "HF_SPIN_CACHE"
 DEFAULT_CACHE = Path("~/.cache/hf_spin/models")
 COPY_BLOCK = 8 * 1024 * 1024  # streaming block: big enough for disk speed, small enough for RAM
+# `device=` values that are accelerate device maps (the model split over every GPU), not one device.
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 @dataclass(frozen=True)
@@ -245,22 +248,47 @@ def _convert(entry: PackagedModel, dtype: torch.dtype, target: Path) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def default_device() -> str:
+    """"cuda" when PyTorch sees a GPU, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_map(device: str | torch.device | None = None) -> str | torch.device:
+    """`from_pretrained`'s `device_map` for `device`: one device ("cpu", "cuda", "cuda:1", a torch.device),
+    a device-map name from DEVICE_MAPS ("auto": every layer on some GPU, as accelerate places it), or
+    None for `default_device()`."""
+    if device is None:
+        return default_device()
+    if isinstance(device, str) and device in DEVICE_MAPS:
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={device!r} is neither a device ('cpu', 'cuda', 'cuda:1') nor a device map ({', '.join(DEVICE_MAPS)})") from err
+
+
 def load(
-    name: str, dtype: torch.dtype = torch.bfloat16, cache_dir: str | os.PathLike | None = None
+    name: str,
+    dtype: torch.dtype = torch.bfloat16,
+    cache_dir: str | os.PathLike | None = None,
+    device: str | torch.device | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) for a packaged model, converting and caching it on first use.
 
+    device: where the weights go (`device_map`): None for "cuda" when a GPU is there, else "cpu"; or a
+        device-map name such as "auto" to split the model over every GPU. The conversion runs on the CPU.
     The model is in eval mode; the tokenizer pads on the left (batched generation) and uses
     eos as pad token when it has none.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     entry = _entry(name)
+    placement = device_map(device)  # a bad device fails before any conversion
     folder = cached_path(name, dtype, cache_dir)
     if not folder.is_dir():
         # then read back the saved folder, so a first call returns exactly what later calls do
         _convert(entry, dtype, folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=placement)
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -17,7 +17,7 @@ least-loaded of the first m lanes, m chosen by `MicroBatchCount` (Spin's heurist
 while throughput does not drop) or fixed; rows never move between lanes, so a new m takes effect as
 rows come and go. On CPU the two threads share the cores the models' own matmuls already use, so the
 overlap gains little; the mechanism is there for drafters and target on different devices (CUDA
-streams: a drafter on a GPU drafts on a stream of its own).
+streams: a drafter on a GPU drafts on a stream of its own, ordered against the target's by `_Streams`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from time import perf_counter
 import torch
 
 from .engine import Proposal, SpinEngine
+from .faults import Faults
 from .micro_batches import MicroBatchCount
 from .pool import AssistantPool
 from .rows import Request, Row
@@ -62,6 +63,95 @@ class _LockedPolicy:
     def end_rows(self, row_ids):
         with self.lock:
             return self.policy.end_rows(row_ids)
+
+
+class _Streams:
+    """CUDA stream ordering between the target thread and the drafting thread, which drafts on a side
+    stream of the drafters' GPU (`stream`; None without one: then every method is a no-op and the CPU
+    runs the same code).
+
+    A lane changes hands through the queues; the work it enqueued on its GPU streams goes with it as
+    events (`mark` on the giving thread, `wait` on the taking thread's current streams):
+      target -> drafting  after prefill, verification and commit: the drafting stream waits before it
+                          drafts (a drafter sharing the target's model copies the target's fresh KV);
+      drafting -> target  after the drafts: the target's streams wait before verifying, and each q
+                          (made on the drafting stream, read on the target's) is recorded on the
+                          target's stream, so the allocator does not give its memory back to the
+                          drafting stream while verification may still read it.
+    Drafter calls the target thread makes itself (rows retired or admitted) run on the drafting stream
+    too (`run`), fenced both ways, so that drafter state is only ever allocated on that stream.
+    """
+
+    def __init__(self, stream=None, devices=(), cuda=torch.cuda):
+        self.stream = stream  # the drafting stream, or None
+        self.devices = list(devices)  # every CUDA device the target and the drafters use
+        self.cuda = cuda
+
+    @classmethod
+    def for_models(cls, model, drafters) -> "_Streams":
+        models = [model] + [d.model for d in drafters if getattr(d, "model", None) is not None]
+        devices = list(dict.fromkeys(m.device for m in models if m.device.type == "cuda"))
+        draft_device = next((d.model.device for d in drafters if getattr(d, "model", None) is not None and d.model.device.type == "cuda"), None)
+        if draft_device is None:  # no drafter on a GPU: both threads share the default streams
+            return cls()
+        return cls(torch.cuda.Stream(device=draft_device), devices)
+
+    def drafting(self):
+        """The drafting thread's context: its work goes to the drafting stream."""
+        return self.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+
+    def mark(self) -> list | None:
+        """Events after everything this thread enqueued so far on its current stream of each device."""
+        if self.stream is None:
+            return None
+        events = []
+        for device in self.devices:
+            event = self.cuda.Event()
+            event.record(self.cuda.current_stream(device))
+            events.append(event)
+        return events
+
+    def wait(self, events: list | None, proposal: Proposal | None = None) -> None:
+        """This thread's current streams wait for `events`; the proposal's q tensors are recorded on them."""
+        if self.stream is None or events is None:
+            return
+        for device in self.devices:
+            stream = self.cuda.current_stream(device)
+            for event in events:
+                stream.wait_event(event)
+        for q in proposal.qs if proposal is not None else ():
+            if q is not None and q.device.type == "cuda":
+                q.record_stream(self.cuda.current_stream(q.device))
+
+    def run(self, fn):
+        """fn() on the drafting stream, from any thread: the drafting stream first waits for the calling
+        thread's work (the KV a drafter may copy), and the caller's stream then waits for fn's (so memory
+        the caller frees next is not reused under fn's kernels)."""
+        if self.stream is None:
+            return fn()
+        current = self.cuda.current_stream(self.stream.device)
+        if current == self.stream:  # the drafting thread, already there
+            return fn()
+        self.stream.wait_stream(current)
+        try:
+            with self.cuda.stream(self.stream):
+                return fn()
+        finally:
+            current.wait_stream(self.stream)
+
+
+class _LaneFaults(Faults):
+    """A lane's fault policy with every drafter call on the drafting stream (`_Streams.run`)."""
+
+    def __init__(self, engine, isolate: bool, streams: _Streams):
+        super().__init__(engine, isolate)
+        self.streams = streams
+
+    def drafter(self, d_idx, fn, *args, **kwargs):
+        return super().drafter(d_idx, lambda: self.streams.run(fn), *args, **kwargs)
+
+    def _rebuild(self, d_idx: int) -> None:
+        self.streams.run(lambda: super(_LaneFaults, self)._rebuild(d_idx))
 
 
 class Pipeline:
@@ -96,7 +186,7 @@ class Pipeline:
         self._in_flight: set[int] = set()  # ids of lanes with the drafting thread or in the result pool
         self._thread: threading.Thread | None = None
         self._threads = draft_threads or torch.get_num_threads()  # torch threads of the drafting thread
-        self._stream = None
+        self.streams = _Streams.for_models(model, self.bound)
         self.pool_wait_seconds = 0.0  # drafting thread time spent blocked on a full result pool (back-pressure)
         self.target_wait_seconds = 0.0  # target thread time spent waiting for a drafted micro-batch
         self.steps = 0
@@ -155,11 +245,12 @@ class Pipeline:
             return
         # 2. Verify the micro-batch the drafting thread delivered (waiting for it if need be).
         start = perf_counter()
-        lane, proposal, error = self._results.get()
+        lane, proposal, error, drafted = self._results.get()
         self.target_wait_seconds += perf_counter() - start
         self._in_flight.discard(id(lane))
         if error is not None:
             raise error
+        self.streams.wait(drafted, proposal)  # the drafting stream's work on this lane comes first
         before = sum(len(r.generated) for r in lane.rows)
         lane.verify(proposal)
         committed = sum(len(r.generated) for r in lane.rows) - before
@@ -185,7 +276,7 @@ class Pipeline:
     # -- lanes -------------------------------------------------------------------------------------------
     def _new_lane(self) -> SpinEngine:
         drafters = [copy.copy(d) for d in self.bound]  # own per-row state, shared models
-        return SpinEngine(
+        lane = SpinEngine(
             self.model,
             self.pool,
             self.tokenizer,
@@ -194,6 +285,8 @@ class Pipeline:
             policy=self.policy,
             defer_idle_prefill=True,
         )
+        lane.faults = _LaneFaults(lane, self.isolate_faults, self.streams)
+        return lane
 
     def _between_steps(self, lane: SpinEngine) -> None:
         lane.retire()
@@ -202,7 +295,7 @@ class Pipeline:
             lane.retire()  # rows that stopped at their first token
         if lane.rows:
             self._in_flight.add(id(lane))
-            self._to_draft.put(lane)
+            self._to_draft.put((lane, self.streams.mark()))  # the target stream's work on it goes along
 
     def _drop_empty_lanes(self) -> None:
         """Lanes beyond the current count that emptied go away (their drafter counts are kept)."""
@@ -219,26 +312,23 @@ class Pipeline:
     # -- the drafting thread ---------------------------------------------------------------------------
     def _start_thread(self) -> None:
         if self._thread is None:
-            device = getattr(self.bound[0], "model", None)
-            if device is not None and device.device.type == "cuda":
-                self._stream = torch.cuda.Stream(device=device.device)
             self._thread = threading.Thread(target=self._draft_loop, name="hf_spin-drafting", daemon=True)
             self._thread.start()
 
     def _draft_loop(self) -> None:
         torch.set_num_threads(self._threads)
         while True:
-            lane = self._to_draft.get()
-            if lane is None:
+            handed = self._to_draft.get()
+            if handed is None:
                 return
+            lane, verified = handed
             try:
-                with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+                with self.streams.drafting():
+                    self.streams.wait(verified)  # the target's work on this lane comes first
                     proposal: Proposal | None = lane.propose()
-                if self._stream is not None:
-                    self._stream.synchronize()  # q tensors are read on the target's stream
-                item = (lane, proposal, None)
+                    item = (lane, proposal, None, self.streams.mark())
             except BaseException as err:  # noqa: BLE001 - handed to the target thread, which raises it
-                item = (lane, None, err)
+                item = (lane, None, err, None)
             start = perf_counter()
             self._results.put(item)  # back-pressure: blocks while the pool holds a micro-batch
             self.pool_wait_seconds += perf_counter() - start

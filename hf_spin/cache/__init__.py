@@ -5,7 +5,10 @@
 * `forward`: `forward_ragged` (either cache), `forward_packed`, `check_packed_support`, `CACHE_ARG`.
 * `protocol`: `RowCache`, the calls the engine and the drafters make on either cache.
 
-Imports run one way: `forward` -> `packed`, `ragged`; `packed`, `forward` -> `hf_spin.kernels.attention`
+Under `device_map` each layer's KV lives on its own device: every index a cache applies to its layers goes
+through `ragged.per_device` (one copy per device).
+
+Imports run one way: `forward` -> `packed` -> `ragged`; `packed`, `forward` -> `hf_spin.kernels.attention`
 (which imports nothing of `hf_spin.cache`); `ragged` and `protocol` import nothing of `hf_spin`.
 Tuning constants (`ragged.COMPACT_HOLE_FRACTION`, `packed.RESERVE_TOKENS`, ...) are read, and so must be
 patched, in their own module; they are not re-exported, so a patch of `hf_spin.cache.<name>` fails loudly.
@@ -14,7 +17,7 @@ patched, in their own module; they are not re-exported, so a patch of `hf_spin.c
 from .forward import CACHE_ARG, CACHE_NAMES, check_packed_support, forward_packed, forward_ragged
 from .packed import PackedCache, grow_capacity
 from .protocol import RowCache
-from .ragged import RaggedCache, compaction_index, gather_slots, needs_contiguous_slots
+from .ragged import RaggedCache, compaction_index, gather_slots, needs_contiguous_slots, per_device
 
 __all__ = [
     "CACHE_ARG",
@@ -29,4 +32,5 @@ __all__ = [
     "gather_slots",
     "grow_capacity",
     "needs_contiguous_slots",
+    "per_device",
 ]

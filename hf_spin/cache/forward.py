@@ -8,6 +8,9 @@ chunk slot. `CACHE_ARG` is the keyword the installed `transformers` takes the ca
 from __future__ import annotations
 
 import inspect
+import threading
+import weakref
+from contextlib import contextmanager
 
 import torch
 from transformers.masking_utils import create_causal_mask
@@ -51,36 +54,78 @@ def forward_ragged(model, cache: RaggedCache | PackedCache, chunks: list[list[in
         # Only the slots some row ends on: a prefill of L tokens computes U <= B rows of logits, not L.
         keep, last = torch.unique(last, return_inverse=True)  # [U], [B] index into keep
         extra["logits_to_keep"] = keep
-    out = (forward or model)(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cache_position=cache_position,
-        use_cache=True,
-        return_dict=True,
-        **extra,
-    )
+    with _attention(model):  # the model's own attention, never a packed forward's (another thread's)
+        out = (forward or model)(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache_position=cache_position,
+            use_cache=True,
+            return_dict=True,
+            **extra,
+        )
     logits = out.logits  # [B, T, V], or [B, U, V] with logits_to_keep
     if all_logits:
         return logits
-    return logits[torch.arange(len(chunks), device=device), last][:, None]  # [B, 1, V]
+    rows = torch.arange(len(chunks), device=logits.device)  # logits come out where the LM head is (device_map)
+    return logits[rows, last.to(logits.device)][:, None]  # [B, 1, V]
 
 
+class _AttentionSwitch:
+    """Which attention implementation one model's forwards in flight run under.
 
-class _use_attention:
-    """Run the model with `attn_implementation` = name for the duration of one forward."""
+    transformers reads it from `model.config._attn_implementation` at every layer, one value for every
+    thread. A packed forward needs `hf_spin_varlen`, any other forward the model's own (its "home"
+    implementation), so when a pipeline verifies on packed rows while its drafting thread runs a drafter
+    that shares the target's model (self-speculation), a flip for one would change the other mid-forward.
+    Forwards that need the implementation in force run together; one that needs the other waits until
+    they are done, and the config is flipped only while no forward is in flight.
+    """
 
-    def __init__(self, model, name: str):
-        self.model, self.name = model, name
+    def __init__(self, config):
+        self.config = config
+        self.home = config._attn_implementation  # re-read whenever no forward is in flight
+        self.current = self.home  # the implementation the forwards in flight run under
+        self.active = 0  # forwards in flight
+        self.changed = threading.Condition()
 
-    def __enter__(self):
-        self.previous = self.model.config._attn_implementation
-        if self.previous != self.name:
-            self.model.config._attn_implementation = self.name
+    @contextmanager
+    def use(self, name: str | None):
+        """Run one forward under attention `name` (None: the model's own)."""
+        with self.changed:
+            while True:
+                if self.active == 0:
+                    self.home = self.current = self.config._attn_implementation
+                want = name or self.home
+                if self.active == 0 or self.current == want:
+                    break
+                self.changed.wait()
+            if self.active == 0 and want != self.home:
+                self.config._attn_implementation = self.current = want
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.active -= 1
+                if self.active == 0:
+                    if self.current != self.home:
+                        self.config._attn_implementation = self.home
+                    self.current = self.home
+                    self.changed.notify_all()
 
-    def __exit__(self, *exc):
-        if self.previous != self.name:
-            self.model.config._attn_implementation = self.previous
+
+_switches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its _AttentionSwitch
+_switches_lock = threading.Lock()
+
+
+def _attention(model, name: str | None = None):
+    """The context one forward of `model` runs in: attention `name`, or the model's own (None)."""
+    with _switches_lock:
+        switch = _switches.get(model)
+        if switch is None:
+            switch = _switches[model] = _AttentionSwitch(model.config)
+    return switch.use(name)
 
 
 def check_packed_support(model, role: str = "model") -> None:
@@ -112,7 +157,7 @@ def forward_packed(model, cache: PackedCache, chunks: list[list[int]], all_logit
     if not all_logits and model._supports_logits_to_keep():
         extra["logits_to_keep"] = ends[fed].to(device)  # [U]: one row of logits per non-empty row
     try:
-        with _use_attention(model, ATTENTION_NAME):
+        with _attention(model, ATTENTION_NAME):
             out = model(
                 input_ids=input_ids,
                 position_ids=position_ids.to(device),

@@ -11,6 +11,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..kernels.attention import VarlenMetadata
+from .ragged import per_device
 
 # Spare slots a row gets when it outgrows its capacity: at least RESERVE_TOKENS, or GROWTH of its length
 # (geometric growth: a row of length L is re-laid out O(log L) times, each copy amortised over L / 8 tokens).
@@ -67,7 +68,7 @@ class PackedCache(Cache):
         self.lengths: list[int] = [0] * batch_size  # [B] tokens held per row
         self.capacity: list[int] = [0] * batch_size  # [B] slots owned per row
         self._device = torch.device(device)
-        self._write: torch.Tensor | None = None  # [total_q] slot of every new token of the running forward
+        self._write = None  # per_device([total_q] slot of every new token of the running forward)
         self._pending: list[int] | None = None  # lengths after the running forward
 
     # -- layout ------------------------------------------------------------------------------------
@@ -93,11 +94,11 @@ class PackedCache(Cache):
         new_starts = [sum(capacity[:i]) for i in range(len(rows))]
         src = [old_starts[r] + t for r in rows for t in range(self.lengths[r])]
         dst = [new_starts[i] + t for i, r in enumerate(rows) for t in range(self.lengths[r])]
-        src_t = torch.tensor(src, dtype=torch.long, device=self._device)
-        dst_t = torch.tensor(dst, dtype=torch.long, device=self._device)
-        for layer in self.layers:
+        src_on = per_device(torch.tensor(src, dtype=torch.long, device=self._device))
+        dst_on = per_device(torch.tensor(dst, dtype=torch.long, device=self._device))
+        for layer in self.layers:  # each on its layer's device (device_map)
             if layer.is_initialized:
-                layer.move(src_t, dst_t, sum(capacity))
+                layer.move(src_on(layer.keys.device), dst_on(layer.keys.device), sum(capacity))
         self.lengths = [self.lengths[r] for r in rows]
         self.capacity = list(capacity)
 
@@ -114,7 +115,7 @@ class PackedCache(Cache):
         write = [starts[b] + self.lengths[b] + t for b, q in enumerate(q_lens) for t in range(q)]
         positions = [self.lengths[b] + t for b, q in enumerate(q_lens) for t in range(q)]
         dev = self._device
-        self._write = torch.tensor(write, dtype=torch.long, device=dev)
+        self._write = per_device(torch.tensor(write, dtype=torch.long, device=dev))
         self._pending = new
         cu_q = [0]
         for q in q_lens:
@@ -150,8 +151,9 @@ class PackedCache(Cache):
             layer.keys = key_states.new_zeros(self.total_slots, H_kv, D)
             layer.values = value_states.new_zeros(self.total_slots, H_kv, D_v)
             layer.is_initialized = True
-        layer.keys[self._write] = key_states[0].transpose(0, 1)  # [total_q, H_kv, D]
-        layer.values[self._write] = value_states[0].transpose(0, 1)
+        write = self._write(layer.keys.device)  # [total_q] on this layer's device
+        layer.keys[write] = key_states[0].transpose(0, 1)  # [total_q, H_kv, D]
+        layer.values[write] = value_states[0].transpose(0, 1)
         return layer.keys.permute(1, 0, 2).unsqueeze(0), layer.values.permute(1, 0, 2).unsqueeze(0)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -17,6 +17,8 @@ The model runs on it through `hf_spin.cache.forward.forward_ragged`.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from transformers import DynamicCache
 
@@ -114,18 +116,21 @@ class RaggedCache(DynamicCache):
     def compact(self) -> None:
         """Move each row's valid slots to the right end of a cache of width max(lengths)."""
         src, new_mask = compaction_index(self.slot_mask)
+        src_on = per_device(src)
         for layer in self.layers:
             if layer.is_initialized and layer.keys.numel():
-                layer.keys, layer.values = gather_slots(layer.keys, src), gather_slots(layer.values, src)
+                index = src_on(layer.keys.device)
+                layer.keys, layer.values = gather_slots(layer.keys, index), gather_slots(layer.values, index)
         self.slot_mask = new_mask
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (retire the others)."""
-        self.batch_select_indices(rows)
-        for layer in self.layers:  # transformers skips layers holding no slot: their batch must shrink too
-            if layer.is_initialized and layer.keys.dim() == 4 and layer.keys.shape[0] != len(rows):
-                layer.keys, layer.values = layer.keys[rows], layer.values[rows]
-        self.slot_mask = self.slot_mask[rows]
+        rows_on = per_device(rows)
+        for layer in self.layers:  # layers holding no slot too (S = 0): their batch must shrink as well
+            if layer.is_initialized and layer.keys.dim() == 4:
+                index = rows_on(layer.keys.device)
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
+        self.slot_mask = self.slot_mask[rows.to(self.device)]
         self._trim_tail()
 
     # -- rows joining a running batch (continuous batching) -------------------------------------------
@@ -181,6 +186,22 @@ class RaggedCache(DynamicCache):
                 layer.keys = layer.keys[..., :slots, :]
                 layer.values = layer.values[..., :slots, :]
         self.slot_mask = mask
+
+
+def per_device(index: torch.Tensor) -> Callable[[torch.device], torch.Tensor]:
+    """`index` on any device, copied once per device that asks: under `device_map` each layer's KV lives on
+    its own device, and CUDA refuses to gather or index with a tensor from another GPU.
+
+    Example: on = per_device(src); on(layer.keys.device) for every layer -> one copy per device, not per layer.
+    """
+    copies = {index.device: index}
+
+    def on(device: torch.device) -> torch.Tensor:
+        if device not in copies:
+            copies[device] = index.to(device)
+        return copies[device]
+
+    return on
 
 
 def _col_index(mask: torch.Tensor) -> torch.Tensor:

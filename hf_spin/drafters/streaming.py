@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import RaggedCache, compaction_index, forward_ragged, gather_slots, needs_contiguous_slots
+from ..cache import RaggedCache, compaction_index, forward_ragged, gather_slots, needs_contiguous_slots, per_device
 from .model import ModelDrafter
 
 DEFAULT_SINK_TOKENS = 4  # StreamingLLM: four initial tokens hold most of the "attention sink" mass
@@ -96,8 +96,9 @@ class StreamingCache(RaggedCache):
         cols = torch.arange(take.shape[1], device=take.device).expand_as(take)
         src = torch.argsort((~take).long() * take.shape[1] + cols, dim=1)[:, :width]  # [B, W] those slots first, in order
         self.add_slots(counts, width)  # the first counts[b] new slots of row b valid, the rest holes
+        src_on = per_device(src)
         for i, layer in enumerate(source.layers):
-            self.update(gather_slots(layer.keys, src), gather_slots(layer.values, src), i)
+            self.update(gather_slots(layer.keys, src_on(layer.keys.device)), gather_slots(layer.values, src_on(layer.keys.device)), i)
 
     @classmethod
     def from_cache(cls, cache: RaggedCache, sink_tokens: int, window_tokens: int) -> StreamingCache:
@@ -106,8 +107,9 @@ class StreamingCache(RaggedCache):
         drop = new.eviction_mask()
         new.evicted = drop.sum(dim=1)
         src, new.slot_mask = compaction_index(cache.slot_mask & ~drop)  # [B, W]
+        src_on = per_device(src)
         for i, layer in enumerate(cache.layers):
-            new.update(gather_slots(layer.keys, src), gather_slots(layer.values, src), i)
+            new.update(gather_slots(layer.keys, src_on(layer.keys.device)), gather_slots(layer.values, src_on(layer.keys.device)), i)
         return new
 
 

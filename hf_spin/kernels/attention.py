@@ -19,7 +19,8 @@ attention-logit soft-capping, attention sinks (`s_aux`), dropout in training, `o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import AttentionInterface
@@ -40,6 +41,17 @@ class VarlenMetadata:
     max_seqlen_k: int  # longest row of keys (after this forward's append)
     seqused_k: torch.Tensor | None = None  # [B] int32  keys row b uses (its slots may hold spare capacity)
     tree_mask: torch.Tensor | None = None  # [sum_b q_len_b ** 2] bool  see varlen_attention.pack_tree_masks
+    _copies: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> this metadata there
+
+    def on(self, device: torch.device) -> "VarlenMetadata":
+        """This metadata with its tensors on `device`, copied once per device and forward: the layers of a
+        model dispatched over several devices (`device_map`) each read it where their KV lives."""
+        if self.cu_seqlens_q.device == device:
+            return self
+        if device not in self._copies:
+            moved = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+            self._copies[device] = VarlenMetadata(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+        return self._copies[device]
 
     @classmethod
     def make_dummy(cls, q_lens: list[int], k_lens: list[int], device="cpu") -> "VarlenMetadata":
@@ -49,6 +61,12 @@ class VarlenMetadata:
             return cu_seqlens(torch.tensor(lengths, dtype=torch.long, device=device))
 
         return cls(cu(q_lens), cu(k_lens), max(q_lens, default=0), max(k_lens, default=0))
+
+
+def on_device(device: torch.device):
+    """The CUDA device context of `device`: Triton launches on the current CUDA device, not on the
+    tensors' (a layer on cuda:1 while cuda:0 is current would launch on the wrong GPU). No-op elsewhere."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def _refuse(module, what: str) -> None:
@@ -96,10 +114,12 @@ def _packed(query, key, value, meta: VarlenMetadata, causal, scaling, sliding_wi
     q = query[0].transpose(0, 1)  # [total_q, H, D]
     k = key[0].transpose(0, 1)  # [total_k, H_kv, D]
     v = value[0].transpose(0, 1)  # [total_k, H_kv, D_v]
-    out = varlen_attention(
-        q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, causal, scaling,
-        tree_mask=meta.tree_mask, seqused_k=meta.seqused_k, sliding_window=sliding_window,
-    )
+    meta = meta.on(q.device)
+    with on_device(q.device):
+        out = varlen_attention(
+            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, causal, scaling,
+            tree_mask=meta.tree_mask, seqused_k=meta.seqused_k, sliding_window=sliding_window,
+        )
     return out.unsqueeze(0)  # [1, total_q, H, D_v]
 
 
@@ -113,19 +133,21 @@ def _padded(query, key, value, attention_mask, causal, scaling, sliding_window) 
     if attention_mask is None:
         cu_q = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
         cu_k = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=device)
-        out = varlen_attention(q, k, v, cu_q, cu_k, T, S, causal, scaling, sliding_window=sliding_window)
+        with on_device(device):
+            out = varlen_attention(q, k, v, cu_q, cu_k, T, S, causal, scaling, sliding_window=sliding_window)
         return out.view(B, T, H, D_v)
     # Unpad: a row's valid keys in order; its valid queries are its valid slots among the last T.
-    key_valid = attention_mask.bool()  # [B, S]
+    key_valid = attention_mask.to(device).bool()  # [B, S]
     query_valid = key_valid[:, S - T :].reshape(-1)  # [B * T]
     k_lens, q_lens = key_valid.sum(1), query_valid.view(B, T).sum(1)  # [B], [B]
     cu_k, cu_q = cu_seqlens(k_lens), cu_seqlens(q_lens)
     key_index = key_valid.reshape(-1).nonzero().squeeze(1)
     query_index = query_valid.nonzero().squeeze(1)
-    out_valid = varlen_attention(
-        q[query_index], k[key_index], v[key_index], cu_q, cu_k, int(q_lens.max()), int(k_lens.max()), causal, scaling,
-        sliding_window=sliding_window,
-    )
+    with on_device(device):
+        out_valid = varlen_attention(
+            q[query_index], k[key_index], v[key_index], cu_q, cu_k, int(q_lens.max()), int(k_lens.max()), causal, scaling,
+            sliding_window=sliding_window,
+        )
     out = torch.zeros(B * T, H, D_v, dtype=out_valid.dtype, device=device)
     out[query_index] = out_valid
     return out.view(B, T, H, D_v)

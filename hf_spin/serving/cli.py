@@ -4,6 +4,7 @@
     hf-spin serve --model ./my-model --drafter ./my-draft --drafter prompt_lookup --policy fixed --port 9000
     hf-spin serve --no-speculation                  # plain batched decoding (the baseline)
     hf-spin serve --pipeline auto                   # micro-batches chosen by Spin's heuristic
+    hf-spin serve --device auto                     # every model split over the GPUs (default: cuda if present)
 
 A model or drafter is a packaged model name (`hf_spin.models.NAMES`), a local folder with a
 `transformers` model and tokenizer, or (drafters only) `prompt_lookup`. Binds 127.0.0.1 unless told
@@ -40,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", default="off", help="micro-batch pipelining: off (default), auto (Spin's heuristic) or a number of micro-batches")
     p.add_argument("--ragged-attention", action="store_true", help="packed KV caches and varlen attention (AssistantPool(ragged_attention=True))")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="model dtype (default bfloat16)")
+    p.add_argument("--device", default=None,
+                   help="where the models go: cpu, cuda, cuda:N, or a device map (auto: split over every GPU); default cuda when a GPU is there, else cpu")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for the models (default: torch's choice); with --pipeline on a CPU, split between target and drafting threads")
     p.add_argument("--max-batch-size", type=int, default=16, help="rows decoding together (default 16)")
@@ -63,18 +66,22 @@ def _pipeline(value: str) -> bool | int:
     raise SystemExit(f"--pipeline must be off, auto or a positive number of micro-batches, got {value!r}")
 
 
-def load_model(name: str, dtype):
-    """(model, tokenizer) of a packaged model name or a local folder."""
+def load_model(name: str, dtype, device=None):
+    """(model, tokenizer) of a packaged model name or a local folder, on `device` (`models.device_map`)."""
     from .. import models
 
+    try:
+        placement = models.device_map(device)
+    except ValueError as err:
+        raise SystemExit(f"--device: {err}") from None
     if name in models.NAMES:
-        return models.load(name, dtype=dtype)
+        return models.load(name, dtype=dtype, device=device)
     folder = Path(name).expanduser()
     if not folder.is_dir():
         raise SystemExit(f"--model/--drafter {name!r} is neither a packaged model ({', '.join(models.NAMES)}) nor a folder")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=placement).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     return model, tokenizer
 
@@ -90,7 +97,7 @@ def build(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    model, tokenizer = load_model(args.model, dtype)
+    model, tokenizer = load_model(args.model, dtype, args.device)
     pool = None
     if not args.no_speculation:
         entries = []
@@ -98,7 +105,7 @@ def build(args):
             if name in NAMED_DRAFTERS:
                 entries.append(name)
             else:
-                draft, draft_tok = load_model(name, dtype)
+                draft, draft_tok = load_model(name, dtype, args.device)
                 entries.append((draft, draft_tok))  # the pool skips translation when the tokenizers match
         length = int(args.draft_length) if args.draft_length.isdigit() else args.draft_length
         pool = AssistantPool(entries, policy=args.policy, draft_length=length, tokenizer=tokenizer, ragged_attention=args.ragged_attention)
