@@ -4,6 +4,9 @@ falls back to the reference where Triton or a GPU is missing."""
 from .varlen_attention import HAS_TRITON, pack_tree_masks, use_triton, varlen_attention, varlen_attention_ref
 
 __all__ = ["HAS_TRITON", "pack_tree_masks", "use_triton", "varlen_attention", "varlen_attention_ref"]
+from .torch_varlen import torch_varlen_unsupported, varlen_attention_torch  # noqa: E402
+
+__all__ += ["torch_varlen_unsupported", "varlen_attention_torch"]
 from .attention import ATTENTION_NAME, VarlenMetadata, register, varlen_attention_forward, varlen_attention_mask  # noqa: E402
 
 __all__ += ["ATTENTION_NAME", "VarlenMetadata", "register", "varlen_attention_forward", "varlen_attention_mask"]
