@@ -15,13 +15,21 @@ If triton was imported without the variable (not through conftest.py), the tests
 from __future__ import annotations
 
 
+import importlib
+import inspect
+import warnings
+
 import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the kernel cannot run (the reference is tested elsewhere)")
 
-from hf_spin.kernels import pack_tree_masks, use_triton, varlen_attention, varlen_attention_ref  # noqa: E402
-from hf_spin.kernels.varlen_attention import _varlen_attention_triton  # noqa: E402
+from hf_spin.kernels import (  # noqa: E402
+    pack_tree_masks, torch_varlen_unsupported, use_triton, varlen_attention, varlen_attention_ref, varlen_attention_torch, warm_up,
+)
+from hf_spin.kernels.varlen_attention import BlockConfig, _varlen_attention_triton  # noqa: E402
+
+va = importlib.import_module("hf_spin.kernels.varlen_attention")  # the module: the package's attribute is the function
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and type(triton.language.sum).__name__ != "InterpretedFunction":
@@ -84,6 +92,22 @@ def _check(q_lens, k_lens, H, H_kv, D, dtype, causal=True, tree=None, num_splits
     return out
 
 
+def _random_trees(q_lens, seed=1) -> torch.Tensor:
+    """Random ancestor trees (node i's parent is a random earlier node), packed."""
+    g = torch.Generator().manual_seed(seed)
+    masks = []
+    for n in q_lens:
+        parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        m = torch.eye(n, dtype=torch.bool)
+        for i in range(n):
+            j = parent[i]
+            while j >= 0:
+                m[i, j] = True
+                j = parent[j]
+        masks.append(m)
+    return pack_tree_masks(masks)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "q_lens, k_lens, H, H_kv, D",
@@ -106,19 +130,7 @@ def test_long_rows_split_into_many_blocks(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_tree_masks(dtype):
-    g = torch.Generator().manual_seed(1)
-    q_lens, k_lens = [4, 1, 6], [20, 3, 70]
-    masks = []
-    for n in q_lens:  # random ancestor trees: node i's parent is a random earlier node
-        parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-        m = torch.eye(n, dtype=torch.bool)
-        for i in range(n):
-            j = parent[i]
-            while j >= 0:
-                m[i, j] = True
-                j = parent[j]
-        masks.append(m)
-    _check(q_lens, k_lens, 2, 1, 16, dtype, tree=pack_tree_masks(masks), num_splits=2)
+    _check([4, 1, 6], [20, 3, 70], 2, 1, 16, dtype, tree=_random_trees([4, 1, 6]), num_splits=2)
 
 
 def test_causal_tree_mask_equals_causal_and_any_pattern_is_honoured():
@@ -163,7 +175,7 @@ def test_sliding_window_reference_sees_the_last_keys_only():
     with pytest.raises(ValueError, match="sliding_window must be a positive"):
         varlen_attention_ref(q, k, v, cu_q, cu_k, 1, 9, sliding_window=0)
     with pytest.raises(ValueError, match="tree_mask is not supported"):
-        varlen_attention_ref(q, k, v, cu_q, cu_k, 1, 9, sliding_window=4, tree_mask=pack_tree_masks([torch.ones(1, 1), torch.ones(1, 1)]))
+        varlen_attention_ref(q, k, v, cu_q, cu_k, 1, 9, sliding_window=4, tree_mask=pack_tree_masks([torch.ones(1, 1), torch.ones(1, 1)]).to(DEVICE))
 
 
 def test_random_ragged_batch_with_value_head_dim():
@@ -211,3 +223,178 @@ def test_merge_formula_eq13_in_torch():
     merged = sum(torch.exp(p[1] - lse_all)[..., None] * p[0] for p in parts)
     assert torch.allclose(lse_all, lse, atol=1e-6) and torch.allclose(merged, full, atol=1e-6)
 
+
+
+# --- GQA packing: the G query heads of a KV head share one tile (rows = query x G + head in group) ---
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 7])
+def test_gqa_packing_with_causal_tree_and_window_masks(group):
+    # verification rows (the small tile for G <= 2, the large one above), an empty row, a row with fewer
+    # keys than queries; G = 7 leaves tile rows that straddle two queries
+    q_lens, k_lens = [3, 0, 5, 1], [9, 2, 70, 1]
+    _check(q_lens, k_lens, 2 * group, 2, 16, torch.float16)
+    _check(q_lens, k_lens, 2 * group, 2, 16, torch.float32, window=4, num_splits=2)
+    _check([3, 5, 1], [9, 70, 1], 2 * group, 2, 16, torch.bfloat16, tree=_random_trees([3, 5, 1]))
+
+
+def test_gqa_packing_on_prefill_rows():
+    # 40 queries x G = 4: 160 packed rows in large tiles of 64, a tile ending mid-query; windows skip tiles
+    _check([40, 3], [40, 90], 8, 2, 32, torch.float16)
+    _check([40, 3], [40, 90], 8, 2, 32, torch.float32, window=7, num_splits=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+def test_head_dims_of_the_block_table(head_dim, dtype):
+    # 80: padded to 128 and masked. Each (head dim, dtype) takes its own table entry (256 in float32: one stage).
+    _check([2, 1], [5, 3], 4, 2, head_dim, dtype)
+
+
+def test_block_table_and_fallback_order():
+    assert va.block_config(128, 2, rows=16) == BlockConfig(16, 64, 4, 3)  # a verification row, G = 1
+    assert va.block_config(128, 2, rows=17).block_m == 64  # wider groups and prefill
+    assert va.block_config(80, 4, rows=1) == va.block_config(128, 4, rows=1)  # padded to 128
+    assert va.block_config(256, 4, rows=64) == BlockConfig(32, 32, 8, 1)
+    assert va._fallback_configs(BlockConfig(64, 64, 4, 3)) == [
+        BlockConfig(64, 64, 4, 3), BlockConfig(64, 64, 4, 1), BlockConfig(64, 32, 4, 1), BlockConfig(64, 16, 4, 1),
+        BlockConfig(32, 16, 4, 1), BlockConfig(16, 16, 4, 1),
+    ]
+    with pytest.raises(va.KernelUnavailable, match="head dim 512"):
+        va.block_config(512, 2, rows=1)
+
+
+# --- fallbacks: configurations that do not fit, GPUs older than sm80 ---
+
+
+@pytest.fixture
+def fresh_fallback_state(monkeypatch):
+    monkeypatch.setattr(va, "_TOO_BIG", set())
+    monkeypatch.setattr(va, "_WARNED", set())
+
+
+def test_out_of_resources_retries_with_smaller_blocks(monkeypatch, fresh_fallback_state):
+    launched = []
+    launch = va._launch_split_kernel
+
+    def too_big_once(grid, args, constexprs, config):  # the table's configuration does not fit this "GPU"
+        launched.append(config)
+        if config.num_stages > 1:
+            raise triton.runtime.errors.OutOfResources(160_000, 101_376, "shared memory")
+        launch(grid, args, constexprs, config)
+
+    monkeypatch.setattr(va, "_launch_split_kernel", too_big_once)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback that fits warns nothing
+        _check([3, 1], [9, 40], 4, 2, 16, torch.float16)
+        assert launched == [BlockConfig(16, 64, 4, 3), BlockConfig(16, 64, 4, 1)]
+        _check([2, 2], [5, 40], 4, 2, 16, torch.float16)
+    assert launched[2:] == [BlockConfig(16, 64, 4, 1)], "a configuration that did not fit is not tried again"
+
+
+def test_nothing_fits_falls_back_to_the_reference_with_one_warning(monkeypatch, fresh_fallback_state):
+    def never_fits(grid, args, constexprs, config):
+        raise triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(va, "_launch_split_kernel", never_fits)
+    q, k, v, cu_q, cu_k = _inputs([2, 3], [4, 3], 4, 2, 16, torch.float16)
+    with pytest.warns(RuntimeWarning, match="no block configuration .* fits .* runs the PyTorch reference"):
+        out = varlen_attention(q, k, v, cu_q, cu_k, 3, 4)
+    assert torch.equal(out, varlen_attention_ref(q, k, v, cu_q, cu_k, 3, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        varlen_attention(q, k, v, cu_q, cu_k, 3, 4)
+
+
+def test_gpus_older_than_sm80_get_the_reference_and_a_clear_warning(monkeypatch, fresh_fallback_state):
+    monkeypatch.setattr(va, "_is_cuda", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(va, "_launch_split_kernel", lambda *a: pytest.fail("the kernel must not launch below sm80"))
+    q, k, v, cu_q, cu_k = _inputs([2, 3], [4, 3], 4, 2, 16, torch.float16)
+    with pytest.warns(RuntimeWarning, match=r"Tesla T4 has compute capability 7\.5; .* needs sm80\+"):
+        out, lse = varlen_attention(q, k, v, cu_q, cu_k, 3, 4, return_lse=True)
+    ref, ref_lse = varlen_attention_ref(q, k, v, cu_q, cu_k, 3, 4, return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+# --- compiles: nothing that changes from step to step reaches the compile key ---
+
+
+def _compile_key(kernel, constexprs: dict, args: tuple, config: BlockConfig | None = None) -> tuple:
+    """What Triton specialises a launch on: constexprs, launch options, argument dtypes, and the value
+    of every int argument not marked do_not_specialize (conservatively: its value, not just whether it
+    is 1 or a multiple of 16)."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    unspecialised = {names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+    ints = tuple(a for name, a in zip(names, args) if isinstance(a, int) and name not in unspecialised)
+    dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+    return kernel.fn.__name__, tuple(sorted(constexprs.items())), config, ints, dtypes
+
+
+def test_varying_batch_sizes_do_not_change_the_compile_key(monkeypatch):
+    if not hasattr(va._varlen_attention_split_kernel, "do_not_specialize"):
+        pytest.skip("this triton's kernel object does not expose do_not_specialize")
+    keys = set()
+    launch_split, launch_merge = va._launch_split_kernel, va._launch_merge_kernel
+
+    def record_split(grid, args, constexprs, config):
+        keys.add(_compile_key(va._varlen_attention_split_kernel, constexprs, args, config))
+        launch_split(grid, args, constexprs, config)
+
+    def record_merge(grid, args, constexprs):
+        keys.add(_compile_key(va._merge_splits_kernel, constexprs, args))
+        launch_merge(grid, args, constexprs)
+
+    monkeypatch.setattr(va, "_launch_split_kernel", record_split)
+    monkeypatch.setattr(va, "_launch_merge_kernel", record_merge)
+    batches = [([1], [3], 1), ([4, 2, 3], [9, 5, 17], 1), ([2] * 7, [33] * 7, 1), ([3, 1], [200, 2], 2), ([1, 4], [300, 9], 5)]
+    for q_lens, k_lens, splits in batches:
+        _check(q_lens, k_lens, 4, 2, 16, torch.float16, num_splits=splits)
+        _check(q_lens, k_lens, 4, 2, 16, torch.float16, num_splits=splits, spare=[3] * len(q_lens))  # seqused_k: one more mask flag
+    # the split kernel with and without seqused_k, each writing the output (1 split) or float32 partials; one merge
+    assert len(keys) == 5, "\n".join(map(str, keys))
+
+
+def test_warm_up_launches_every_tile_and_split_variant(monkeypatch):
+    seen = []
+    launch = va._launch_split_kernel
+
+    def record(grid, args, constexprs, config):
+        seen.append((config.block_m, grid[2] > 1))
+        launch(grid, args, constexprs, config)
+
+    monkeypatch.setattr(va, "_launch_split_kernel", record)
+    assert warm_up(16, 4, 2, torch.float16, DEVICE, max_seqlen_q=9) == 4
+    assert sorted(set(seen)) == [(16, False), (16, True), (64, False), (64, True)]  # 1 query x G = 2: small; 9 x 2: large
+    seen.clear()
+    assert warm_up(16, 8, 1, torch.bfloat16, DEVICE, max_seqlen_q=2, prefill=False, tree_mask=True) == 2  # G = 8: small tile
+    assert sorted(set(seen)) == [(16, False), (16, True)]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if DEVICE == "cpu":
+        assert warm_up(16, 4, 2, torch.float16, "cpu") == 0  # the reference needs no compile
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU with about 12 GB free")
+def test_offsets_past_2_31_elements():
+    # A K / V cache of 2^21 + 200 tokens x 8 heads x 128 dims: the last row's keys start past element 2^31.
+    if torch.cuda.mem_get_info()[0] < 12 * 2**30:
+        pytest.skip("needs about 12 GB of free GPU memory")
+    H_kv, D, n = 8, 128, 2**21 + 200
+    k = torch.randn(n, H_kv, D, dtype=torch.float16, device=DEVICE)
+    v = torch.randn(n, H_kv, D, dtype=torch.float16, device=DEVICE)
+    q = torch.randn(8, 4 * H_kv, D, dtype=torch.float16, device=DEVICE)
+    cu_q, cu_k = _cu([4, 4]), _cu([n - 100, 100])
+    out = varlen_attention(q, k, v, cu_q, cu_k, 4, n - 100)
+    ref = varlen_attention_ref(q[4:], k[n - 100 :], v[n - 100 :], _cu([4]), _cu([100]), 4, 100)
+    assert (out[4:].float() - ref.float()).abs().max().item() < 2e-3
+
+
+def test_torch_varlen_wrapper_says_why_it_cannot_run():
+    # It runs on CUDA only (checked against the reference on an H200 with torch 2.11: causal, windows, GQA).
+    q, k, v, cu_q, cu_k = _inputs([2, 3], [4, 3], 4, 2, 64, torch.float16)
+    tree = pack_tree_masks([torch.ones(2, 2, dtype=torch.bool), torch.ones(3, 3, dtype=torch.bool)]).to(DEVICE)
+    reason = torch_varlen_unsupported(q, k, v, tree_mask=tree)
+    assert any(why in reason for why in ("no torch.nn.attention.varlen", "CUDA only", "sm80", "no tree mask")), reason
+    with pytest.raises(NotImplementedError, match="varlen_attention_torch: .*use varlen_attention"):
+        varlen_attention_torch(q, k, v, cu_q, cu_k, 3, 4, tree_mask=tree)
