@@ -34,7 +34,7 @@ from time import perf_counter
 
 import torch
 
-from . import admission
+from . import admission, host_syncs
 from .cache import PackedCache, RowCache, forward_ragged
 from .drafters import Drafter
 from .drafters.model import common_prefix_length
@@ -155,12 +155,15 @@ class SpinEngine:
         """Retire rows that are done; then admit the rows that arrived (their first token comes at once),
         or run one speculative step. Never two admissions in a row while rows run: under a steady stream
         of arrivals the running rows still advance every other step."""
-        self.retire()
+        with host_syncs.phase("retire"):  # phases: what host_syncs.count_syncs counts syncs under
+            self.retire()
         if self.pending and not (self._admitted_last and self.rows):
-            self.admit()
+            with host_syncs.phase("admit"):
+                self.admit()
             self._admitted_last = True
         elif self.rows:
-            self.verify(self.propose())
+            with host_syncs.phase("step"):
+                self.verify(self.propose())
             self._admitted_last = False
 
     def close(self) -> None:
