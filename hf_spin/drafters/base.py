@@ -15,8 +15,9 @@ from typing import Callable
 
 import torch
 
-# Scores logits the way the target's are scored: (row, committed prefix ids, scores [V]) -> [V].
-ScoreFn = Callable[[int, list[int], torch.Tensor], torch.Tensor]
+# Scores logits the way the target's are scored, one position of several rows at once:
+# (rows [n], each row's committed + drafted ids [n], logits [n, V]) -> scores [n, V].
+ScoreFn = Callable[[list[int], list[list[int]], torch.Tensor], torch.Tensor]
 
 
 @dataclass
