@@ -9,8 +9,8 @@ A sync is anything that makes the host wait for the device: reading a device ten
 host, an op whose output shape depends on device data, a blocking copy between host and device.
 `SpinEngine.step` marks its phases (`phase`): "retire" (rows that stopped leave, at every call),
 "admit" (prefill and first tokens of joining rows) and "step" (plan, draft, verify, commit of one
-speculative step). `per_step` charges retirement to the steps. Outside any phase counts go to "other". Nothing is counted, and `phase` costs one list check,
-when no counter is active.
+speculative step). `per_step` charges retirement to the steps; outside any phase counts go to
+"other". With no counter active nothing is counted and `phase` costs one list check.
 
 Two ways of counting (`mode`):
 
@@ -19,27 +19,27 @@ Two ways of counting (`mode`):
     pageable memory, `torch.cuda.synchronize`, ...). Sees CUDA only: work on the CPU counts nothing.
 
 "instrumented" (any device; the tests on CPU): a TorchFunctionMode and a TorchDispatchMode that
-    tell host tensors from device tensors and count what WOULD synchronise with the tensors on a GPU.
-    A tensor is a *host* tensor when a factory made it without `device=` (`torch.tensor(list)`,
-    `torch.arange(n)`, ...), `.cpu()` made it, or every tensor it was computed from is a host tensor;
-    every other tensor (model outputs, parameters, factories given `device=`) is a *device* tensor,
-    as it would be on a GPU. Counted as syncs:
+    give every tensor a side, host or device, as it would have on a GPU, and count what would
+    synchronise there. Host: made by a factory without `device=` (`torch.tensor(list)`,
+    `torch.arange(n)`, ...) or with a device that names the host ("cpu", a host tensor or its
+    `.device`), made by `.cpu()`, or computed from host tensors alone. Device: everything else
+    (parameters, model outputs, tensors made by C++ code, factories given `device=model.device`
+    or any other device; on a CPU run those are the host too). Counted as syncs:
       - reading a device tensor on the host: `.item()`, `int()/float()/bool()`, a tensor used as an
-        index (`aten._local_scalar_dense`), `.tolist()`, `.numpy()`, `.cpu()`, `.to("cpu")`;
+        index (`aten._local_scalar_dense`), `.tolist()`, `.numpy()`, `.cpu()`, `.to(host)`;
       - ops whose output shape depends on device data: `nonzero`, `torch.equal`, `unique`,
         `masked_select`, boolean-mask indexing (`x[mask]`, `x[mask] = v`), `repeat_interleave`
         with tensor repeats and no `output_size`, `bincount`;
       - blocking host-to-device copies: `torch.tensor(data, device=d)` / `torch.as_tensor(data,
-        device=d)`, `host.to(d)` / `.cuda()` without `non_blocking=True`, `copy_` between the two;
+        device=d)` (non-empty), `host.to(d)` / `.cuda()` without `non_blocking=True`, `copy_`
+        between the sides;
       - an op mixing a host tensor of >= 1 dimension with device tensors (an implicit copy).
-    Not counted, but reported in `async_copies`: `host.to(d, non_blocking=True)` (an H2D copy from
-    pageable memory is staged by the driver without waiting for the device).
+    Not counted, but reported in `async_copies`: `host.to(d, non_blocking=True)` (`to_device`).
     What it cannot see: ops inside C++ kernels (only what reaches Python's dispatch), syncs inside
-    custom Triton or CUDA kernels, `torch.cuda.synchronize` and stream or event waits, a host tensor
-    made by C++ code and handed back (counted as a device tensor), `.to(model.device)` of a device
-    tensor whose target is the CPU (read as device to device: on CPU runs every device is "cpu";
-    only the literal "cpu" counts as a read), and anything done on other threads than the one that
-    entered the counter (the modes are per thread).
+    custom Triton or CUDA kernels, `torch.cuda.synchronize` and stream or event waits, indexing a
+    device tensor with a Python list (the index tensor is made in C++: read as a device tensor),
+    a torch.device built by hand that names the host (`torch.device("cpu")`: read as the device),
+    and work on other threads than the one that entered the counter (the modes are per thread).
 
 `mode="auto"` picks "cuda" once CUDA is initialised in this process, else "instrumented".
 """
@@ -60,7 +60,8 @@ from torch.utils._pytree import tree_leaves
 
 aten = torch.ops.aten
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_THIS_FILE = os.path.abspath(__file__)
+_PACKAGE_DIR = os.path.dirname(_THIS_FILE)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _SIDE = "_hf_spin_side"  # attribute: where a tensor would live on a GPU (instrumented mode)
 CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"
@@ -162,10 +163,10 @@ def _call_site() -> tuple[str, str]:
     frame, site, caller = sys._getframe(1), None, None
     while frame is not None and site is None:
         path = frame.f_code.co_filename
-        ours = path.endswith("host_syncs.py") or path.startswith(_TORCH_DIR) or path.endswith("contextlib.py")
+        ours = path == _THIS_FILE or path.startswith(_TORCH_DIR) or path.endswith("contextlib.py")
         if caller is None and not ours:
             caller = f"{os.path.basename(path)}:{frame.f_lineno}"
-        if path.startswith(_PACKAGE_DIR) and not path.endswith("host_syncs.py"):
+        if path.startswith(_PACKAGE_DIR) and path != _THIS_FILE:
             site = f"{os.path.relpath(path, _PACKAGE_DIR)}:{frame.f_lineno}"
         frame = frame.f_back
     return site or "?", caller or "?"
@@ -198,9 +199,9 @@ HOST, NEUTRAL, DEVICE = "host", "neutral", "device"
 
 
 def _side(t: torch.Tensor) -> str:
-    """Where `t` would live on a GPU: HOST, DEVICE, or NEUTRAL (a factory given device=, whose device may
-    be the host's, or a wrapped Python number: it takes the side of what it is combined with).
-    Unmarked tensors (parameters, tensors made by C++ code) are DEVICE, but for unmarked 0-dim ones."""
+    """Where `t` would live on a GPU: HOST, DEVICE, or NEUTRAL (a wrapped Python number: it takes the side
+    of what it is combined with). Unmarked tensors (parameters, tensors made by C++ code) are DEVICE,
+    but for unmarked 0-dim ones."""
     return getattr(t, _SIDE, DEVICE if t.dim() else NEUTRAL)
 
 
@@ -223,37 +224,51 @@ def _combined(sides: list[str]) -> str:
     return DEVICE if DEVICE in sides else HOST if HOST in sides else NEUTRAL
 
 
-def _device_arg(args, kwargs):
-    """(target device given?, literal 'cpu'?, non_blocking) of a `Tensor.to` call."""
-    try:
-        device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
-    except (TypeError, RuntimeError):
-        return False, False, False
-    literal = [a for a in (*args, kwargs.get("device")) if isinstance(a, str)]
-    return device is not None, any(s.startswith("cpu") for s in literal), bool(non_blocking)
+def _target(args, kwargs):
+    """The device a factory's `device=` or a `.to(...)` names (a torch.device, str, int or tensor), else None."""
+    if kwargs.get("device") is not None:
+        return kwargs["device"]
+    for a in args:
+        if isinstance(a, (torch.device, str, int, torch.Tensor)) and not isinstance(a, bool):
+            return a
+    return None
 
 
 class _HostFunctions(TorchFunctionMode):
-    """Python-level calls: factories (host or neutral), host reads, `.to` / `.cpu` / `.cuda` copies."""
+    """Python-level calls: factories (host or device), host reads, `.to` / `.cpu` / `.cuda` copies."""
 
     def __init__(self, counter: SyncCounter):
         super().__init__()
         self.counter = counter
+        self.host_devices: dict[int, torch.device] = {}  # id -> a torch.device read off a host tensor (kept alive: ids stay unique)
+
+    def _is_host(self, device) -> bool:
+        """Whether a device argument names the host: the literal "cpu", a host tensor, or a host tensor's `.device`."""
+        if isinstance(device, torch.Tensor):
+            return _side(device) == HOST
+        if isinstance(device, str):
+            return device.startswith("cpu")
+        return id(device) in self.host_devices
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if getattr(func, "__self__", None) is torch.Tensor.device:  # `.device`: remember those of host tensors
+            if args and _side(args[0]) == HOST:
+                self.host_devices[id(out)] = out
+            return out
         if func in _FACTORIES:
-            given = kwargs.get("device") is not None
+            device = kwargs.get("device")
+            to_host = device is None or self._is_host(device)
             data = args[0] if args else kwargs.get("data")
             if isinstance(data, torch.Tensor):  # as_tensor / tensor of a tensor: a move at most
-                if given and _side(data) == HOST:
-                    self.counter.record("h2d")
-                    return _moved(out, data, NEUTRAL)
+                if device is not None and _side(data) != (HOST if to_host else DEVICE) and _side(data) != NEUTRAL:
+                    self.counter.record("h2d" if _side(data) == HOST else "d2h")
+                    return _moved(out, data, HOST if to_host else DEVICE)
                 return out  # the dispatch mode gave it the side of its input
-            if given and func in _FROM_DATA and out.numel():
+            if not to_host and func in _FROM_DATA and out.numel():
                 self.counter.record("h2d")  # torch.tensor(list, device=d): a blocking copy from pageable memory
-            return _mark(out, NEUTRAL if given else HOST)
+            return _mark(out, HOST if to_host else DEVICE)
         name = getattr(func, "__name__", "")
         if not args or not isinstance(args[0], torch.Tensor):
             return out
@@ -267,16 +282,18 @@ class _HostFunctions(TorchFunctionMode):
                 self.counter.record("d2h")
             return _moved(out, self_, HOST)
         elif name in ("to", "cuda"):
-            given, literal_cpu, non_blocking = _device_arg(args[1:], kwargs) if name == "to" else (True, False, kwargs.get("non_blocking", False))
-            if not given:
+            target = _target(args[1:], kwargs) if name == "to" else "cuda"
+            if target is None:
                 return out
-            if side == HOST and not literal_cpu:
-                if non_blocking:
-                    self.counter.async_copies += 1
-                else:
-                    self.counter.record("h2d")
+            non_blocking = bool(kwargs.get("non_blocking", False)) or any(a is True for a in args[1:])
+            if side != DEVICE and not self._is_host(target):
+                if side == HOST:
+                    if non_blocking:
+                        self.counter.async_copies += 1
+                    else:
+                        self.counter.record("h2d")
                 return _moved(out, self_, DEVICE)
-            if side == DEVICE and literal_cpu:
+            if side == DEVICE and self._is_host(target):
                 self.counter.record("d2h")
                 return _moved(out, self_, HOST)
         return out

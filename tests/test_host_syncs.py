@@ -109,7 +109,7 @@ def test_counter_tells_device_reads_from_host_reads():
     assert syncs.count == 7 and syncs.phases["step"] == 7 and syncs.entries["step"] == 1
     assert syncs.async_copies == 1
     assert syncs.kinds == {"item": 1, "mask_index": 1, "nonzero": 1, "tolist": 2, "h2d": 2}
-    assert all(site.startswith("test_host_syncs.py:") for site in syncs.callers)
+    assert all(site.startswith("test_host_syncs.py:") for site in syncs.callers), syncs.callers
 
 
 def test_counter_is_silent_outside_its_block():
