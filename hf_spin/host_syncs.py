@@ -359,5 +359,5 @@ def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
         host = host.to(dtype)
     device = torch.device(device)
     if device.type == "cuda":
-        host = host.pin_memory()
+        host = host.contiguous().pin_memory()
     return host.to(device, non_blocking=True)

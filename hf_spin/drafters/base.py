@@ -82,7 +82,7 @@ class Drafter(ABC):
         """Bring per-row state up to date for `rows` without drafting (fast switching); no-op by default."""
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these rows (others finished); indices into the current batch."""
+        """Keep only these rows (others finished); indices into the current batch, a CPU tensor."""
 
     def add_rows(self, sequences: list[list[int]]) -> None:
         """Rows join the running batch after the current ones, with these committed sequences
