@@ -44,7 +44,7 @@ def prefill(model, cache, running: int, rows: list[Row], batch: GenerateBatch | 
             chunks = [[] for _ in range(running)] + [r.sequence for r in rows]
             return cache, forward_ragged(model, cache, chunks, all_logits=False)[running:, -1].to(dtype=torch.float32)
         except BaseException:
-            cache.select_rows(torch.arange(running, device=cache.device))  # the new rows leave again
+            cache.select_rows(torch.arange(running))  # the new rows leave again
             raise
     if batch is not None:  # exactly what `generate` prepared
         input_ids, kwargs = batch.input_ids, dict(batch.model_kwargs)

@@ -16,7 +16,7 @@ import torch
 
 from .drafters import Draft, DraftRequest
 from .policies import Plan
-from .processors import score_position
+from .processors import score_rows
 from .vote_tree import heaviest_path
 
 Proposals = list[dict[int, list[int]]]  # [B] drafter -> its draft for the row
@@ -43,13 +43,14 @@ class Drafting:
         self.min_confidence = plan.min_confidence if plan is not None else 0.0
         self.match_lengths: list[dict[int, int]] = [{} for _ in self.rows]  # [B] drafter -> the match its draft continued
 
-    def _score(self, b: int, prefix: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """Row b's processors on one draft position: drafters score like the target (`ScoreFn`). The
-        draft logits [V] move to the target's device first: the processors hold tensors there (eos ids,
-        suppressed tokens), and a drafter on another device would otherwise raise and be dropped."""
+    def _score(self, bs: list[int], prefixes: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
+        """Rows bs' processors on one draft position each, logits [n, V]: drafters score like the target
+        (`ScoreFn`). The draft logits move to the target's device first: the processors hold tensors
+        there (eos ids, suppressed tokens), and a drafter on another device would otherwise raise and be
+        dropped. The scores stay there: the drafter reads its tokens from them, and q is verified there."""
         if self.device is not None and logits.device != self.device:
             logits = logits.to(self.device)
-        return score_position(self.rows[b], prefix, logits)
+        return score_rows([self.rows[b] for b in bs], prefixes, logits)
 
     def preempt(self, chosen: list[tuple[int, ...]], ks: list[int], proposals: Proposals, q_of: list[dict]) -> Proposals:
         """4a. A preempting drafter (`Plan.preempt`) drafts first; a row it proposes at least the plan's

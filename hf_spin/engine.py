@@ -34,7 +34,7 @@ from time import perf_counter
 
 import torch
 
-from . import admission
+from . import admission, host_syncs
 from .cache import PackedCache, RowCache, forward_ragged
 from .drafters import Drafter
 from .drafters.model import common_prefix_length
@@ -46,6 +46,7 @@ from .pool import AssistantPool
 from .processors import GenerateBatch, first_scores, row_processors, target_scores
 from .rows import CANCELLED, LENGTH, STOPPED, Request, Row
 from .stats import DrafterStats, GenerationStats
+from .stopping import HostStop
 from .verification import RowSampling, verify_rows
 
 
@@ -129,6 +130,7 @@ class SpinEngine:
         """A `generate` batch: left-padded rows sharing processors and criteria, prefilled exactly as
         `generate` prefills them, with the whole-batch processor fast path while they run together."""
         rows = []
+        host_stop = HostStop.of(stopping_criteria) or False  # read once for the batch (engine._stops)
         for i, (ids, keep) in enumerate(zip(input_ids.cpu(), attention_mask.cpu().bool())):
             request = Request(
                 prompt=ids[keep].tolist(),
@@ -139,6 +141,7 @@ class SpinEngine:
                 padding=ids[~keep].tolist(),
             )
             rows.append(self.add(request))
+            rows[-1].host_stop = host_stop
         self._batch = GenerateBatch(processors, input_ids, model_kwargs, rows)
         return rows
 
@@ -155,12 +158,15 @@ class SpinEngine:
         """Retire rows that are done; then admit the rows that arrived (their first token comes at once),
         or run one speculative step. Never two admissions in a row while rows run: under a steady stream
         of arrivals the running rows still advance every other step."""
-        self.retire()
+        with host_syncs.phase("retire"):  # phases: what host_syncs.count_syncs counts syncs under
+            self.retire()
         if self.pending and not (self._admitted_last and self.rows):
-            self.admit()
+            with host_syncs.phase("admit"):
+                self.admit()
             self._admitted_last = True
         elif self.rows:
-            self.verify(self.propose())
+            with host_syncs.phase("step"):
+                self.verify(self.propose())
             self._admitted_last = False
 
     def close(self) -> None:
@@ -237,8 +243,8 @@ class SpinEngine:
                 d.finish()
             self.drafters_started = False
             return
-        index = torch.tensor(kept)
-        self.cache.select_rows(index.to(self.cache.device))
+        index = torch.tensor(kept)  # on the host: each cache sends its device a copy
+        self.cache.select_rows(index)
         for d_idx, d in enumerate(self.drafters):
             if self.usable[d_idx]:
                 self.faults.drafter(d_idx, lambda: d.select_rows(index), [])
@@ -294,12 +300,11 @@ class SpinEngine:
         scores = target_scores(rows, self._running_batch(), target_logits, proposal.drafts, self.faults.row)  # [B, K + 1, V]
         sampling = [RowSampling(r.request.do_sample, r.request.seed, len(r.generated)) for r in rows]
         verdict = self.faults.verdict(lambda idx: verify_rows(idx, sampling, scores, proposal.drafts, proposal.qs), scores.device)
-        verify_seconds = perf_counter() - start
+        accepted, next_tokens = torch.stack([verdict.accepted, verdict.next_token]).tolist()  # the step's one read of the device
+        verify_seconds = perf_counter() - start  # after that read: the forward and the verdict have run, on any device
         self.stats.verify_seconds += verify_seconds
 
         # 6. Commit accepted + recovered/bonus tokens, stop rows, roll the target cache back per row.
-        accepted = verdict.accepted.tolist()
-        next_tokens = verdict.next_token.tolist()
         matched: list[dict[int, int]] = []  # [B] drafter -> tokens of its proposal that were committed
         shadow_matched: list[dict[int, int]] = []  # [B] the same for shadow drafts
         for b, row in enumerate(rows):
@@ -319,7 +324,7 @@ class SpinEngine:
                 self.drafter_stats[self.names[d_idx]].add(len(tokens), own, len(new))
         for d_idx in sorted({d for prop in proposal.proposals for d in prop}):
             self.drafter_stats[self.names[d_idx]].steps += 1
-        self.cache.rollback(torch.tensor([len(r.sequence) - 1 for r in rows], device=self.cache.device))
+        self.cache.rollback([len(r.sequence) - 1 for r in rows])
 
         # 7. Fast switching: idle drafters named by the plan catch up on rows they may serve next; the
         #    policy hears what the step did.
@@ -367,7 +372,7 @@ class SpinEngine:
             row.generated.append(token)
             if request.logprobs:
                 row.logprobs.append(float(torch.log_softmax(scores[j].float(), dim=-1)[token]))
-            if request.stopping_criteria(row.as_tensor(), scores[j : j + 1]).any():
+            if self._stops(row, token, scores[j : j + 1]):
                 row.finish_reason = STOPPED
             elif len(request.padding) + len(row.sequence) >= request.max_length:
                 row.finish_reason = LENGTH
@@ -375,6 +380,17 @@ class SpinEngine:
                 continue
             del tokens[j + 1 :]
             return
+
+    @staticmethod
+    def _stops(row: Row, token: int, scores: torch.Tensor) -> bool:
+        """Whether the row's stopping criteria stop it at `token`, its last committed token (scores [1, V]).
+        Lists of max-length and EOS criteria alone are decided on the host (`stopping.HostStop`); any
+        other criterion is called as `generate` calls it, on the row's [1, L] ids."""
+        criteria = row.request.stopping_criteria
+        if row.host_stop is None:
+            row.host_stop = HostStop.of(criteria) or False
+        stops = row.host_stop.stops(len(row.request.padding) + len(row.sequence), token) if row.host_stop else None
+        return stops if stops is not None else bool(criteria(row.as_tensor(), scores).any())
 
     def _prefill_idle(self, prefill: dict[int, list[int]], draft_seconds: list[float]) -> None:
         sequences = [r.sequence for r in self.rows]

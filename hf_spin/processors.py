@@ -13,6 +13,7 @@ import copy
 import torch
 from transformers.generation import logits_process as lp
 
+from .host_syncs import to_device
 from .rows import Row
 
 # Processors that read only the scores, never the token ids: a whole [B, K + 1, V] block goes through
@@ -64,8 +65,20 @@ def score_position(row: Row, prefix: list[int], logits: torch.Tensor) -> torch.T
     """The row's processors on one position: prefix = committed + candidate ids, logits [V] -> [V]."""
     if not len(row.request.processors):
         return logits
-    ids = torch.tensor([row.request.padding + prefix], device=logits.device)  # [1, L]
+    ids = to_device([row.request.padding + prefix], logits.device, torch.long)  # [1, L]
     return row.request.processors(ids, logits[None])[0]
+
+
+def score_rows(rows: list[Row], prefixes: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
+    """Each row's processors on one position of its own: logits [n, V] -> [n, V] (prefixes: [n] committed +
+    candidate ids). Rows sharing one list of processors that read only the scores go through it in one call."""
+    first = rows[0].request.processors
+    shared = all(len(r.request.processors) == len(first) and all(a is b for a, b in zip(r.request.processors, first)) for r in rows)
+    if shared and not len(first):
+        return logits
+    if shared and ids_free(first):
+        return first(None, logits)
+    return torch.stack([score_position(row, prefix, logits[i]) for i, (row, prefix) in enumerate(zip(rows, prefixes))])
 
 
 def target_scores(rows: list[Row], batch: GenerateBatch | None, logits: torch.Tensor, drafts: list[list[int]], run_isolated) -> torch.Tensor:

@@ -69,6 +69,7 @@ class Row:
     finish_reason: str | None = None  # None while running; LENGTH, STOPPED, CANCELLED or ERROR
     error: str | None = None  # what went wrong, for ERROR
     cancel_requested: bool = False  # set by `cancel`; the row leaves at the next step
+    host_stop: object = None  # the request's stopping criteria read on the host (stopping.HostStop), False where they cannot be; None: not read yet
     added_at: float = field(default_factory=perf_counter)
 
     def __post_init__(self):

@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from .host_syncs import to_device
+
 
 @dataclass
 class Verdict:
@@ -102,14 +104,17 @@ def verify_sampling(
 
 def gumbel_noise(seed: int, first_position: int, n: int, V: int, device=None) -> torch.Tensor:
     """[n, V] standard Gumbel noise for positions first_position .. first_position + n - 1 of a row,
-    each position's noise fixed by (seed, position) alone."""
-    out = torch.empty(n, V)
+    each position's noise fixed by (seed, position) alone, drawn on `device` (default: the CPU) by a
+    generator there: no host work or copy per token. The noise depends on the device type too (CUDA's
+    generator is not the CPU's), so a seed gives the same tokens on every run on the same kind of device."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    out = torch.empty(n, V, device=device)
     for i in range(n):
         key = hashlib.blake2b(f"{seed}:{first_position + i}".encode(), digest_size=8).digest()
-        g = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
-        u = torch.rand(V, generator=g).clamp_(min=torch.finfo(torch.float32).tiny)
+        g = torch.Generator(device=device).manual_seed(int.from_bytes(key, "little") >> 1)
+        u = torch.rand(V, generator=g, device=device).clamp_(min=torch.finfo(torch.float32).tiny)
         out[i] = -torch.log(-torch.log(u))
-    return out.to(device) if device is not None else out
+    return out
 
 
 def verify_seeded(target_scores: torch.Tensor, drafts: torch.Tensor, draft_lengths: torch.Tensor, noise: torch.Tensor) -> Verdict:
@@ -150,8 +155,8 @@ def verify_rows(
     """
     B, K = scores.shape[0], scores.shape[1] - 1
     device = scores.device
-    draft_lengths = torch.tensor([len(d) for d in drafts], device=device)  # [B]
-    draft_tokens = torch.tensor([d + [0] * (K - len(d)) for d in drafts], device=device).view(B, K)  # [B, K]
+    draft_lengths = to_device([len(d) for d in drafts], device, torch.long)  # [B]
+    draft_tokens = to_device([d + [0] * (K - len(d)) for d in drafts], device, torch.long).view(B, K)  # [B, K]
     greedy = [b for b in rows if not sampling[b].do_sample]
     shared = [b for b in rows if sampling[b].do_sample and sampling[b].seed is None]
     seeded = [b for b in rows if sampling[b].do_sample and sampling[b].seed is not None]
@@ -165,7 +170,7 @@ def verify_rows(
     for group, kind in ((greedy, "greedy"), (shared, "sampled"), (seeded, "seeded")):
         if not group:
             continue
-        idx = torch.tensor(group, device=device)
+        idx = to_device(group, device, torch.long)
         if kind == "greedy":
             v = verify_greedy(scores[idx], draft_tokens[idx], draft_lengths[idx])
         elif kind == "sampled":
@@ -176,7 +181,10 @@ def verify_rows(
                 noise[i, : len(drafts[b]) + 1] = gumbel_noise(sampling[b].seed, sampling[b].position, len(drafts[b]) + 1, scores.shape[-1], device)
             v = verify_seeded(scores[idx], draft_tokens[idx], draft_lengths[idx], noise)
         accepted[idx], next_token[idx] = v.accepted, v.next_token
-    return Verdict(accepted[rows], next_token[rows]) if not everyone else Verdict(accepted, next_token)
+    if everyone:
+        return Verdict(accepted, next_token)
+    picked = to_device(rows, device, torch.long)
+    return Verdict(accepted[picked], next_token[picked])
 
 
 def _sample(scores, draft_tokens, draft_lengths, qs, drafts) -> Verdict:

@@ -67,6 +67,22 @@ class OtherDeviceDrafter(ModelDrafter):
         return super()._forward(chunks, keep).as_subclass(OnOtherDevice)
 
 
+@pytest.fixture
+def copies_to_other(monkeypatch):
+    """Host data the drafter copies to its logits' device (row indices) lands on `OTHER` too, as a
+    copy to the second GPU would."""
+    import hf_spin.drafters.model as model_module
+
+    real = model_module.to_device
+
+    def to_device(data, device, dtype=None):
+        if torch.device(device) == OTHER:
+            return real(data, "cpu", dtype).as_subclass(OnOtherDevice)
+        return real(data, device, dtype)
+
+    monkeypatch.setattr(model_module, "to_device", to_device)
+
+
 def spin(model, pool, **kwargs):
     return model.generate(custom_generate=hf_spin.generate, assistant_pool=pool, **kwargs)
 
@@ -82,7 +98,7 @@ def test_simulated_device_refuses_mixing():
     assert isinstance(x.to(torch.float64), OnOtherDevice)
 
 
-def test_drafter_on_another_device_keeps_speculating_under_processors(target, drafter):
+def test_drafter_on_another_device_keeps_speculating_under_processors(target, drafter, copies_to_other):
     """The target's processors hold tensors on the target's device (min_new_tokens: eos ids;
     repetition_penalty: the ids); the drafter's logits are scored there, so it is not dropped."""
     ids, mask = ragged_batch(2, 8)
@@ -92,7 +108,7 @@ def test_drafter_on_another_device_keeps_speculating_under_processors(target, dr
     assert_speculated(pool.last_stats)  # no failure, multi-token drafts, accepted and rejected
 
 
-def test_drafter_on_another_device_sampling_hands_q_to_the_target(target, drafter):
+def test_drafter_on_another_device_sampling_hands_q_to_the_target(target, drafter, copies_to_other):
     """Sampled, q is drawn on the drafter's device (no processors) and verified on the target's."""
     ids, mask = ragged_batch(2, 8)
     pool = spin_pool([OtherDeviceDrafter(drafter)])

@@ -8,6 +8,7 @@ chunk slot. `CACHE_ARG` is the keyword the installed `transformers` takes the ca
 from __future__ import annotations
 
 import inspect
+import itertools
 import threading
 import weakref
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from transformers.masking_utils import create_causal_mask
 
+from ..host_syncs import to_device
 from ..kernels.attention import ATTENTION_NAME
 from .packed import PackedCache
 from .ragged import RaggedCache
@@ -41,34 +43,38 @@ def forward_ragged(model, cache: RaggedCache | PackedCache, chunks: list[list[in
         return forward_packed(model, cache, chunks, all_logits)
     device = model.device
     width = max(len(c) for c in chunks)
-    lengths = torch.tensor([len(c) for c in chunks], device=device)  # [B]
-    input_ids = torch.full((len(chunks), width), FILLER_TOKEN, dtype=torch.long, device=device)  # [B, T]
-    for b, chunk in enumerate(chunks):
-        input_ids[b, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+    lengths = [len(c) for c in chunks]  # [B]
+    input_ids = to_device([c + [FILLER_TOKEN] * (width - len(c)) for c in chunks], device, torch.long)  # [B, T]
     attention_mask, position_ids = cache.add_slots(lengths, width)
     past = cache.get_seq_length()
     cache_position = torch.arange(past, past + width, device=device)  # [T]
-    last = (lengths - 1).clamp(min=0)  # [B] each row's last chunk slot (an empty row reads a hole)
+    last = [max(n - 1, 0) for n in lengths]  # [B] each row's last chunk slot (an empty row reads a hole)
     extra = {CACHE_ARG: cache}
     if not all_logits and model._supports_logits_to_keep():
         # Only the slots some row ends on: a prefill of L tokens computes U <= B rows of logits, not L.
-        keep, last = torch.unique(last, return_inverse=True)  # [U], [B] index into keep
-        extra["logits_to_keep"] = keep
-    with _attention(model):  # the model's own attention, never a packed forward's (another thread's)
-        out = (forward or model)(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache_position=cache_position,
-            use_cache=True,
-            return_dict=True,
-            **extra,
-        )
+        keep = sorted(set(last))  # [U]
+        position = {j: u for u, j in enumerate(keep)}
+        last = [position[j] for j in last]  # [B] index into keep
+        extra["logits_to_keep"] = to_device(keep, device, torch.long)
+    cache.single_token_forward = width == 1  # no host read of the mask for a one-token query (RaggedCache.is_compileable)
+    try:
+        with _attention(model):  # the model's own attention, never a packed forward's (another thread's)
+            out = (forward or model)(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache_position=cache_position,
+                use_cache=True,
+                return_dict=True,
+                **extra,
+            )
+    finally:
+        cache.single_token_forward = False
     logits = out.logits  # [B, T, V], or [B, U, V] with logits_to_keep
     if all_logits:
         return logits
     rows = torch.arange(len(chunks), device=logits.device)  # logits come out where the LM head is (device_map)
-    return logits[rows, last.to(logits.device)][:, None]  # [B, 1, V]
+    return logits[rows, to_device(last, logits.device, torch.long)][:, None]  # [B, 1, V]
 
 
 class _AttentionSwitch:
@@ -150,12 +156,13 @@ def forward_packed(model, cache: PackedCache, chunks: list[list[int]], all_logit
     if total == 0:
         raise ValueError("forward_packed needs at least one token in some chunk")
     meta, position_ids = cache.begin(q_lens)
-    input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)[None]  # [1, total_q]
-    ends = meta.cu_seqlens_q[1:].long() - 1  # [B] packed index of each row's last token
-    fed = torch.tensor(q_lens, device=cache.device) > 0  # [B]
+    input_ids = to_device([t for c in chunks for t in c], device, torch.long)[None]  # [1, total_q]
+    fed = [b for b, q in enumerate(q_lens) if q > 0]  # [U] the rows given tokens
+    cu = list(itertools.accumulate(q_lens))  # [B] cu_seqlens_q[1:]
+    ends = [cu[b] - 1 for b in fed]  # [U] packed index of each fed row's last token
     extra = {CACHE_ARG: cache}
     if not all_logits and model._supports_logits_to_keep():
-        extra["logits_to_keep"] = ends[fed].to(device)  # [U]: one row of logits per non-empty row
+        extra["logits_to_keep"] = to_device(ends, device, torch.long)  # [U]: one row of logits per non-empty row
     try:
         with _attention(model, ATTENTION_NAME):
             out = model(
@@ -173,12 +180,12 @@ def forward_packed(model, cache: PackedCache, chunks: list[list[int]], all_logit
     logits = out.logits[0]  # [total_q, V], or [U, V] with logits_to_keep
     B, V = len(chunks), logits.shape[-1]
     if all_logits:
-        row = torch.repeat_interleave(torch.arange(B), torch.tensor(q_lens)).to(logits.device)  # [total_q]
-        col = torch.cat([torch.arange(q) for q in q_lens]).to(logits.device)  # [total_q]
+        row = to_device([b for b, q in enumerate(q_lens) for _ in range(q)], logits.device, torch.long)  # [total_q]
+        col = to_device([j for q in q_lens for j in range(q)], logits.device, torch.long)  # [total_q]
         padded = logits.new_zeros(B, max(q_lens), V)
         padded[row, col] = logits
         return padded
     result = logits.new_zeros(B, 1, V)
-    fed = fed.to(logits.device)
-    result[fed, 0] = logits if "logits_to_keep" in extra else logits[ends[fed].to(logits.device)]
+    fed_rows = to_device(fed, logits.device, torch.long)  # [U]
+    result[fed_rows, 0] = logits if "logits_to_keep" in extra else logits[to_device(ends, logits.device, torch.long)]
     return result

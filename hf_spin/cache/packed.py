@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from ..host_syncs import to_device
 from ..kernels.attention import VarlenMetadata
 from .ragged import per_device
 
@@ -94,8 +95,8 @@ class PackedCache(Cache):
         new_starts = [sum(capacity[:i]) for i in range(len(rows))]
         src = [old_starts[r] + t for r in rows for t in range(self.lengths[r])]
         dst = [new_starts[i] + t for i, r in enumerate(rows) for t in range(self.lengths[r])]
-        src_on = per_device(torch.tensor(src, dtype=torch.long, device=self._device))
-        dst_on = per_device(torch.tensor(dst, dtype=torch.long, device=self._device))
+        src_on = per_device(to_device(src, self._device, torch.long))
+        dst_on = per_device(to_device(dst, self._device, torch.long))
         for layer in self.layers:  # each on its layer's device (device_map)
             if layer.is_initialized:
                 layer.move(src_on(layer.keys.device), dst_on(layer.keys.device), sum(capacity))
@@ -115,19 +116,19 @@ class PackedCache(Cache):
         write = [starts[b] + self.lengths[b] + t for b, q in enumerate(q_lens) for t in range(q)]
         positions = [self.lengths[b] + t for b, q in enumerate(q_lens) for t in range(q)]
         dev = self._device
-        self._write = per_device(torch.tensor(write, dtype=torch.long, device=dev))
+        self._write = per_device(to_device(write, dev, torch.long))
         self._pending = new
         cu_q = [0]
         for q in q_lens:
             cu_q.append(cu_q[-1] + q)
         meta = VarlenMetadata(
-            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
-            cu_seqlens_k=torch.tensor(starts + [self.total_slots], dtype=torch.int32, device=dev),
+            cu_seqlens_q=to_device(cu_q, dev, torch.int32),
+            cu_seqlens_k=to_device(starts + [self.total_slots], dev, torch.int32),
             max_seqlen_q=max(q_lens, default=0),
             max_seqlen_k=max(new, default=0),
-            seqused_k=torch.tensor(new, dtype=torch.int32, device=dev),
+            seqused_k=to_device(new, dev, torch.int32),
         )
-        return meta, torch.tensor(positions, dtype=torch.long, device=dev)[None]
+        return meta, to_device(positions, dev, torch.long)[None]
 
     def commit(self) -> None:
         """The planned forward ran: its new lengths become current."""
@@ -171,12 +172,13 @@ class PackedCache(Cache):
 
     # -- per-row operations the engine uses ----------------------------------------------------------
     def rollback(self, keep) -> None:
-        """Keep only the first keep[b] tokens of row b (no copy: the slots are reused by the next append)."""
+        """Keep only the first keep[b] tokens of row b (a list, or a tensor; no copy: the slots are reused
+        by the next append)."""
         keep = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
         self.lengths = [min(n, int(k)) for n, k in zip(self.lengths, keep)]
 
     def select_rows(self, rows) -> None:
-        """Keep only `rows` (retire the others) and compact: retired rows' memory is given back."""
+        """Keep only `rows` (a host tensor or a list; retire the others) and compact: retired rows' memory is given back."""
         rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
         self._relayout(rows, [grow_capacity(self.lengths[r]) for r in rows])
 

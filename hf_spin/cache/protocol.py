@@ -19,15 +19,16 @@ class RowCache(Protocol):
 
     @property
     def device(self) -> torch.device:
-        """Where index tensors passed to `rollback` and `select_rows` should live."""
+        """Where the cache's tensors live."""
         ...
 
-    def rollback(self, keep: torch.Tensor) -> None:
-        """keep: `[B]` long, tokens row b keeps (its first keep[b]); later tokens are dropped."""
+    def rollback(self, keep: list[int] | torch.Tensor) -> None:
+        """keep: `[B]` tokens row b keeps (its first keep[b]), on the host (a list or a CPU tensor: the
+        cache decides on the host and sends the device what it needs); later tokens are dropped."""
         ...
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """rows: `[B']` long, the rows to keep, in their new order (the others retire)."""
+    def select_rows(self, rows: list[int] | torch.Tensor) -> None:
+        """rows: `[B']` the rows to keep, in their new order, on the host (the others retire)."""
         ...
 
     def add_empty_rows(self, n: int) -> None:

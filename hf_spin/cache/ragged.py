@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
+from ..host_syncs import to_device
+
 # Compact when holes make up more than this fraction of the slots: a gather of the whole cache
 # costs about as much as attending over that many extra slots for a few steps.
 COMPACT_HOLE_FRACTION = 0.5
@@ -51,22 +53,60 @@ def needs_contiguous_slots(config) -> bool:
 class RaggedCache(DynamicCache):
     """A `DynamicCache` whose rows hold different numbers of valid tokens.
 
-    slot_mask: `[B, S]` bool, True where the slot holds a token the row attends to.
+    slot_mask: `[B, S]` bool on the model's device, True where the slot holds a token the row attends to.
     contiguous: compact whenever a row has a hole after its first valid slot (see
         `needs_contiguous_slots`); otherwise only when holes exceed COMPACT_HOLE_FRACTION.
     Every layer is a plain full-attention `DynamicLayer` (no config is passed), so no layer drops
     slots on its own; windows are applied by the model's own mask functions, over slots.
+
+    The slot mask is kept twice: on the host, where every decision about slots is taken (trim,
+    compact, hole fraction) without reading the device, and on the device, a copy of it sent with
+    `to_device` after each change (no sync). Code that assigns `slot_mask` itself (StreamingCache)
+    makes the host copy stale; it is read back from the device when next needed.
     """
 
     def __init__(self, slot_mask: torch.Tensor, contiguous: bool = False):
         super().__init__()
-        self.slot_mask = slot_mask.bool()  # [B, S]
+        self.slot_mask = slot_mask.bool()  # [B, S] on the device
+        self._host = torch.zeros(slot_mask.shape, dtype=torch.bool) if slot_mask.numel() == 0 else slot_mask.bool().cpu()  # [B, S]
         self.contiguous = contiguous
+        self.single_token_forward = False  # set by forward_ragged around a one-token-per-row forward
+
+    @property
+    def slot_mask(self) -> torch.Tensor:
+        return self._slot_mask
+
+    @slot_mask.setter
+    def slot_mask(self, mask: torch.Tensor) -> None:
+        self._slot_mask, self._host = mask, None  # the host copy is read back when next needed
+
+    @property
+    def host_mask(self) -> torch.Tensor:
+        """`[B, S]` the slot mask on the host."""
+        if self._host is None:
+            self._host = self._slot_mask.cpu()
+        return self._host
+
+    def _set_mask(self, host: torch.Tensor) -> None:
+        """The host mask changed: send the device its copy."""
+        self._slot_mask, self._host = to_device(host, self._slot_mask.device), host
+
+    @property
+    def is_compileable(self) -> bool:
+        """True during one-token-per-row forwards only. For a one-token query `transformers` asks whether
+        its SDPA mask can be dropped, by reading the whole 2D mask on the host (a sync per draft token);
+        a compileable cache is never asked, and the mask it builds instead is the same mask."""
+        return self.single_token_forward
 
     @property
     def lengths(self) -> torch.Tensor:
-        """`[B]` number of valid tokens per row."""
+        """`[B]` number of valid tokens per row (on the device)."""
         return self.slot_mask.sum(dim=1)
+
+    @property
+    def host_lengths(self) -> list[int]:
+        """`[B]` number of valid tokens per row."""
+        return self.host_mask.sum(dim=1).tolist()
 
     @property
     def num_slots(self) -> int:
@@ -77,66 +117,70 @@ class RaggedCache(DynamicCache):
         return self.slot_mask.device
 
     def hole_fraction(self) -> float:
-        return 1.0 - self.slot_mask.float().mean().item() if self.slot_mask.numel() else 0.0
+        return 1.0 - self.host_mask.float().mean().item() if self.host_mask.numel() else 0.0
 
-    def add_slots(self, chunk_lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reserve `width` slots per row, the first `chunk_lengths[b]` of them valid.
+    def add_slots(self, chunk_lengths, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reserve `width` slots per row, the first `chunk_lengths[b]` of them valid (a list, or a tensor).
 
         Returns the 2D attention mask over old + new slots `[B, S + width]` and the `position_ids`
         of the new slots `[B, width]` (hole slots repeat a valid position; they are masked).
         """
-        start = self.lengths  # [B]
-        offsets = torch.arange(width, device=start.device)  # [T]
+        chunk_lengths = _on_host(chunk_lengths)  # [B]
+        offsets = torch.arange(width)  # [T]
         new_valid = offsets[None, :] < chunk_lengths[:, None]  # [B, T]
-        self.slot_mask = torch.cat([self.slot_mask, new_valid], dim=1)
-        position_ids = start[:, None] + offsets[None, :]  # [B, T]
-        return self.slot_mask.long(), position_ids
+        position_ids = self.host_mask.sum(dim=1)[:, None] + offsets[None, :]  # [B, T] from each row's length
+        self._set_mask(torch.cat([self.host_mask, new_valid], dim=1))
+        return self.slot_mask.long(), to_device(position_ids, self.device)
 
-    def rollback(self, keep: torch.Tensor) -> None:
-        """Keep only the first `keep[b]` valid slots of row b; later valid slots become holes."""
-        rank = self.slot_mask.long().cumsum(dim=1)  # [B, S] 1-based rank of each valid slot
-        self.slot_mask &= rank <= keep[:, None]
+    def rollback(self, keep) -> None:
+        """Keep only the first `keep[b]` valid slots of row b (a list, or a tensor); later valid slots become holes."""
+        keep = _on_host(keep)  # [B]
+        mask = self.host_mask
+        rank = mask.long().cumsum(dim=1)  # [B, S] 1-based rank of each valid slot
+        self._set_mask(mask & (rank <= keep[:, None]))
         self._trim_tail()
         if self.hole_fraction() > COMPACT_HOLE_FRACTION or (self.contiguous and self._has_inner_holes()):
             self.compact()
 
     def _has_inner_holes(self) -> bool:
         """Any row with a hole after its first valid slot (left padding alone is fine)."""
-        seen = self.slot_mask.long().cummax(dim=1).values.bool()  # [B, S] True from the first valid slot on
-        return bool((seen & ~self.slot_mask).any())
+        mask = self.host_mask
+        seen = mask.long().cummax(dim=1).values.bool()  # [B, S] True from the first valid slot on
+        return bool((seen & ~mask).any())
 
     def _trim_tail(self) -> None:
         """Drop trailing slots that are holes in every row (at batch 1: every rejected slot)."""
-        valid_cols = self.slot_mask.any(dim=0).nonzero()
+        valid_cols = self.host_mask.any(dim=0).nonzero()
         new_len = int(valid_cols[-1]) + 1 if len(valid_cols) else 0
         if new_len < self.num_slots:
             self.crop(new_len - self.num_slots)  # negative: number of slots to drop
-            self.slot_mask = self.slot_mask[:, :new_len]
+            self._set_mask(self.host_mask[:, :new_len])
 
     def compact(self) -> None:
         """Move each row's valid slots to the right end of a cache of width max(lengths)."""
-        src, new_mask = compaction_index(self.slot_mask)
-        src_on = per_device(src)
-        for layer in self.layers:
+        src, new_mask = compaction_index(self.host_mask)
+        src_on = per_device(to_device(src, self.device))
+        for layer in self.layers:  # each on its layer's device (device_map)
             if layer.is_initialized and layer.keys.numel():
                 index = src_on(layer.keys.device)
                 layer.keys, layer.values = gather_slots(layer.keys, index), gather_slots(layer.values, index)
-        self.slot_mask = new_mask
+        self._set_mask(new_mask)
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` (retire the others)."""
-        rows_on = per_device(rows)
+    def select_rows(self, rows) -> None:
+        """Keep only `rows` (a host tensor or a list; retire the others)."""
+        rows = _on_host(rows)
+        rows_on = per_device(to_device(rows, self.device))
         for layer in self.layers:  # layers holding no slot too (S = 0): their batch must shrink as well
             if layer.is_initialized and layer.keys.dim() == 4:
                 index = rows_on(layer.keys.device)
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
-        self.slot_mask = self.slot_mask[rows.to(self.device)]
+        self._set_mask(self.host_mask[rows])
         self._trim_tail()
 
     # -- rows joining a running batch (continuous batching) -------------------------------------------
     def add_empty_rows(self, n: int) -> None:
         """Append n rows that hold no token yet (every slot a hole); a later forward fills them."""
-        self.slot_mask = torch.cat([self.slot_mask, self.slot_mask.new_zeros(n, self.num_slots)], dim=0)
+        self._set_mask(torch.cat([self.host_mask, self.host_mask.new_zeros(n, self.num_slots)], dim=0))
         for layer in self.layers:
             if layer.is_initialized and layer.keys.dim() == 4:  # [B, H, S, D], S = 0 included
                 layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(n, *layer.keys.shape[1:])], dim=0)
@@ -171,12 +215,12 @@ class RaggedCache(DynamicCache):
             if not mine_ok:
                 mine.dtype, mine.device, mine.is_initialized = like.keys.dtype, like.keys.device, True
         pad = lambda m, width: torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1)  # noqa: E731
-        self.slot_mask = torch.cat([pad(self.slot_mask, W), pad(other.slot_mask.to(self.device), W)], dim=0)
+        self._set_mask(torch.cat([pad(self.host_mask, W), pad(other.host_mask, W)], dim=0))
 
     # -- undoing a forward that raised (fault isolation) ----------------------------------------------
     def checkpoint(self) -> tuple[int, torch.Tensor]:
         """What `restore` needs to undo the next forward: (slots, slot mask)."""
-        return self.num_slots, self.slot_mask.clone()
+        return self.num_slots, self.host_mask.clone()
 
     def restore(self, state: tuple[int, torch.Tensor]) -> None:
         """Drop whatever a forward that raised half-way appended (some layers may have grown, others not)."""
@@ -185,7 +229,12 @@ class RaggedCache(DynamicCache):
             if layer.is_initialized and layer.keys.numel() and layer.keys.shape[-2] > slots:
                 layer.keys = layer.keys[..., :slots, :]
                 layer.values = layer.values[..., :slots, :]
-        self.slot_mask = mask
+        self._set_mask(mask)
+
+
+def _on_host(values) -> torch.Tensor:
+    """A [B] list or tensor of counts or indices as a long host tensor (a device tensor is read back)."""
+    return values.long().cpu() if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=torch.long)
 
 
 def per_device(index: torch.Tensor) -> Callable[[torch.device], torch.Tensor]:

@@ -15,8 +15,9 @@ from typing import Callable
 
 import torch
 
-# Scores logits the way the target's are scored: (row, committed prefix ids, scores [V]) -> [V].
-ScoreFn = Callable[[int, list[int], torch.Tensor], torch.Tensor]
+# Scores logits the way the target's are scored, one position of several rows at once:
+# (rows [n], each row's committed + drafted ids [n], logits [n, V]) -> scores [n, V].
+ScoreFn = Callable[[list[int], list[list[int]], torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Drafter(ABC):
         """Bring per-row state up to date for `rows` without drafting (fast switching); no-op by default."""
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these rows (others finished); indices into the current batch."""
+        """Keep only these rows (others finished); indices into the current batch, a CPU tensor."""
 
     def add_rows(self, sequences: list[list[int]]) -> None:
         """Rows join the running batch after the current ones, with these committed sequences

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import PackedCache, RaggedCache, forward_ragged, needs_contiguous_slots
+from ..host_syncs import to_device
 from .base import Draft, Drafter, DraftRequest
 
 
@@ -82,7 +83,7 @@ class ModelDrafter(Drafter):
         return len(self.cached[row]) if row < len(self.cached) else 0  # draft-space tokens: about the target's
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        self.cache.select_rows(rows.to(self.model.device))
+        self.cache.select_rows(rows)  # on the host: the cache sends the device its copy
         self.cached = [self.cached[i] for i in rows.tolist()]
         if self.exact is not None:
             self.exact = [self.exact[i] for i in rows.tolist()]
@@ -96,17 +97,18 @@ class ModelDrafter(Drafter):
     def finish(self) -> None:
         self.cache, self.cached, self.exact = None, [], None
 
-    def _scores(self, logits: torch.Tensor, row: int, prefix: list[int], request: DraftRequest) -> torch.Tensor:
-        """Draft logits [V_draft] -> scores over the target vocabulary [V_target], processed like the target's."""
+    def _scores(self, logits: torch.Tensor, rows: list[int], prefixes: list[list[int]], request: DraftRequest) -> torch.Tensor:
+        """Draft logits [n, V_draft] of `rows` -> scores over the target vocabulary [n, V_target], processed
+        like the target's (prefixes: each row's committed + drafted ids)."""
         V = self.target_vocab_size
         logits = logits.float()
         if logits.shape[-1] >= V:
-            logits = logits[:V]
+            logits = logits[:, :V]
         else:  # a drafter with a smaller (unpadded) vocabulary never proposes the missing ids
-            logits = torch.cat([logits, logits.new_full((V - logits.shape[-1],), float("-inf"))])
+            logits = torch.cat([logits, logits.new_full((logits.shape[0], V - logits.shape[-1]), float("-inf"))], dim=-1)
         if request.score is None:
             return logits
-        return request.score(row, prefix, logits)
+        return request.score(rows, prefixes, logits)
 
     def _catch_up(self, rows: list[int], sequences: list[list[int]]) -> tuple[torch.Tensor, dict[int, list[int]]]:
         """Roll back what the committed sequences no longer contain and feed the rest, for `rows`.
@@ -124,7 +126,7 @@ class ModelDrafter(Drafter):
             keep[row] = min(self._keep(row, common_prefix_length(self.cached[row], seq)), len(seq) - 1)
             chunks[row] = seq[keep[row]:]
             self.cached[row] = list(seq)
-        self.cache.rollback(torch.tensor(keep, device=self.cache.device))
+        self.cache.rollback(keep)
         return self._forward(chunks, keep), draft_seqs
 
     @torch.no_grad()
@@ -141,31 +143,40 @@ class ModelDrafter(Drafter):
         # 1. Catch up (roll back rejected drafts, feed the bonus token or any tokens since this drafter last served the row).
         logits, draft_seqs = self._catch_up(request.rows, request.sequences)  # [B, 1, V_draft]
         # 2. Draft up to kmax tokens, one forward per token after the first; a row stops at its k or
-        #    after a token less likely than min_confidence.
+        #    after a token less likely than min_confidence. Each position is drawn for every row at once
+        #    and crosses to the host in one transfer.
         new_ids = {row: [] for row in request.rows}
         q_rows = {row: [] for row in request.rows}
         limit = dict(zip(request.rows, request.k))
         sample = dict(zip(request.rows, request.sample or [request.do_sample] * len(request.rows)))
         active = [row for row in request.rows if limit[row] > 0]
         while active:
+            at = logits[:, -1] if active == list(range(B)) else logits[to_device(active, logits.device, torch.long), -1]  # [n, V_draft]
+            if self.shares_vocab:
+                scores = self._scores(at, active, [request.sequences[row] + new_ids[row] for row in active], request)  # [n, V]
+            else:  # another vocabulary: the target's processors do not apply; greedy proposal
+                scores = at.float()
+            drawn = [sample[row] and self.shares_vocab for row in active]  # [n]
+            # q [n, V] only where it is used: a draw from it, or the confidence stop
+            q = torch.softmax(scores, dim=-1) if any(drawn) or request.min_confidence > 0 else None
+            tokens = scores.argmax(dim=-1)  # [n]
+            if all(drawn):
+                tokens = torch.multinomial(q, 1)[:, 0]
+            elif any(drawn):
+                picked = to_device([i for i, d in enumerate(drawn) if d], q.device, torch.long)
+                tokens[picked] = torch.multinomial(q[picked], 1)[:, 0]
+            if request.min_confidence > 0:  # tokens and their q in one transfer (ids are exact in float64)
+                tokens_host, confidence = torch.stack([tokens.double(), q.gather(1, tokens[:, None])[:, 0].double()]).tolist()
+            else:
+                tokens_host, confidence = tokens.tolist(), None
             next_chunks: list[list[int]] = [[] for _ in range(B)]
             still = []
-            for row in active:
-                if self.shares_vocab:
-                    scores = self._scores(logits[row, -1], row, request.sequences[row] + new_ids[row], request)
-                else:  # another vocabulary: the target's processors do not apply; greedy proposal
-                    scores = logits[row, -1].float()
-                drawn = sample[row] and self.shares_vocab
-                # q [V] only where it is used: a draw from it, or the confidence stop
-                q = torch.softmax(scores, dim=-1) if drawn or request.min_confidence > 0 else None
-                if drawn:
-                    token = int(torch.multinomial(q, 1))
-                    q_rows[row].append(q)
-                else:
-                    token = int(scores.argmax())
+            for i, row in enumerate(active):
+                token = int(tokens_host[i])
+                if drawn[i]:
+                    q_rows[row].append(q[i])
                 new_ids[row].append(token)
-                confident = q is None or float(q[token]) >= request.min_confidence
-                if len(new_ids[row]) < limit[row] and confident:
+                if len(new_ids[row]) < limit[row] and (confidence is None or confidence[i] >= request.min_confidence):
                     next_chunks[row] = [token]
                     still.append(row)
             active = still

@@ -79,6 +79,7 @@ class StreamingCache(RaggedCache):
     def rollback(self, keep: torch.Tensor) -> None:
         """Keep the first keep[b] tokens of row b. keep[b] == 0 resets the row; otherwise it must not reach
         into the evicted middle (keep[b] >= sink + evicted[b] where anything was evicted)."""
+        keep = torch.as_tensor(keep, device=self.evicted.device)  # [B] (a list from the drafter)
         reaches = (self.evicted > 0) & (keep > 0) & (keep < self.sink_tokens + self.evicted)
         assert not bool(reaches.any()), f"rollback into evicted tokens: keep {keep.tolist()}, evicted {self.evicted.tolist()}"
         self.evicted = torch.where(keep == 0, 0, self.evicted)

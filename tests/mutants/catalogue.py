@@ -65,8 +65,8 @@ MUTANTS = (
         "target_cache_keeps_the_first_rejected_draft",
         "after a rejection the target's cache keeps the rejected token's KV",
         "hf_spin/engine.py",
-        "self.cache.rollback(torch.tensor([len(r.sequence) - 1 for r in rows], device=self.cache.device))",
-        "self.cache.rollback(torch.tensor([len(r.sequence) - 1 + (accepted[b] < len(proposal.drafts[b])) for b, r in enumerate(rows)], device=self.cache.device))",
+        "self.cache.rollback([len(r.sequence) - 1 for r in rows])",
+        "self.cache.rollback([len(r.sequence) - 1 + (accepted[b] < len(proposal.drafts[b])) for b, r in enumerate(rows)])",
         (
             EQ + "test_greedy_equivalence[llama-other-1]",
             EQ + "test_greedy_equivalence[qwen2-other-4]",
@@ -77,7 +77,7 @@ MUTANTS = (
         "drafter_cache_never_rolled_back",
         "a model drafter keeps the KV of its rejected drafts: lossless, but its drafts go wrong",
         "hf_spin/drafters/model.py",
-        "        self.cache.rollback(torch.tensor(keep, device=self.cache.device))\n        return self._forward(chunks, keep), draft_seqs",
+        "        self.cache.rollback(keep)\n        return self._forward(chunks, keep), draft_seqs",
         "        return self._forward(chunks, keep), draft_seqs",
         ("tests/test_drafters.py::test_model_drafter_after_rollbacks_drafts_what_a_fresh_one_does",),
     ),
@@ -121,5 +121,13 @@ MUTANTS = (
             "tests/test_planning.py::test_plain_when_verification_grows_linearly_at_moderate_acceptance",
             "tests/test_planning.py::test_batch_budget_goes_to_the_rows_most_likely_to_survive",
         ),
+    ),
+    Mutant(
+        "drafter_reads_each_row",
+        "a model drafter reads each row's token off the device on its own: a sync per row and draft position (lossless, slow on a GPU)",
+        "hf_spin/drafters/model.py",
+        "tokens_host, confidence = tokens.tolist(), None",
+        "tokens_host, confidence = [int(t) for t in tokens], None",
+        ("tests/test_host_syncs.py::test_greedy_step_within_budget_whatever_the_batch[rectangular]",),
     ),
 )
