@@ -16,8 +16,8 @@ Sections, each written to DIR/gpu_check.json as soon as it ends (a run cut short
 4. end_to_end: an oracle drafter that proposes the known greedy continuation with probability alpha
    per token; tokens/s against plain generate in the same run, accepted tokens per step against the
    theoretical sum_{i=1..k} alpha^i, ms per step split into draft / verify / other.
-5. syncs: host synchronisations per step at batch 1 and 16 (CUDA's sync debug mode; on CPU the
-   instrumented count of `hf_spin.host_syncs` where it exists).
+5. syncs: host synchronisations per speculative step at batch 1 and 16 against the budget k + 2
+   (`hf_spin.host_syncs`: CUDA's sync debug mode; on CPU the instrumented count).
 6. kernel_timing: the kernel against padded SDPA and `torch.nn.attention.varlen.varlen_attn` (where the
    installed torch has it) on ragged verification batches of 1-32 rows, 256-4096 keys.
 
@@ -35,8 +35,6 @@ import random
 import sys
 import time
 import traceback
-import warnings
-from collections import Counter
 from pathlib import Path
 
 # The smoke runs the Triton kernel in its interpreter, which triton reads when it is first imported.
@@ -54,6 +52,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 import hf_spin  # noqa: E402
 from hf_spin import machine  # noqa: E402
 from hf_spin.drafters import Draft, Drafter, DraftRequest  # noqa: E402
+from hf_spin.host_syncs import count_syncs  # noqa: E402
 from hf_spin.kernels import pack_tree_masks, varlen_attention, varlen_attention_ref  # noqa: E402
 from hf_spin.policies import FixedLength  # noqa: E402
 from hf_spin.stats import DrafterStats  # noqa: E402
@@ -392,42 +391,31 @@ def end_to_end(check: Check) -> dict:
 
 
 def syncs(check: Check) -> dict:
+    """Syncs per speculative step (`hf_spin.host_syncs`: CUDA's sync debug mode on a GPU, the
+    instrumented count on CPU) with the oracle and the model drafter drafting k tokens, against the
+    budget k + 2. On CPU the
+    packed path runs the kernel's reference, which reads its metadata on the host: left out there."""
     cfg, results = check.cfg, []
     tokens = cfg["identity_tokens"]
+    exclude = ("kernels/",) if check.device.type != "cuda" else ()
     for batch in (1, 16):
         ids, mask = check.prompts(batch, seed=200 + batch)
         refs = references(plain(check, ids, mask, tokens), mask)
-        for ragged in (False, True):
-            oracle = Oracle(refs, 0.6, cfg["target"]["vocab_size"])
-            spin(check, ids, mask, 4, oracle, ragged)  # warm-up
-            count, sites = count_syncs(check, lambda: spin(check, ids, mask, tokens, oracle, ragged))
-            if count is None:
-                results.append({"batch": batch, "packed": ragged, "skipped": "no sync counter on this device"})
-                continue
-            _, stats = spin(check, ids, mask, tokens, oracle, ragged)
-            r = {"batch": batch, "packed": ragged, "syncs": count, "steps": stats.steps, "per_step": count / max(stats.steps, 1), "bound": cfg["k"] + 2, "top_sites": sites.most_common(8)}
+        drafters = {"oracle": Oracle(refs, 0.6, cfg["target"]["vocab_size"]), "model": check.model("drafter")}
+        for ragged, (name, drafter) in itertools.product((False, True), drafters.items()):
+            spin(check, ids, mask, 4, drafter, ragged)  # warm-up
+            with count_syncs() as counter:
+                spin(check, ids, mask, tokens, drafter, ragged)
+            r = {
+                "batch": batch, "packed": ragged, "drafter": name, "mode": counter.mode, "per_step": counter.per_step(exclude), "bound": cfg["k"] + 2,
+                "steps": counter.entries["step"], "phases": dict(counter.phases), "top_step_sites": counter.step_sites.most_common(8),
+            }
             results.append(r)
-            print(f"  syncs b={batch:<2} {'packed' if ragged else 'rect  '}: {r['per_step']:.1f} per step (bound k + 2 = {r['bound']}), {count} in {stats.steps} steps (prefill included); top: {sites.most_common(3)}")
+            print(
+                f"  syncs b={batch:<2} {'packed' if ragged else 'rect  '} {name:<6}: {r['per_step']:.1f} per step (budget k + 2 = {r['bound']}, {counter.mode}), "
+                f"phases {r['phases']}; top: {counter.step_sites.most_common(3)}"
+            )
     return {"runs": results}
-
-
-def count_syncs(check: Check, fn) -> tuple[int | None, Counter]:
-    """Synchronisations while fn runs, and the source lines they came from: CUDA's sync debug mode warns
-    at each one."""
-    if check.device.type != "cuda":
-        return None, Counter()
-    sites: Counter = Counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    hits = [w for w in caught if "synchroniz" in str(w.message)]
-    for w in hits:
-        sites[f"{Path(w.filename).name}:{w.lineno}"] += 1
-    return len(hits), sites
 
 
 # --- 6. kernel timing ------------------------------------------------------------------------------

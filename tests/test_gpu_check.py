@@ -55,3 +55,9 @@ def test_oracle_acceptance_follows_alpha(report):
 def test_timings_of_every_method(report):
     for run in report["kernel_timing"]["runs"]:
         assert isinstance(run["ms"]["hf_spin"], float) and isinstance(run["ms"]["padded_sdpa"], float), run
+
+
+def test_syncs_per_step_within_the_budget(report):
+    runs = report["syncs"]["runs"]
+    assert {(r["batch"], r["packed"], r["drafter"]) for r in runs} == {(b, p, d) for b in (1, 16) for p in (False, True) for d in ("oracle", "model")}
+    assert all(r["mode"] == "instrumented" and r["steps"] > 0 and r["per_step"] <= r["bound"] for r in runs), runs
