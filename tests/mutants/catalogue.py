@@ -130,4 +130,15 @@ MUTANTS = (
         "tokens_host, confidence = [int(t) for t in tokens], None",
         ("tests/test_host_syncs.py::test_greedy_step_within_budget_whatever_the_batch[rectangular]",),
     ),
+    Mutant(
+        "tree_sampling_skips_the_residual",
+        "a token tree's later candidates are tested against p instead of what earlier rejections left: sampled output drifts from the target",
+        "hf_spin/tree_verification.py",
+        "r = (r - q).clamp(min=0.0)",
+        "r = r.clone()",
+        (
+            "tests/test_token_trees.py::test_sampled_tree_keeps_the_two_token_distribution[model]",
+            "tests/test_token_trees.py::test_sampled_tree_keeps_the_two_token_distribution[mixed]",
+        ),
+    ),
 )

@@ -1,0 +1,187 @@
+"""Token trees (hf_spin/token_tree.py) and their verification (hf_spin/tree_verification.py).
+
+Hand-built cases for the tree's bookkeeping and both walks; then the sampled walk against the exact
+distribution of the first two tokens, with branching >= 2 at both levels, for sampled (model
+drafter) candidates, deterministic (prompt lookup) candidates and a mix, and a lossy control (each
+candidate tested against p instead of the residual) that the same check rejects.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_spin.token_tree import TokenTree
+from hf_spin.tree_verification import verify_tree_greedy, verify_tree_sampling, walk_sampling
+
+from .test_sampling import ALPHA, fits
+
+V = 5
+
+
+def test_chain_is_a_tree_with_one_child_per_node():
+    tree = TokenTree.chain([4, 5, 6])
+    assert tree.parents == [-1, 0, 1] and tree.depths() == [1, 2, 3] and tree.order == [0, 1, 2]
+    assert tree.path(2) == [0, 1, 2] and tree.children(0) == [1]
+    assert torch.equal(tree.ancestor_mask(), torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+
+def test_merge_sums_weights_and_keeps_separate_proposals_apart():
+    q = torch.full((2, V), 1 / V)
+    a = TokenTree.chain([1, 2], drafter=0)
+    b = TokenTree.chain([1, 3], drafter=1)
+    c = TokenTree.chain([1, 2], q=q, drafter=2)  # sampled: not merged with the deterministic [1, 2]
+    tree = TokenTree.merge([a, b, c], weights=[0.5, 0.3, 0.2])
+    assert tree.tokens == [1, 2, 3, 1, 2] and tree.parents == [-1, 0, 0, -1, 3]
+    assert tree.weights == pytest.approx([0.8, 0.5, 0.3, 0.2, 0.2])
+    assert tree.depths() == [1, 2, 2, 1, 2]
+    mask = tree.ancestor_mask()  # slot 0 the root, slot i + 1 node i
+    assert mask[3].tolist() == [True, True, False, True, False, False]  # node 2 sees the root, node 0, itself
+    assert mask[5].tolist() == [True, False, False, False, True, True]
+
+
+def test_a_token_drawn_twice_is_one_node_and_two_candidates():
+    q = torch.full((V,), 1 / V)
+    tree = TokenTree()
+    first = tree.add(-1, 3, drafter=0, q=q)
+    tree.add(-1, 1, drafter=0, q=q)
+    assert tree.add(-1, 3, drafter=0, q=q) == first
+    assert tree.tokens == [3, 1] and tree.candidates(-1) == [0, 1, 0]
+    tree.add(-1, 1, drafter=0)  # deterministic 1: its own node, tried once
+    tree.add(-1, 1, drafter=1)
+    assert tree.candidates(-1) == [0, 1, 0, 2]
+    with pytest.raises(ValueError, match="parent 7 is not a node of a tree of 3 nodes"):
+        tree.add(7, 1)
+
+
+def test_greedy_walk_takes_the_matching_child_and_adds_the_next_argmax():
+    tree = TokenTree()
+    a = tree.add(-1, 7)
+    tree.add(a, 8)
+    b = tree.add(a, 9)
+    scores = torch.zeros(4, 10)
+    for slot, best in enumerate([7, 9, 4, 2]):
+        scores[slot, best] = 1.0
+    verdict = verify_tree_greedy(scores, tree)
+    assert verdict.path == [a, b] and verdict.next_token == 2
+    scores[0] = 0
+    scores[0, 6] = 1.0  # the root's argmax is no child: nothing accepted, 6 recovered
+    assert verify_tree_greedy(scores, tree).path == [] and verify_tree_greedy(scores, tree).next_token == 6
+
+
+def test_sampled_walk_on_certain_and_impossible_candidates():
+    tree = TokenTree()
+    a = tree.add(-1, 0)
+    b = tree.add(-1, 1)
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5], [0.0, 0.0, 1.0]])  # slot 0: the root; 1: node a; 2: node b
+    for seed in range(20):
+        verdict = verify_tree_sampling(p, tree, torch.Generator().manual_seed(seed))
+        assert verdict.path == [b] and verdict.next_token == 2  # 0 impossible, 1 certain; b is a leaf: bonus from p[2]
+    p[0] = torch.tensor([0.5, 0.5, 0.0])  # if 0 is rejected the residual is all on 1: 2 never comes out
+    outcomes = {tuple(verify_tree_sampling(p, tree, torch.Generator().manual_seed(s)).path) for s in range(60)}
+    assert outcomes == {(a,), (b,)}
+
+
+def test_walk_reads_the_first_accepted_draw_in_order():
+    tree = TokenTree()
+    q = torch.full((V,), 1 / V)
+    tree.add(-1, 2, q=q)
+    tree.add(-1, 3, q=q)
+    assert walk_sampling([False, True], [4, 0, 0], tree).path == [1]
+    assert walk_sampling([True, True], [4, 0, 0], tree).path == [0]
+    assert walk_sampling([False, False], [4, 0, 0], tree).next_token == 4
+
+
+# --- the sampled walk keeps the target's two-token distribution -----------------------------------
+
+
+def _target(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    p0 = torch.softmax(2 * torch.randn(V, generator=g), 0)  # [V] the first token
+    p1 = torch.softmax(2 * torch.randn(V, V, generator=g), 1)  # [V, V] the second, given the first
+    q0 = torch.softmax(2 * torch.randn(V, generator=g), 0)  # a drafter's own guesses
+    q1 = torch.softmax(2 * torch.randn(V, V, generator=g), 1)
+    return p0, p1, q0, q1
+
+
+def _tree(kind: str, q0, q1, g) -> TokenTree:
+    """Branching 2-3 at the root and 2 under each root child."""
+    tree = TokenTree()
+    if kind in ("lookup", "mixed"):  # deterministic candidates: fixed tokens (several n-gram matches)
+        for first, seconds in ((1, (2, 0)), (3, (3, 4))):
+            node = tree.add(-1, first, drafter=0)
+            for second in seconds:
+                tree.add(node, second, drafter=0)
+    if kind in ("model", "mixed"):  # i.i.d. draws from the drafter, 2 under each drawn child
+        for first in torch.multinomial(q0, 3 if kind == "model" else 2, replacement=True, generator=g).tolist():
+            node = tree.add(-1, first, drafter=1, q=q0)
+            if len(tree.candidates(node)) == 0:
+                for second in torch.multinomial(q1[first], 2, replacement=True, generator=g).tolist():
+                    tree.add(node, second, drafter=1, q=q1[first])
+    return tree
+
+
+def _slots(tree: TokenTree, p0, p1) -> torch.Tensor:
+    """[N + 1, V] the target after the root and after each node (depth 1: p1 of its token; deeper slots
+    are never needed for the first two tokens)."""
+    return torch.stack([p0] + [p1[t] if d == 1 else p0 for t, d in zip(tree.tokens, tree.depths())])
+
+
+def _first_two(verdict, tree, p1, g) -> tuple[int, int]:
+    emitted = [tree.tokens[n] for n in verdict.path] + [verdict.next_token]
+    if len(emitted) == 1:  # the next step would draw the second token from the target
+        emitted.append(int(torch.multinomial(p1[emitted[0]], 1, generator=g)))
+    return emitted[0], emitted[1]
+
+
+def _lossy(p: torch.Tensor, tree: TokenTree, g):
+    """The control: each candidate tested against p itself, no residual, no q (accept x with p(x))."""
+    from hf_spin.tree_verification import TreeVerdict
+
+    path, node = [], -1
+    while True:
+        chosen = next((c for c in tree.candidates(node) if float(torch.rand(1, generator=g)) < float(p[node + 1, tree.tokens[c]])), None)
+        if chosen is None:
+            return TreeVerdict(path, int(torch.multinomial(p[node + 1], 1, generator=g)))
+        path.append(chosen)
+        node = chosen
+
+
+def _counts(kind: str, verify, n: int, seed: int):
+    p0, p1, q0, q1 = _target(seed)
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V * V)
+    for _ in range(n):
+        tree = _tree(kind, q0, q1, g)
+        a, b = _first_two(verify(_slots(tree, p0, p1), tree, g), tree, p1, g)
+        counts[a * V + b] += 1
+    return counts, (p0[:, None] * p1).reshape(-1)
+
+
+@pytest.mark.parametrize("kind", ["model", "lookup", "mixed"])
+def test_sampled_tree_keeps_the_two_token_distribution(kind):
+    counts, exact = _counts(kind, verify_tree_sampling, 4000, seed=3)
+    assert fits(counts, exact) > ALPHA, f"{kind}: {counts.tolist()}"
+
+
+@pytest.mark.parametrize("kind", ["model", "lookup"])
+def test_the_check_rejects_a_verifier_without_residuals(kind):
+    counts, exact = _counts(kind, _lossy, 4000, seed=3)
+    assert fits(counts, exact) < ALPHA
+
+
+def test_a_sampled_candidate_is_accepted_as_often_as_speculative_sampling_says():
+    """One child drawn from q is accepted with probability sum_x min(p(x), q(x)) (reading it as a
+    deterministic proposal would keep the distribution but accept only sum_x p(x) q(x))."""
+    from scipy.stats import binomtest
+
+    p0, p1, q0, _ = _target(5)
+    g = torch.Generator().manual_seed(5)
+    n, accepted = 3000, 0
+    for _ in range(n):
+        tree = TokenTree()
+        tree.add(-1, int(torch.multinomial(q0, 1, generator=g)), q=q0)
+        accepted += verify_tree_sampling(_slots(tree, p0, p1), tree, g).accepted
+    expected = torch.minimum(p0, q0).sum().item()
+    assert abs(expected - (p0 * q0).sum().item()) > 0.1  # the two readings differ enough to tell apart
+    assert binomtest(accepted, n, expected).pvalue > ALPHA, (accepted / n, expected)
