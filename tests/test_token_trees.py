@@ -185,3 +185,47 @@ def test_a_sampled_candidate_is_accepted_as_often_as_speculative_sampling_says()
     expected = torch.minimum(p0, q0).sum().item()
     assert abs(expected - (p0 * q0).sum().item()) > 0.1  # the two readings differ enough to tell apart
     assert binomtest(accepted, n, expected).pvalue > ALPHA, (accepted / n, expected)
+
+
+# --- a tree verified in one forward on packed rows --------------------------------------------------
+
+
+def _random_tree(g, nodes: int, vocab: int) -> TokenTree:
+    tree = TokenTree()
+    for _ in range(nodes):
+        tree.add(int(torch.randint(-1, len(tree), (1,), generator=g)), int(torch.randint(3, vocab, (1,), generator=g)))
+    return tree
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])  # sliding windows and trees: not together (kernels/)
+def test_every_tree_slot_scores_its_own_path_and_the_kept_path_decodes_on(arch):
+    """Two rows with random trees after ragged prompts: the logits at each slot equal a plain forward
+    over prompt + the slot's path; after keep_paths the cache continues exactly like a fresh forward."""
+    from hf_spin.cache import PackedCache, forward_ragged, forward_tree
+
+    from .archs import VOCAB, tiny_model
+
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 5)]
+    trees = [_random_tree(g, 7, VOCAB), _random_tree(g, 4, VOCAB)]
+    cache = PackedCache(2)
+    with torch.no_grad():
+        forward_ragged(model, cache, [p[:-1] for p in prompts])
+        bases = list(cache.lengths)
+        logits = forward_tree(model, cache, [p[-1] for p in prompts], trees)  # [2, 1 + N, V]
+
+        def plain(tokens):
+            return model(torch.tensor([tokens])).logits[0, -1]
+
+        for b, (prompt, tree) in enumerate(zip(prompts, trees)):
+            assert torch.allclose(logits[b, 0], plain(prompt), atol=1e-5)
+            for node in range(len(tree)):
+                path = [tree.tokens[n] for n in tree.path(node)]
+                assert torch.allclose(logits[b, node + 1], plain(prompt + path), atol=1e-5), (b, node)
+        paths = [trees[0].path(len(trees[0]) - 1), []]
+        cache.keep_paths(bases, paths)
+        nxt = [[5], [6]]
+        after = forward_ragged(model, cache, nxt, all_logits=False)  # [2, 1, V]
+        for b, (prompt, tree, path) in enumerate(zip(prompts, trees, paths)):
+            assert torch.allclose(after[b, 0], plain(prompt + [tree.tokens[n] for n in path] + nxt[b]), atol=1e-5), b

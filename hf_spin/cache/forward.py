@@ -18,6 +18,7 @@ from transformers.masking_utils import create_causal_mask
 
 from ..host_syncs import to_device
 from ..kernels.attention import ATTENTION_NAME
+from ..kernels.varlen_attention import pack_tree_masks
 from .packed import PackedCache
 from .ragged import RaggedCache
 
@@ -143,19 +144,39 @@ def check_packed_support(model, role: str = "model") -> None:
         )
 
 
-def forward_packed(model, cache: PackedCache, chunks: list[list[int]], all_logits: bool = True) -> torch.Tensor:
+def forward_tree(model, cache: PackedCache, roots: list[int], trees: list) -> torch.Tensor:
+    """Verify token trees on packed rows: one forward over [root] + the tree's nodes per row, each slot
+    seeing the row's cache and its own path (`TokenTree.ancestor_mask`), at position length + depth.
+
+    roots: [B] each row's last committed token (not yet in the cache); trees: [B] `TokenTree`s.
+    Returns logits `[B, 1 + N_max, V]`: slot 0 after the root, slot i + 1 after node i (zeros past a
+    row's nodes). Afterwards the cache holds every slot; `PackedCache.keep_paths` keeps the accepted ones.
+    """
+    chunks = [[root] + tree.tokens for root, tree in zip(roots, trees)]
+    depths = [[0] + tree.depths() for tree in trees]
+    masks = [tree.ancestor_mask() for tree in trees]
+    return forward_packed(model, cache, chunks, depths=depths, tree_masks=masks)
+
+
+def forward_packed(
+    model, cache: PackedCache, chunks: list[list[int]], all_logits: bool = True, depths: list[list[int]] | None = None, tree_masks: list | None = None
+) -> torch.Tensor:
     """`forward_ragged` on a `PackedCache`: one forward over the packed chunks `[1, total_q]`, no padding.
 
     Attention runs through `hf_spin_varlen` (switched on for this forward only) with the cache's
     `VarlenMetadata`. Returns logits like `forward_ragged`: `[B, T, V]` right-padded with zeros, or
     `[B, 1, V]` at each row's last chunk token (zeros for an empty chunk) when `all_logits` is False.
+    depths / tree_masks: per row, each new token's position after the row's length and the `[q, q]`
+    bool mask among its new tokens (`forward_tree`); default: consecutive positions, causal.
     """
     device = model.device
     q_lens = [len(c) for c in chunks]
     total = sum(q_lens)
     if total == 0:
         raise ValueError("forward_packed needs at least one token in some chunk")
-    meta, position_ids = cache.begin(q_lens)
+    meta, position_ids = cache.begin(q_lens, depths)
+    if tree_masks is not None:
+        meta.tree_mask = to_device(pack_tree_masks(tree_masks), cache.device, torch.bool)
     input_ids = to_device([t for c in chunks for t in c], device, torch.long)[None]  # [1, total_q]
     fed = [b for b, q in enumerate(q_lens) if q > 0]  # [U] the rows given tokens
     cu = list(itertools.accumulate(q_lens))  # [B] cu_seqlens_q[1:]

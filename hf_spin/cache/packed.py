@@ -103,9 +103,11 @@ class PackedCache(Cache):
         self.lengths = [self.lengths[r] for r in rows]
         self.capacity = list(capacity)
 
-    def begin(self, q_lens: list[int]):
+    def begin(self, q_lens: list[int], depths: list[list[int]] | None = None):
         """Plan one forward that appends q_lens[b] tokens to row b. Returns (`VarlenMetadata`,
-        position_ids `[1, total_q]`); `commit` makes the new lengths current once the forward ran."""
+        position_ids `[1, total_q]`); `commit` makes the new lengths current once the forward ran.
+        depths: per row, each new token's position after the row's length (default 0, 1, ...; a token
+        tree's slots: 0 for the root, each node's depth after it)."""
         if len(q_lens) != len(self.lengths):
             raise ValueError(f"{len(q_lens)} chunks for a cache of {len(self.lengths)} rows")
         new = [n + q for n, q in zip(self.lengths, q_lens)]
@@ -114,7 +116,8 @@ class PackedCache(Cache):
             self._relayout(list(range(len(new))), grown)
         starts = self.starts
         write = [starts[b] + self.lengths[b] + t for b, q in enumerate(q_lens) for t in range(q)]
-        positions = [self.lengths[b] + t for b, q in enumerate(q_lens) for t in range(q)]
+        depths = depths if depths is not None else [range(q) for q in q_lens]
+        positions = [self.lengths[b] + d for b in range(len(q_lens)) for d in depths[b]]
         dev = self._device
         self._write = per_device(to_device(write, dev, torch.long))
         self._pending = new
@@ -176,6 +179,24 @@ class PackedCache(Cache):
         by the next append)."""
         keep = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
         self.lengths = [min(n, int(k)) for n, k in zip(self.lengths, keep)]
+
+    def keep_paths(self, bases: list[int], paths: list[list[int]]) -> None:
+        """After a token-tree forward (`forward_tree`): row b held bases[b] tokens before it, then the
+        root and the tree's nodes; keep the root and the accepted nodes paths[b] (node indices, root's
+        child first), moved down to follow the root contiguously. One gather and scatter per layer."""
+        starts = self.starts
+        src = [starts[b] + base + 1 + node for b, (base, path) in enumerate(zip(bases, paths)) for node in path]
+        dst = [starts[b] + base + 1 + i for b, (base, path) in enumerate(zip(bases, paths)) for i in range(len(path))]
+        self.lengths = [base + 1 + len(path) for base, path in zip(bases, paths)]
+        if src == dst:
+            return
+        src_on = per_device(to_device(src, self._device, torch.long))
+        dst_on = per_device(to_device(dst, self._device, torch.long))
+        for layer in self.layers:
+            if layer.is_initialized:
+                device = layer.keys.device
+                layer.keys[dst_on(device)] = layer.keys[src_on(device)]  # the right side is gathered first
+                layer.values[dst_on(device)] = layer.values[src_on(device)]
 
     def select_rows(self, rows) -> None:
         """Keep only `rows` (a host tensor or a list; retire the others) and compact: retired rows' memory is given back."""
