@@ -27,9 +27,10 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the kern
 from hf_spin.kernels import (  # noqa: E402
     pack_tree_masks, torch_varlen_unsupported, use_triton, varlen_attention, varlen_attention_ref, varlen_attention_torch, warm_up,
 )
-from hf_spin.kernels.varlen_attention import BlockConfig, _varlen_attention_triton  # noqa: E402
+from hf_spin.kernels.varlen_triton import BlockConfig, _varlen_attention_triton  # noqa: E402
 
 va = importlib.import_module("hf_spin.kernels.varlen_attention")  # the module: the package's attribute is the function
+vt = importlib.import_module("hf_spin.kernels.varlen_triton")  # the kernels and their launcher
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and type(triton.language.sum).__name__ != "InterpretedFunction":
@@ -252,16 +253,16 @@ def test_head_dims_of_the_block_table(head_dim, dtype):
 
 
 def test_block_table_and_fallback_order():
-    assert va.block_config(128, 2, rows=16) == BlockConfig(16, 64, 4, 3)  # a verification row, G = 1
-    assert va.block_config(128, 2, rows=17).block_m == 64  # wider groups and prefill
-    assert va.block_config(80, 4, rows=1) == va.block_config(128, 4, rows=1)  # padded to 128
-    assert va.block_config(256, 4, rows=64) == BlockConfig(32, 32, 8, 1)
-    assert va._fallback_configs(BlockConfig(64, 64, 4, 3)) == [
+    assert vt.block_config(128, 2, rows=16) == BlockConfig(16, 64, 4, 3)  # a verification row, G = 1
+    assert vt.block_config(128, 2, rows=17).block_m == 64  # wider groups and prefill
+    assert vt.block_config(80, 4, rows=1) == vt.block_config(128, 4, rows=1)  # padded to 128
+    assert vt.block_config(256, 4, rows=64) == BlockConfig(32, 32, 8, 1)
+    assert vt._fallback_configs(BlockConfig(64, 64, 4, 3)) == [
         BlockConfig(64, 64, 4, 3), BlockConfig(64, 64, 4, 1), BlockConfig(64, 32, 4, 1), BlockConfig(64, 16, 4, 1),
         BlockConfig(32, 16, 4, 1), BlockConfig(16, 16, 4, 1),
     ]
-    with pytest.raises(va.KernelUnavailable, match="head dim 512"):
-        va.block_config(512, 2, rows=1)
+    with pytest.raises(vt.KernelUnavailable, match="head dim 512"):
+        vt.block_config(512, 2, rows=1)
 
 
 # --- fallbacks: configurations that do not fit, GPUs older than sm80 ---
@@ -269,13 +270,13 @@ def test_block_table_and_fallback_order():
 
 @pytest.fixture
 def fresh_fallback_state(monkeypatch):
-    monkeypatch.setattr(va, "_TOO_BIG", set())
+    monkeypatch.setattr(vt, "_TOO_BIG", set())
     monkeypatch.setattr(va, "_WARNED", set())
 
 
 def test_out_of_resources_retries_with_smaller_blocks(monkeypatch, fresh_fallback_state):
     launched = []
-    launch = va._launch_split_kernel
+    launch = vt._launch_split_kernel
 
     def too_big_once(grid, args, constexprs, config):  # the table's configuration does not fit this "GPU"
         launched.append(config)
@@ -283,7 +284,7 @@ def test_out_of_resources_retries_with_smaller_blocks(monkeypatch, fresh_fallbac
             raise triton.runtime.errors.OutOfResources(160_000, 101_376, "shared memory")
         launch(grid, args, constexprs, config)
 
-    monkeypatch.setattr(va, "_launch_split_kernel", too_big_once)
+    monkeypatch.setattr(vt, "_launch_split_kernel", too_big_once)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback that fits warns nothing
         _check([3, 1], [9, 40], 4, 2, 16, torch.float16)
@@ -296,7 +297,7 @@ def test_nothing_fits_falls_back_to_the_reference_with_one_warning(monkeypatch, 
     def never_fits(grid, args, constexprs, config):
         raise triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
 
-    monkeypatch.setattr(va, "_launch_split_kernel", never_fits)
+    monkeypatch.setattr(vt, "_launch_split_kernel", never_fits)
     q, k, v, cu_q, cu_k = _inputs([2, 3], [4, 3], 4, 2, 16, torch.float16)
     with pytest.warns(RuntimeWarning, match="no block configuration .* fits .* runs the PyTorch reference"):
         out = varlen_attention(q, k, v, cu_q, cu_k, 3, 4)
@@ -307,10 +308,10 @@ def test_nothing_fits_falls_back_to_the_reference_with_one_warning(monkeypatch, 
 
 
 def test_gpus_older_than_sm80_get_the_reference_and_a_clear_warning(monkeypatch, fresh_fallback_state):
-    monkeypatch.setattr(va, "_is_cuda", lambda device: True)
+    monkeypatch.setattr(vt, "_is_cuda", lambda device: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
-    monkeypatch.setattr(va, "_launch_split_kernel", lambda *a: pytest.fail("the kernel must not launch below sm80"))
+    monkeypatch.setattr(vt, "_launch_split_kernel", lambda *a: pytest.fail("the kernel must not launch below sm80"))
     q, k, v, cu_q, cu_k = _inputs([2, 3], [4, 3], 4, 2, 16, torch.float16)
     with pytest.warns(RuntimeWarning, match=r"Tesla T4 has compute capability 7\.5; .* needs sm80\+"):
         out, lse = varlen_attention(q, k, v, cu_q, cu_k, 3, 4, return_lse=True)
@@ -333,21 +334,21 @@ def _compile_key(kernel, constexprs: dict, args: tuple, config: BlockConfig | No
 
 
 def test_varying_batch_sizes_do_not_change_the_compile_key(monkeypatch):
-    if not hasattr(va._varlen_attention_split_kernel, "do_not_specialize"):
+    if not hasattr(vt._varlen_attention_split_kernel, "do_not_specialize"):
         pytest.skip("this triton's kernel object does not expose do_not_specialize")
     keys = set()
-    launch_split, launch_merge = va._launch_split_kernel, va._launch_merge_kernel
+    launch_split, launch_merge = vt._launch_split_kernel, vt._launch_merge_kernel
 
     def record_split(grid, args, constexprs, config):
-        keys.add(_compile_key(va._varlen_attention_split_kernel, constexprs, args, config))
+        keys.add(_compile_key(vt._varlen_attention_split_kernel, constexprs, args, config))
         launch_split(grid, args, constexprs, config)
 
     def record_merge(grid, args, constexprs):
-        keys.add(_compile_key(va._merge_splits_kernel, constexprs, args))
+        keys.add(_compile_key(vt._merge_splits_kernel, constexprs, args))
         launch_merge(grid, args, constexprs)
 
-    monkeypatch.setattr(va, "_launch_split_kernel", record_split)
-    monkeypatch.setattr(va, "_launch_merge_kernel", record_merge)
+    monkeypatch.setattr(vt, "_launch_split_kernel", record_split)
+    monkeypatch.setattr(vt, "_launch_merge_kernel", record_merge)
     batches = [([1], [3], 1), ([4, 2, 3], [9, 5, 17], 1), ([2] * 7, [33] * 7, 1), ([3, 1], [200, 2], 2), ([1, 4], [300, 9], 5)]
     for q_lens, k_lens, splits in batches:
         _check(q_lens, k_lens, 4, 2, 16, torch.float16, num_splits=splits)
@@ -358,13 +359,13 @@ def test_varying_batch_sizes_do_not_change_the_compile_key(monkeypatch):
 
 def test_warm_up_launches_every_tile_and_split_variant(monkeypatch):
     seen = []
-    launch = va._launch_split_kernel
+    launch = vt._launch_split_kernel
 
     def record(grid, args, constexprs, config):
         seen.append((config.block_m, grid[2] > 1))
         launch(grid, args, constexprs, config)
 
-    monkeypatch.setattr(va, "_launch_split_kernel", record)
+    monkeypatch.setattr(vt, "_launch_split_kernel", record)
     assert warm_up(16, 4, 2, torch.float16, DEVICE, max_seqlen_q=9) == 4
     assert sorted(set(seen)) == [(16, False), (16, True), (64, False), (64, True)]  # 1 query x G = 2: small; 9 x 2: large
     seen.clear()

@@ -7,7 +7,7 @@ row may be shorter), pads every block to w, runs one batched attention over the
     n(w) = sum_b ceil(L_b / w)                                     blocks of width w,
 
 and merges the blocks of each row through their log-sum-exps (Eq. 13; the merge is written out in
-`varlen_attention._merge_splits_kernel`). What it computes is `n(w) * w` tokens, of which
+`varlen_triton._merge_splits_kernel`). What it computes is `n(w) * w` tokens, of which
 
     padded(w) = n(w) * w - sum_b L_b                               are padding.
 
