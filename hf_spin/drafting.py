@@ -17,6 +17,7 @@ import torch
 from .drafters import Draft, DraftRequest
 from .policies import Plan
 from .processors import score_rows
+from .token_tree import TokenTree
 from .vote_tree import heaviest_path
 
 Proposals = list[dict[int, list[int]]]  # [B] drafter -> its draft for the row
@@ -34,14 +35,15 @@ class Drafting:
     """The drafters' calls of one step (engine: a SpinEngine; plan: its plan, or None without a pool;
     draft_seconds: [num_drafters] wall time per drafter this step, added to)."""
 
-    def __init__(self, engine, plan: Plan | None, draft_seconds: list[float]):
-        self.engine, self.plan, self.draft_seconds = engine, plan, draft_seconds
+    def __init__(self, engine, plan: Plan | None, draft_seconds: list[float], trees: bool = False):
+        self.engine, self.plan, self.draft_seconds, self.trees = engine, plan, draft_seconds, trees
         self.rows = engine.rows
         self.sequences = [r.sequence for r in self.rows]
         self.score_fn = self._score if any(len(r.request.processors) for r in self.rows) else None
         self.device = getattr(engine.model, "device", None)  # the target's: where its processors hold their tensors
         self.min_confidence = plan.min_confidence if plan is not None else 0.0
         self.match_lengths: list[dict[int, int]] = [{} for _ in self.rows]  # [B] drafter -> the match its draft continued
+        self.tree_of: list[dict[int, TokenTree]] = [{} for _ in self.rows]  # [B] drafter -> the tree it proposed (`trees`)
 
     def _score(self, bs: list[int], prefixes: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
         """Rows bs' processors on one draft position each, logits [n, V]: drafters score like the target
@@ -93,11 +95,16 @@ class Drafting:
                 self.score_fn,
                 self.min_confidence,
                 sample if any(sample) and not all(sample) else None,  # greedy and sampled rows in one call
+                self.trees,
             )
             ok, draft = engine.faults.drafter(d_idx, lambda: engine.drafters[d_idx].draft(request), served, self.draft_seconds, ban=len(served) == 1)
             if ok:
                 for b, tokens, q in zip(served, draft.tokens, draft.q):
                     out[b] = (list(tokens), q)
+                for b, tree in zip(served, draft.trees or []):
+                    if tree is not None and len(tree):
+                        tree.drafters = [d_idx] * len(tree)  # the pool's index of the drafter that proposed it
+                        self.tree_of[b][d_idx] = tree
                 note_matches(draft, served, d_idx, self.match_lengths)
             elif engine.isolate_faults and engine.usable[d_idx] and len(served) > 1:
                 todo += [served[: len(served) // 2], served[len(served) // 2 :]]
@@ -123,16 +130,24 @@ class Drafting:
                 note_matches(draft, served, d_idx, self.match_lengths)
         return shadows
 
-    def merge(self, proposals: Proposals, q_of: list[dict], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """([B] the candidates each row verifies, [B] their q or None): a single drafter's draft and q,
-        or the heaviest path of several drafters' vote tree (a deterministic merge: one-hot q)."""
+    def merge(self, proposals: Proposals, q_of: list[dict], ks: list[int], trees: bool = False, max_nodes: int | None = None):
+        """([B] the candidates each row verifies, [B] their q or None, [B] token trees or None): a single
+        drafter's draft and q, or several drafters' vote tree (a deterministic merge: one-hot q): with
+        `trees` the whole tree (its `max_nodes` heaviest nodes), else its heaviest path."""
         drafts: list[list[int]] = [[] for _ in proposals]
         qs: list[torch.Tensor | None] = [None] * len(proposals)
+        merged: list[TokenTree | None] = [None] * len(proposals)
         for b, proposal in enumerate(proposals):
-            if len(proposal) == 1:
+            own = {d: self.tree_of[b][d] for d in proposal if d in self.tree_of[b]} if trees else {}  # drafters' own trees
+            if len(proposal) == 1 and not own:
                 ((d_idx, drafts[b]),) = proposal.items()
                 qs[b] = q_of[b][d_idx]
+            elif proposal and trees:
+                weights = self.plan.vote_weights if self.plan is not None and self.plan.vote_weights else [1.0] * len(self.engine.drafters)
+                parts = [own.get(d) or TokenTree.chain(tokens, drafter=d) for d, tokens in proposal.items()]
+                tree = TokenTree.merge(parts, [weights[d] for d in proposal])
+                merged[b] = tree.pruned(max_nodes or len(tree))
+                drafts[b] = list(merged[b].tokens)
             elif proposal:
-                weights = self.plan.vote_weights or [1.0] * len(self.engine.drafters)
-                drafts[b] = heaviest_path(proposal, weights)[: ks[b]]
-        return drafts, qs
+                drafts[b] = heaviest_path(proposal, self.plan.vote_weights or [1.0] * len(self.engine.drafters))[: ks[b]]
+        return drafts, qs, merged

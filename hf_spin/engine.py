@@ -34,7 +34,7 @@ from time import perf_counter
 
 import torch
 
-from . import admission, host_syncs
+from . import admission, host_syncs, tree_step
 from .cache import PackedCache, RowCache, forward_ragged
 from .drafters import Drafter
 from .drafters.model import common_prefix_length
@@ -47,6 +47,7 @@ from .processors import GenerateBatch, first_scores, row_processors, target_scor
 from .rows import CANCELLED, LENGTH, STOPPED, Request, Row
 from .stats import DrafterStats, GenerationStats
 from .stopping import HostStop
+from .token_tree import TokenTree
 from .verification import RowSampling, verify_rows
 
 
@@ -63,6 +64,7 @@ class Proposal:
     draft_seconds: list[float]  # [num_drafters] wall time per drafter in this step (shadow drafts included)
     shadows: list[dict[int, list[int]]]  # [B] drafter -> its shadow draft (Plan.shadow): compared, never verified
     match_lengths: list[dict[int, int]]  # [B] drafter -> the match its draft (served or shadow) continued, where it reports one
+    trees: list[TokenTree | None] | None = None  # [B] a vote's whole token tree per row (tree_step.py); None: chains
 
 
 class SpinEngine:
@@ -102,6 +104,7 @@ class SpinEngine:
         else:
             self.drafters, self.policy, self.names = [], None, []
         self.ragged_attention = bool(pool is not None and pool.ragged_attention)
+        self.tree = pool.tree if pool is not None else False  # token trees for votes on packed rows: "auto", False, or a node cap
         self.planner = pool.planner if pool is not None else None  # sizes drafts from measured costs; None: profile "off"
         self.isolate_faults = isolate_faults
         self.faults = Faults(self, isolate_faults)
@@ -272,35 +275,50 @@ class SpinEngine:
                 lags = [{d: len(r.sequence) - n for d in chosen[b] if (n := self.drafters[d].synced(b)) is not None} for b, r in enumerate(rows)]
                 ks = self.planner.size([r.id for r in rows], lags, [r.draft_room + 1 for r in rows], chosen, ks, self._padded)
         # 4. Draft: a preempting drafter first (4a), then each drafter over the rows it serves (4b), shadow
-        #    drafts for measurement (4c); rows with several drafters take their vote tree's heaviest path.
-        drafting = Drafting(self, plan, draft_seconds)
+        #    drafts for measurement (4c); rows with several drafters take their vote tree: whole on packed rows
+        #    (tree_step.usable), else its heaviest path.
+        use_trees = tree_step.usable(self)
+        drafting = Drafting(self, plan, draft_seconds, use_trees)
         proposals: list[dict[int, list[int]]] = [{} for _ in range(B)]  # [B] drafter -> its draft
         q_of: list[dict[int, torch.Tensor | None]] = [{} for _ in range(B)]  # [B] drafter -> its q
         firsts = drafting.preempt(chosen, ks, proposals, q_of)
         drafting.serve(chosen, ks, proposals, q_of)
         shadows = drafting.shadows(chosen, firsts)
-        drafts, qs = drafting.merge(proposals, q_of, ks)
+        drafts, qs, trees = drafting.merge(proposals, q_of, ks, use_trees, None if self.tree == "auto" else self.tree)
         match_lengths = drafting.match_lengths
-        if self.planner is not None:  # verify what pays of each draft (drafting is paid for)
+        if self.planner is not None:  # verify what pays of each draft (drafting is paid for); trees as merged
             keep = self.planner.trim([r.id for r in rows], drafts, chosen, match_lengths, self._padded)
+            keep = [len(d) if t is not None else k for d, t, k in zip(drafts, trees, keep)]
             drafts = [d[:k] for d, k in zip(drafts, keep)]
             qs = [q[:k] if q is not None and k > 0 else None for q, k in zip(qs, keep)]
-        return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows, match_lengths)
+        return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows, match_lengths, trees if any(t is not None for t in trees) else None)
 
     # -- 5-7. Verify, commit, pre-fill ----------------------------------------------------------------
     @torch.no_grad()
     def verify(self, proposal: Proposal) -> None:
         rows = self.rows
-        # 5. Verify: one target forward over [last committed token] + drafts for every row.
+        # 5. Verify: one target forward over [last committed token] + drafts (a chain, or a vote's tree) for every row.
         start = perf_counter()
-        chunks = [[r.sequence[-1]] + proposal.drafts[b] for b, r in enumerate(rows)]
-        target_logits = self.faults.target_forward(self._forward_target, chunks)  # [B, K + 1, V], or None when every row failed
-        if target_logits is None:
-            return
-        scores = target_scores(rows, self._running_batch(), target_logits, proposal.drafts, self.faults.row)  # [B, K + 1, V]
-        sampling = [RowSampling(r.request.do_sample, r.request.seed, len(r.generated)) for r in rows]
-        verdict = self.faults.verdict(lambda idx: verify_rows(idx, sampling, scores, proposal.drafts, proposal.qs), scores.device)
-        accepted, next_tokens = torch.stack([verdict.accepted, verdict.next_token]).tolist()  # the step's one read of the device
+        if proposal.trees is not None:
+            trees = [t if t is not None else TokenTree.chain(d) for t, d in zip(proposal.trees, proposal.drafts)]
+            verified = tree_step.verify(self, trees)
+            if verified is None:
+                return
+            paths, next_tokens, tree_scores = verified
+            accepted = [len(p) for p in paths]
+            kept = [[t.tokens[n] for n in p] for t, p in zip(trees, paths)]  # [B] the accepted draft tokens
+            row_scores = [tree_step.path_scores(tree_scores[b], p) for b, p in enumerate(paths)]  # [B] [len + 1, V]
+        else:
+            chunks = [[r.sequence[-1]] + proposal.drafts[b] for b, r in enumerate(rows)]
+            target_logits = self.faults.target_forward(self._forward_target, chunks)  # [B, K + 1, V], or None when every row failed
+            if target_logits is None:
+                return
+            scores = target_scores(rows, self._running_batch(), target_logits, proposal.drafts, self.faults.row)  # [B, K + 1, V]
+            sampling = [RowSampling(r.request.do_sample, r.request.seed, len(r.generated)) for r in rows]
+            verdict = self.faults.verdict(lambda idx: verify_rows(idx, sampling, scores, proposal.drafts, proposal.qs), scores.device)
+            accepted, next_tokens = torch.stack([verdict.accepted, verdict.next_token]).tolist()  # the step's one read of the device
+            kept = [d[:a] for d, a in zip(proposal.drafts, accepted)]
+            row_scores = list(scores)
         verify_seconds = perf_counter() - start  # after that read: the forward and the verdict have run, on any device
         self.stats.verify_seconds += verify_seconds
 
@@ -313,15 +331,18 @@ class SpinEngine:
                 matched.append({})
                 shadow_matched.append({})
                 continue
-            new = proposal.drafts[b][: accepted[b]] + [next_tokens[b]]
-            self.faults.row(row, lambda: self._commit(row, new, scores[b]))
+            new = kept[b] + [next_tokens[b]]
+            self.faults.row(row, lambda: self._commit(row, new, row_scores[b]))
             matched.append({d: common_prefix_length(tokens, new) for d, tokens in proposal.proposals[b].items()})
             shadow_matched.append({d: common_prefix_length(tokens, new) for d, tokens in proposal.shadows[b].items()})
             row.stats.add(len(proposal.drafts[b]), accepted[b], len(new))
+            single = len(proposal.proposals[b]) == 1
+            tree = proposal.trees[b] if proposal.trees is not None else None
             for d_idx, tokens in proposal.proposals[b].items():  # a voter is credited with what its own draft got right
                 row.stats.drafters[self.names[d_idx]] += 1
-                own = accepted[b] if len(proposal.proposals[b]) == 1 else min(matched[b][d_idx], len(tokens))
-                self.drafter_stats[self.names[d_idx]].add(len(tokens), own, len(new))
+                own = accepted[b] if single else min(matched[b][d_idx], len(tokens))
+                drafted = len(tree) if single and tree is not None else len(tokens)  # a drafter's own tree: every node
+                self.drafter_stats[self.names[d_idx]].add(drafted, own, len(new))
         for d_idx in sorted({d for prop in proposal.proposals for d in prop}):
             self.drafter_stats[self.names[d_idx]].steps += 1
         self.cache.rollback([len(r.sequence) - 1 for r in rows])

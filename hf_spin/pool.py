@@ -61,6 +61,10 @@ class AssistantPool:
     ragged_attention: verify (and draft, for model drafters) on packed rows: a `PackedCache` per model
         and `attn_implementation="hf_spin_varlen"` for those forwards, so no compute or memory goes to
         padding or holes. Needs models whose attention goes through transformers' AttentionInterface.
+    tree: how a row several drafters serve (a vote) is verified on packed rows: "auto" (default) the
+        vote's whole merged token tree in one forward (docs/design.md, "token tree"), False its heaviest
+        path only (a chain), or N: the tree's N heaviest nodes at most. Chains elsewhere (the
+        rectangular cache, sliding windows, processors reading token ids, seeded rows).
     profile: the cost profile the planner sizes drafts with (docs/planning.md): "auto" (measured when
         the pool first meets a model, a few seconds, cached on disk), a path (one JSON file for the
         whole profile), a `CostProfile` (injected costs), or "off": no planner, the policy's k as
@@ -76,6 +80,7 @@ class AssistantPool:
         tokenizer=None,
         ragged_attention: bool = False,
         profile: str | os.PathLike | CostProfile | None = None,
+        tree: str | bool | int = "auto",
     ):
         if not isinstance(drafters, (list, tuple)) or not drafters:
             raise ValueError(f"AssistantPool needs a non-empty list of drafters, got {drafters!r}")
@@ -85,6 +90,9 @@ class AssistantPool:
         self.policy.bind(self.infos)
         self.tokenizer = tokenizer
         self.ragged_attention = bool(ragged_attention)
+        if not (tree in ("auto", False) or (type(tree) is int and tree >= 1)):
+            raise ValueError(f"tree={tree!r} is not supported; give 'auto', False (chains) or a positive number of nodes")
+        self.tree = tree
         self._vocab_checked: set[int] = set()  # ids of translating drafters already compared with the target's vocabulary
         self.row_ids = itertools.count()  # request ids, unique over every call: the policy remembers past requests
         self.last_stats: GenerationStats | None = None  # statistics of the latest generate call

@@ -115,6 +115,22 @@ class TokenTree:
             mask[i + 1] |= mask[p + 1]
         return mask
 
+    def pruned(self, n: int) -> TokenTree:
+        """The n heaviest nodes (ties: the earlier node), with their proposal order. A node weighs at
+        least as much as each of its children in a merged tree (every drafter through a child passes
+        its parent), so the kept nodes hold every kept node's parent."""
+        if n >= len(self):
+            return self
+        keep = sorted(sorted(range(len(self)), key=lambda i: (-self.weights[i], i))[:n])
+        new = {old: i for i, old in enumerate(keep)}
+        if any(self.parents[i] >= 0 and self.parents[i] not in new for i in keep):
+            raise ValueError("pruned() needs node weights that do not grow from parent to child")
+        return TokenTree(
+            tokens=[self.tokens[i] for i in keep], parents=[new.get(self.parents[i], -1) for i in keep],
+            drafters=[self.drafters[i] for i in keep], weights=[self.weights[i] for i in keep],
+            q=[self.q[i] for i in keep], order=[new[i] for i in self.order if i in new],
+        )
+
     @classmethod
     def merge(cls, trees: list[TokenTree], weights: list[float] | None = None) -> TokenTree:
         """One tree holding every tree's nodes; nodes with the same token under the same parent (and the

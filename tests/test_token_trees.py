@@ -229,3 +229,82 @@ def test_every_tree_slot_scores_its_own_path_and_the_kept_path_decodes_on(arch):
         after = forward_ragged(model, cache, nxt, all_logits=False)  # [2, 1, V]
         for b, (prompt, tree, path) in enumerate(zip(prompts, trees, paths)):
             assert torch.allclose(after[b, 0], plain(prompt + [tree.tokens[n] for n in path] + nxt[b]), atol=1e-5), b
+
+
+# --- the engine verifies a vote's whole tree on packed rows ------------------------------------------
+
+# Architectures whose attention goes through AttentionInterface without sliding windows (packed rows
+# with tree masks): 16 of the 40 in tests/archs.py that qualify, across families, among the 33 whose
+# 40-token greedy run repeats itself enough for prompt lookup to find two continuations of a match
+# (gpt_neox, gptj and starcoder2, for one, do not at batch 1 or 4).
+TREE_ARCHS = (
+    "llama", "qwen2", "qwen3", "gemma", "phi", "phi3", "gpt2", "codegen", "opt",
+    "olmo", "olmo2", "cohere", "granite", "mixtral", "deepseek_v3", "glm4",
+)
+# (prompt length, new tokens) per kind: prompt lookup needs a longer run to branch
+CASE = {"lookup": (24, 40), "vote": (12, 20)}
+
+
+@pytest.fixture
+def verified_trees(monkeypatch):
+    """Every tree the engine verifies, recorded."""
+    import hf_spin.tree_step as tree_step
+
+    seen: list[TokenTree] = []
+    real = tree_step.verify
+
+    def verify(engine, trees):
+        seen.extend(trees)
+        return real(engine, trees)
+
+    monkeypatch.setattr(tree_step, "verify", verify)
+    return seen
+
+
+def _pool(arch: str, kind: str):
+    """"lookup": prompt lookup alone, every distinct continuation of its matches a branch; "vote": two
+    noisy copies of the target and prompt lookup, their drafts merged into one tree (branching where
+    they disagree)."""
+    import hf_spin
+
+    from .speculation import multi_token, perturbed
+
+    drafters = ["prompt_lookup"] if kind == "lookup" else [perturbed(arch, seed=1), perturbed(arch, seed=2, scale=0.4), "prompt_lookup"]
+    return hf_spin.AssistantPool(drafters, policy="vote" if kind == "vote" else "fixed", draft_length=multi_token(), ragged_attention=True)
+
+
+@pytest.mark.parametrize("kind", ["lookup", "vote"])
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("arch", TREE_ARCHS)
+def test_trees_equal_plain_generate(arch, batch, kind, verified_trees, one_thread):
+    """Each step verifies every row's tree whole in one forward; greedy output as plain `generate`."""
+    import hf_spin
+
+    from .archs import tiny_model
+    from .speculation import assert_speculated, greedy_case
+
+    target = tiny_model(arch)
+    inputs, reference = greedy_case(target, batch, *CASE[kind])
+    pool = _pool(arch, kind)
+    out = target.generate(custom_generate=hf_spin.generate, assistant_pool=pool, **inputs)
+    assert torch.equal(out, reference)
+    assert_speculated(pool.last_stats)
+    assert any(len(t.children(n)) >= 2 for t in verified_trees for n in range(-1, len(t))), "no tree branched"
+
+
+def test_sampled_vote_trees_run_in_the_engine(verified_trees):
+    """Sampling through the engine's tree step: every row gets its tokens, trees branch, nothing fails
+    (the distribution itself: the two-token tests above)."""
+    import hf_spin
+
+    from .archs import ragged_batch, tiny_model
+    from .speculation import multi_token, perturbed
+
+    target = tiny_model("llama")
+    ids, mask = ragged_batch(3, 10)
+    pool = hf_spin.AssistantPool([perturbed("llama", seed=1), perturbed("llama", seed=2, scale=0.4), "prompt_lookup"], policy="vote", draft_length=multi_token(), ragged_attention=True)
+    out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=True, top_k=0, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert out.shape[0] == 3 and 10 < out.shape[1] <= 26
+    stats = pool.last_stats
+    assert sum(d.failures for d in stats.drafters.values()) == 0 and stats.acceptance_rate > 0
+    assert any(len(t.children(n)) >= 2 for t in verified_trees for n in range(-1, len(t)))

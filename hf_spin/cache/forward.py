@@ -148,13 +148,15 @@ def forward_tree(model, cache: PackedCache, roots: list[int], trees: list) -> to
     """Verify token trees on packed rows: one forward over [root] + the tree's nodes per row, each slot
     seeing the row's cache and its own path (`TokenTree.ancestor_mask`), at position length + depth.
 
-    roots: [B] each row's last committed token (not yet in the cache); trees: [B] `TokenTree`s.
-    Returns logits `[B, 1 + N_max, V]`: slot 0 after the root, slot i + 1 after node i (zeros past a
-    row's nodes). Afterwards the cache holds every slot; `PackedCache.keep_paths` keeps the accepted ones.
+    roots: [B] each row's last committed token (not yet in the cache), None for a row left out of this
+    forward (fault isolation); trees: [B] `TokenTree`s. Returns logits `[B, 1 + N_max, V]`: slot 0
+    after the root, slot i + 1 after node i (zeros past a row's nodes). Afterwards the cache holds every
+    slot; `PackedCache.keep_paths` keeps the accepted ones.
     """
-    chunks = [[root] + tree.tokens for root, tree in zip(roots, trees)]
-    depths = [[0] + tree.depths() for tree in trees]
-    masks = [tree.ancestor_mask() for tree in trees]
+    fed = [root is not None for root in roots]
+    chunks = [[root] + tree.tokens if f else [] for root, tree, f in zip(roots, trees, fed)]
+    depths = [[0] + tree.depths() if f else [] for tree, f in zip(trees, fed)]
+    masks = [tree.ancestor_mask() if f else torch.zeros(0, 0, dtype=torch.bool) for tree, f in zip(trees, fed)]
     return forward_packed(model, cache, chunks, depths=depths, tree_masks=masks)
 
 

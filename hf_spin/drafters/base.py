@@ -40,6 +40,7 @@ class DraftRequest:
     score: ScoreFn | None
     min_confidence: float = 0.0
     sample: list[bool] | None = None  # [b] per served row when rows differ (do_sample is then True: some row samples)
+    trees: bool = False  # the step verifies token trees: a drafter that can may also propose one per row (Draft.trees)
 
 
 @dataclass
@@ -51,6 +52,9 @@ class Draft:
     # per row, how many trailing tokens of the sequence the draft's source matched (prompt lookup: the
     # n-gram found earlier; a longer match is a more reliable draft); None: no such notion (model drafters)
     match_lengths: list[int | None] | None = None
+    # per row, a token tree of several candidates per position (hf_spin.token_tree) whose first path is
+    # `tokens`; None: the chain only. Asked for by DraftRequest.trees.
+    trees: list | None = None
 
 
 class Drafter(ABC):

@@ -131,6 +131,17 @@ MUTANTS = (
         ("tests/test_host_syncs.py::test_greedy_step_within_budget_whatever_the_batch[rectangular]",),
     ),
     Mutant(
+        "tree_keeps_the_first_nodes",
+        "after a tree verification the target's cache keeps the tree's first nodes instead of the accepted path: later tokens see a branch that was rejected",
+        "hf_spin/tree_step.py",
+        "engine.cache.keep_paths(bases, paths)",
+        "engine.cache.keep_paths(bases, [list(range(len(p))) for p in paths])",
+        (
+            "tests/test_token_trees.py::test_trees_equal_plain_generate[glm4-4-vote]",
+            "tests/test_token_trees.py::test_trees_equal_plain_generate[llama-4-lookup]",
+        ),
+    ),
+    Mutant(
         "tree_sampling_skips_the_residual",
         "a token tree's later candidates are tested against p instead of what earlier rejections left: sampled output drifts from the target",
         "hf_spin/tree_verification.py",

@@ -1,0 +1,71 @@
+"""Step 5 with token trees: every row's tree verified in one target forward on packed rows, each tree
+walked (tree_verification.py), the accepted path kept in the target's cache (docs/design.md, "token tree").
+
+A step verifies trees where the pool's `tree` allows them and its rows can take them (`usable`):
+packed rows (the kernel's tree masks), no sliding-window or chunked layers (a tree's tokens are not at
+consecutive positions), no logits processor that reads token ids and no seeded row (both score a slot
+by the tokens before it: chains only, for now). A chain row in a tree step is a tree with one child
+per node, so such a step has one way to verify every row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import PackedCache, forward_tree, needs_contiguous_slots
+from .processors import ids_free, target_scores
+from .token_tree import TokenTree
+from .tree_verification import decide, walk_greedy, walk_sampling
+
+
+def usable(engine) -> bool:
+    """Whether this step may verify trees (module docstring)."""
+    return (
+        engine.tree is not False
+        and isinstance(engine.cache, PackedCache)
+        and not needs_contiguous_slots(engine.model.config)
+        and all((not len(r.request.processors) or ids_free(r.request.processors)) and r.request.seed is None for r in engine.rows)
+    )
+
+
+def verify(engine, trees: list[TokenTree]) -> tuple[list[list[int]], list[int], torch.Tensor] | None:
+    """One forward over [last committed token] + tree per row; returns (accepted path per row, next
+    token per row, processed scores `[B, 1 + N_max, V]`), the target's cache holding the root and the
+    accepted path of every row; None when every row failed in the forward."""
+    rows = engine.rows
+    bases = [len(r.sequence) - 1 for r in rows]  # tokens in the target's cache: all committed but the last
+    chunks = [[r.sequence[-1]] + tree.tokens for r, tree in zip(rows, trees)]
+
+    def forward(fed: list[list[int]]) -> torch.Tensor:
+        return forward_tree(engine.model, engine.cache, [c[0] if c else None for c in fed], trees).to(dtype=torch.float32)
+
+    logits = engine.faults.target_forward(forward, chunks)  # [B, 1 + N_max, V]
+    if logits is None:
+        return None
+    scores = target_scores(rows, engine._running_batch(), logits, [t.tokens for t in trees], engine.faults.row)
+    sampled = [b for b, r in enumerate(rows) if r.request.do_sample and not r.done]
+    parts = [scores.argmax(dim=-1).reshape(-1)]  # [B * T] every slot's argmax (greedy rows read theirs)
+    for b in sampled:
+        n = len(trees[b]) + 1
+        coins, fallback = decide(torch.softmax(scores[b, :n], dim=-1), trees[b])
+        parts += [coins.long(), fallback]
+    host = torch.cat(parts).tolist()  # the step's one read of the device
+    T = scores.shape[1]
+    best, at = [host[b * T : (b + 1) * T] for b in range(len(rows))], len(rows) * T
+    paths, next_tokens = [], []
+    for b, (row, tree) in enumerate(zip(rows, trees)):
+        if b in sampled:
+            c = len(tree.order)
+            verdict = walk_sampling([bool(x) for x in host[at : at + c]], host[at + c : at + c + len(tree) + 1], tree)
+            at += c + len(tree) + 1
+        else:
+            verdict = walk_greedy(best[b], tree)
+        paths.append([] if row.done else verdict.path)
+        next_tokens.append(verdict.next_token)
+    engine.cache.keep_paths(bases, paths)
+    return paths, next_tokens, scores
+
+
+def path_scores(scores: torch.Tensor, path: list[int]) -> torch.Tensor:
+    """`[len(path) + 1, V]` a row's scores at the slots it committed from: the root, then each accepted node."""
+    return scores[[0] + [node + 1 for node in path]]
