@@ -21,6 +21,7 @@ from hf_spin.cost_profile import CostProfile, ForwardCost, measure
 from hf_spin.drafters import Draft, Drafter
 from hf_spin.planner import Acceptance, Planner
 from hf_spin.profiling import build_profile
+from hf_spin.token_tree import TokenTree
 
 from .archs import EOS, VOCAB, tiny_model
 from .speculation import perturbed
@@ -303,3 +304,47 @@ def test_a_drafter_reads_a_long_prompt_only_where_the_answer_pays_for_it(new_tok
     out = run(target, prompts, pool, clock, monkeypatch, new_tokens=new_tokens)
     assert torch.equal(out, plain)
     assert (pool.last_stats.drafters[pool.names[0]].drafted > 0) == drafts
+
+
+class ScriptedTree(Scripted):
+    """`Scripted`'s chain plus, when the step takes trees, a second branch: the true continuation
+    behind a wrong first token's sibling (one child of the root right, one wrong, 60/40)."""
+
+    def draft(self, request):
+        draft = super().draft(request)
+        if request.trees:
+            trees = []
+            for row, chain in zip(request.rows, draft.tokens):
+                seq = request.sequences[row]
+                truth = next(ref for ref in self.references if ref[: len(seq)] == seq)[len(seq) : len(seq) + len(chain)]
+                trees.append(TokenTree.merge([TokenTree.chain(chain, weight=2.0), TokenTree.chain(truth)]) if chain else None)
+            draft.trees = trees
+        return draft
+
+
+@pytest.mark.parametrize("costs", ["linear", "flat"])
+def test_trees_cost_what_the_planner_lets_a_chain_cost(costs, monkeypatch):
+    """On packed rows, a tree verifies as many nodes as its chain would verify tokens: plain-like under
+    linear verification (within 3% of plain's time), branching trees under flat verification."""
+    import hf_spin.tree_step as tree_step
+
+    target, prompts, _, refs = case(batch=2, new_tokens=30)
+    plain = target.generate(prompts, max_new_tokens=30, do_sample=False, eos_token_id=EOS)
+    fn = linear if costs == "linear" else flat
+    clock = CostClock()
+    clock.hook(target, table(fn))
+    seen = []
+    real = tree_step.verify
+    monkeypatch.setattr(tree_step, "verify", lambda engine, trees: seen.extend(trees) or real(engine, trees))
+    for module in (hf_spin.engine, hf_spin.faults):
+        monkeypatch.setattr(module, "perf_counter", clock)
+    pool = hf_spin.AssistantPool([ScriptedTree(refs, [0.6, 0.6])], draft_length=6, ragged_attention=True, profile=profile_of(table(fn), [None], ["scripted"]))
+    out = target.generate(prompts, max_new_tokens=30, do_sample=False, eos_token_id=EOS, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, plain)
+    stats = pool.last_stats
+    if costs == "linear":
+        plain_seconds = 30 * table(fn).predict(2, 1)  # a plain packed step: both rows' one token
+        assert stats.verify_seconds <= 1.03 * plain_seconds, f"{stats.verify_seconds:.2f}s vs plain {plain_seconds:.2f}s"
+    else:
+        assert any(len(t.children(n)) >= 2 for t in seen for n in range(-1, len(t))), "no tree branched"
+        assert stats.mean_accepted_length > 1.5

@@ -52,7 +52,7 @@ MUTANTS = (
         "engine_drops_every_draft",
         "every step decodes plainly: lossless, but no speculation at all",
         "hf_spin/engine.py",
-        "return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows, match_lengths)",
+        "return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows, match_lengths, trees if any(t is not None for t in trees) else None)",
         "return Proposal(plan, chosen, ks, [[] for _ in drafts], [None] * B, proposals, draft_seconds, shadows, match_lengths)",
         (
             EQ + "test_greedy_equivalence[llama-prompt_lookup-1]",
