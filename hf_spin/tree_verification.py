@@ -79,7 +79,7 @@ def decide(p: torch.Tensor, tree: TokenTree, generator: torch.Generator | None =
     p: `[N + 1, V]` target probabilities per slot. Returns coins `[len(tree.order)]` bool (coin j: the
     j-th entry of `tree.order` is accepted if the walk reaches it) and fallback `[N + 1]` long (the
     token drawn at each slot when the walk stops there)."""
-    n, V = len(tree), p.shape[-1]
+    n = len(tree)
     coins = torch.zeros(len(tree.order), dtype=torch.bool, device=p.device)
     residual = p.clone()  # [N + 1, V] r at each slot, updated as its candidates are read as rejected
     position = {}  # node -> the indices of its draws in tree.order

@@ -1,0 +1,113 @@
+"""Token trees against chains on Spec-Bench, real models, one run: plain `generate`, `transformers`'
+prompt lookup (batch 1), hf_spin's prompt lookup verifying one chain of k tokens, and verifying a tree
+of its matches' continuations cut to k nodes: the same number of verified tokens per row and step.
+
+    python -m benchmarks.tree_bench --questions ../shared/data/spec_bench/question.jsonl --per-group 2
+
+Per task group: tokens committed per target forward (what a tree adds at equal verification width),
+speed-up over plain `generate` in the same run, rows identical to plain. Packed rows (trees need them),
+profile "off" (k every step: the comparison is of what k verified tokens buy, not of the planner).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import hf_spin
+from hf_spin.models import load
+from hf_spin.policies import FixedLength
+
+from .common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens, save_partial, timed, write_results
+
+METHODS = ("plain", "transformers_lookup", "hf_spin_chain", "hf_spin_tree")
+
+
+def run_method(method: str, model, batch: dict, k: int, max_new_tokens: int):
+    """(output ids, seconds, tokens per target forward or None)."""
+    kwargs = dict(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+    if method == "plain":
+        out, seconds = timed(lambda: model.generate(**kwargs))
+        return out, seconds, 1.0
+    if method == "transformers_lookup":
+        out, seconds = timed(lambda: model.generate(**kwargs, prompt_lookup_num_tokens=k))
+        return out, seconds, None
+    pool = hf_spin.AssistantPool(
+        ["prompt_lookup"], draft_length=FixedLength(k, min_confidence=0.0), ragged_attention=True, profile="off",
+        tree=False if method == "hf_spin_chain" else k,
+    )
+    out, seconds = timed(lambda: model.generate(**kwargs, custom_generate=hf_spin.generate, assistant_pool=pool))
+    return out, seconds, pool.last_stats.mean_accepted_length
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS)
+    parser.add_argument("--per-group", type=int, default=2, help="questions per Spec-Bench task group")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=8, help="verified tokens per row and step: the chain's length, the tree's nodes")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+
+    model, tok = load(args.target, getattr(torch, args.dtype))
+    questions = load_questions(args.questions, per_group=args.per_group, group_by="task")
+    partial = args.out / "tree_bench-partial.jsonl"
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for bs in args.batch_sizes:
+        batches = [questions[i : i + bs] for i in range(0, len(questions), bs)]
+        for group in tqdm(batches, desc=f"batch {bs}"):
+            batch = encode(tok, group)
+            L = batch["input_ids"].shape[1]
+            reference = None
+            for method in METHODS:
+                if method == "transformers_lookup" and bs > 1:
+                    continue  # transformers' assisted generation runs at batch 1 only
+                out, seconds, per_forward = run_method(method, model, batch, args.k, args.max_new_tokens)
+                texts = new_tokens(out, L, tok.pad_token_id)
+                if method == "plain":
+                    reference = texts
+                record = {
+                    "batch_size": bs, "method": method, "groups": [q["group"] for q in group], "seconds": seconds,
+                    "tokens": sum(map(len, texts)), "per_forward": per_forward, "identical": sum(a == b for a, b in zip(texts, reference)),
+                }
+                records.append(record)
+                save_partial(partial, record)
+    table = summarize(records)
+    print(table)
+    print(write_results(args.out, "tree_bench", {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "records": records}, table))
+
+
+def summarize(records: list[dict]) -> str:
+    """Per batch size and task group: tokens per forward of chain and tree, speed-up over plain."""
+    lines = []
+    for bs in sorted({r["batch_size"] for r in records}):
+        lines += [f"\nbatch {bs}", "| group | chain tok/forward | tree tok/forward | tree / chain | speed-up: chain | tree | transformers lookup | identical (chain, tree) |", "|---|---|---|---|---|---|---|---|"]
+        by = defaultdict(lambda: defaultdict(list))
+        for r in records:
+            if r["batch_size"] == bs:
+                if bs == 1:  # a batch of several mixes task groups: ALL only
+                    by[r["groups"][0]][r["method"]].append(r)
+                by["ALL"][r["method"]].append(r)
+        for group, methods in sorted(by.items(), key=lambda item: item[0] == "ALL"):  # ALL last
+            plain = sum(r["seconds"] for r in methods["plain"])
+            pf = {m: statistics.mean(r["per_forward"] for r in methods[m]) for m in ("hf_spin_chain", "hf_spin_tree") if methods[m]}
+            speed = {m: plain / sum(r["seconds"] for r in methods[m]) if methods[m] else float("nan") for m in METHODS[1:]}
+            same = {m: f"{sum(r['identical'] for r in methods[m])}/{sum(len(r['groups']) for r in methods[m])}" for m in ("hf_spin_chain", "hf_spin_tree")}
+            lines.append(
+                f"| {group} | {pf['hf_spin_chain']:.2f} | {pf['hf_spin_tree']:.2f} | {pf['hf_spin_tree'] / pf['hf_spin_chain']:.2f} | "
+                f"{speed['hf_spin_chain']:.2f} | {speed['hf_spin_tree']:.2f} | {speed['transformers_lookup']:.2f} | {same['hf_spin_chain']}, {same['hf_spin_tree']} |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
