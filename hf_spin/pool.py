@@ -61,10 +61,10 @@ class AssistantPool:
     ragged_attention: verify (and draft, for model drafters) on packed rows: a `PackedCache` per model
         and `attn_implementation="hf_spin_varlen"` for those forwards, so no compute or memory goes to
         padding or holes. Needs models whose attention goes through transformers' AttentionInterface.
-    tree: how a row several drafters serve (a vote) is verified on packed rows: "auto" (default) the
-        vote's whole merged token tree in one forward (docs/design.md, "token tree"), False its heaviest
-        path only (a chain), or N: the tree's N heaviest nodes at most. Chains elsewhere (the
-        rectangular cache, sliding windows, processors reading token ids, seeded rows).
+    tree: token trees on packed rows (docs/design.md, "token tree"): "auto" (default) verifies a vote's
+        whole merged tree and prompt lookup's several continuations in one forward, False chains only (a
+        vote's heaviest path), N at most the tree's N heaviest nodes. Chains elsewhere (the rectangular
+        cache, sliding windows, seeded rows).
     profile: the cost profile the planner sizes drafts with (docs/planning.md): "auto" (measured when
         the pool first meets a model, a few seconds, cached on disk), a path (one JSON file for the
         whole profile), a `CostProfile` (injected costs), or "off": no planner, the policy's k as

@@ -81,11 +81,15 @@ def score_rows(rows: list[Row], prefixes: list[list[int]], logits: torch.Tensor)
     return torch.stack([score_position(row, prefix, logits[i]) for i, (row, prefix) in enumerate(zip(rows, prefixes))])
 
 
-def target_scores(rows: list[Row], batch: GenerateBatch | None, logits: torch.Tensor, drafts: list[list[int]], run_isolated) -> torch.Tensor:
+def target_scores(
+    rows: list[Row], batch: GenerateBatch | None, logits: torch.Tensor, drafts: list[list[int]], run_isolated, paths: list[list[list[int]]] | None = None
+) -> torch.Tensor:
     """Each row's processors at each of its verified positions: logits [B, K + 1, V] -> scores [B, K + 1, V].
 
     batch: the `generate` batch when every row belongs to it (one call over the whole block);
-    run_isolated(row, fn): runs a per-row computation so that a fault fails that row only.
+    run_isolated(row, fn): runs a per-row computation so that a fault fails that row only;
+    paths: per row, the draft tokens before each slot, for processors that read them (a token tree's
+    paths: slot 0 the root, slot i + 1 node i); default the chain's prefixes drafts[b][:j].
     """
     if not any(len(r.request.processors) for r in rows):
         return logits
@@ -103,7 +107,8 @@ def target_scores(rows: list[Row], batch: GenerateBatch | None, logits: torch.Te
         else:
             def per_position(b=b, row=row, n=n):
                 for j in range(n):
-                    scores[b, j] = score_position(row, row.sequence + drafts[b][:j], logits[b, j])
+                    before = paths[b][j] if paths is not None else drafts[b][:j]
+                    scores[b, j] = score_position(row, row.sequence + before, logits[b, j])
             run_isolated(row, per_position)
     return scores
 

@@ -3,9 +3,9 @@ walked (tree_verification.py), the accepted path kept in the target's cache (doc
 
 A step verifies trees where the pool's `tree` allows them and its rows can take them (`usable`):
 packed rows (the kernel's tree masks), no sliding-window or chunked layers (a tree's tokens are not at
-consecutive positions), no logits processor that reads token ids and no seeded row (both score a slot
-by the tokens before it: chains only, for now). A chain row in a tree step is a tree with one child
-per node, so such a step has one way to verify every row.
+consecutive positions) and no seeded row (its noise is fixed per position: chains only, for now).
+Processors that read token ids score each slot after its own path. A chain row in a tree step is a
+tree with one child per node, so such a step has one way to verify every row.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .cache import PackedCache, forward_tree, needs_contiguous_slots
-from .processors import ids_free, target_scores
+from .processors import target_scores
 from .token_tree import TokenTree
 from .tree_verification import decide, walk_greedy, walk_sampling
 
@@ -24,7 +24,7 @@ def usable(engine) -> bool:
         engine.tree is not False
         and isinstance(engine.cache, PackedCache)
         and not needs_contiguous_slots(engine.model.config)
-        and all((not len(r.request.processors) or ids_free(r.request.processors)) and r.request.seed is None for r in engine.rows)
+        and all(r.request.seed is None for r in engine.rows)
     )
 
 
@@ -42,7 +42,8 @@ def verify(engine, trees: list[TokenTree]) -> tuple[list[list[int]], list[int], 
     logits = engine.faults.target_forward(forward, chunks)  # [B, 1 + N_max, V]
     if logits is None:
         return None
-    scores = target_scores(rows, engine._running_batch(), logits, [t.tokens for t in trees], engine.faults.row)
+    before = [[[]] + [[tree.tokens[n] for n in tree.path(i)] for i in range(len(tree))] for tree in trees]  # [B] draft tokens before each slot
+    scores = target_scores(rows, engine._running_batch(), logits, [t.tokens for t in trees], engine.faults.row, before)
     sampled = [b for b, r in enumerate(rows) if r.request.do_sample and not r.done]
     parts = [scores.argmax(dim=-1).reshape(-1)]  # [B * T] every slot's argmax (greedy rows read theirs)
     for b in sampled:

@@ -308,3 +308,22 @@ def test_sampled_vote_trees_run_in_the_engine(verified_trees):
     stats = pool.last_stats
     assert sum(d.failures for d in stats.drafters.values()) == 0 and stats.acceptance_rate > 0
     assert any(len(t.children(n)) >= 2 for t in verified_trees for n in range(-1, len(t)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "phi3"])
+def test_trees_under_processors_that_read_the_tokens(arch, verified_trees, one_thread):
+    """repetition_penalty and min_new_tokens read the tokens before a slot: each slot of a vote's tree
+    is scored after its own path, and the output stays plain `generate`'s."""
+    import hf_spin
+
+    from .archs import tiny_model
+    from .speculation import greedy_case
+
+    target = tiny_model(arch)
+    inputs, _ = greedy_case(target, 4, *CASE["vote"])
+    inputs = {**inputs, "repetition_penalty": 3.0, "min_new_tokens": 20}
+    reference = target.generate(**inputs)
+    pool = _pool(arch, "vote")
+    out = target.generate(custom_generate=hf_spin.generate, assistant_pool=pool, **inputs)
+    assert torch.equal(out, reference)
+    assert any(len(t.children(n)) >= 2 for t in verified_trees for n in range(-1, len(t))), "no tree branched"

@@ -142,6 +142,14 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "tree_slots_scored_as_a_chain",
+        "processors that read token ids (repetition penalty) score a tree's slot after the tree's first tokens instead of the slot's own path",
+        "hf_spin/processors.py",
+        "before = paths[b][j] if paths is not None else drafts[b][:j]",
+        "before = drafts[b][:j]",
+        ("tests/test_token_trees.py::test_trees_under_processors_that_read_the_tokens[gpt2]",),
+    ),
+    Mutant(
         "tree_sampling_skips_the_residual",
         "a token tree's later candidates are tested against p instead of what earlier rejections left: sampled output drifts from the target",
         "hf_spin/tree_verification.py",
