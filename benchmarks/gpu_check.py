@@ -11,8 +11,9 @@ Sections, each written to DIR/gpu_check.json as soon as it ends (a run cut short
 2. kernel: the Triton varlen kernel against the float32 reference across dtypes, head dims, GQA
    ratios and masks (causal, sliding window, tree, empty rows, split keys), PASS/FAIL per case.
 3. identity: greedy hf_spin against plain `generate` at batch 1, 4, 16 on both cache paths (rectangular
-   and packed), with a model drafter and with an oracle drafter; where they differ, the target's logit
-   margin at the first difference (a near-tie flipped by the numerics of a wider forward, or a bug).
+   and packed), with a model drafter, an oracle drafter and an oracle proposing token trees (packed rows
+   verify them whole); where they differ, the target's logit margin at the first difference (a
+   near-tie flipped by the numerics of a wider forward, or a bug).
 4. end_to_end: an oracle drafter that proposes the known greedy continuation with probability alpha
    per token; tokens/s against plain generate in the same run, accepted tokens per step against the
    theoretical sum_{i=1..k} alpha^i, ms per step split into draft / verify / other.
@@ -56,6 +57,7 @@ from hf_spin.host_syncs import count_syncs  # noqa: E402
 from hf_spin.kernels import pack_tree_masks, varlen_attention, varlen_attention_ref  # noqa: E402
 from hf_spin.policies import FixedLength  # noqa: E402
 from hf_spin.stats import DrafterStats  # noqa: E402
+from hf_spin.token_tree import TokenTree  # noqa: E402
 
 # Real shapes (Qwen2.5 configs), random weights. The vocabulary is the real one: the lm_head's cost
 # and the sampling/argmax over 152k entries are part of what a step costs on a GPU.
@@ -90,12 +92,13 @@ class Oracle(Drafter):
 
     name = kind = "oracle"
 
-    def __init__(self, references: list[list[int]], alpha: float, vocab: int, seed: int = 0):
+    def __init__(self, references: list[list[int]], alpha: float, vocab: int, seed: int = 0, tree: bool = False):
         self.by_prefix = {tuple(r[:KEY]): r for r in references}
         self.alpha, self.vocab, self.rng = alpha, vocab, random.Random(seed)
+        self.tree = tree  # where the step takes token trees: the draft, and the truth as a lighter second branch
 
     def draft(self, request: DraftRequest) -> Draft:
-        tokens = []
+        tokens, trees = [], []
         for row, k in zip(request.rows, request.k):
             seq = request.sequences[row]
             truth = self.by_prefix[tuple(seq[:KEY])][len(seq) : len(seq) + k]
@@ -106,7 +109,8 @@ class Oracle(Drafter):
                 if not right:
                     break
             tokens.append(draft)
-        return Draft(tokens=tokens, q=[None] * len(tokens))
+            trees.append(TokenTree.merge([TokenTree.chain(draft, weight=2.0), TokenTree.chain(truth)]) if draft else None)
+        return Draft(tokens=tokens, q=[None] * len(tokens), trees=trees if self.tree and request.trees else None)
 
 
 def theoretical_accepted(alpha: float, k: int) -> float:
@@ -298,7 +302,10 @@ def identity(check: Check) -> dict:
     for batch, dtype in runs:
         ids, mask = check.prompts(batch, seed=batch)
         refs = references(plain(check, ids, mask, cfg["identity_tokens"], dtype), mask)
-        drafters = {"model": check.model("drafter", dtype), "oracle": Oracle(refs, 0.7, cfg["target"]["vocab_size"], seed=batch)}
+        vocab = cfg["target"]["vocab_size"]
+        # oracle_tree: on packed rows, token trees whose second branch is the truth (verified in one
+        # forward with the kernel's tree masks, the accepted branch's KV kept)
+        drafters = {"model": check.model("drafter", dtype), "oracle": Oracle(refs, 0.7, vocab, seed=batch), "oracle_tree": Oracle(refs, 0.5, vocab, seed=batch, tree=True)}
         for ragged in (False, True):
             for name, drafter in drafters.items():
                 where = {"batch": batch, "dtype": str(dtype).removeprefix("torch."), "packed": ragged, "drafter": name}

@@ -40,8 +40,8 @@ def test_kernel_cases_pass_against_the_reference(report):
 def test_identity_covers_both_cache_paths_and_drafts_that_get_cut(report):
     runs = report["identity"]["runs"]
     assert report["identity"]["exact_identical"]
-    assert {(r["packed"], r["drafter"]) for r in runs} == {(False, "model"), (True, "model"), (False, "oracle"), (True, "oracle")}
-    oracle = [r for r in runs if r["drafter"] == "oracle"]
+    assert {(r["packed"], r["drafter"]) for r in runs} == {(p, d) for p in (False, True) for d in ("model", "oracle", "oracle_tree")}
+    oracle = [r for r in runs if r["drafter"].startswith("oracle")]
     assert all(0 < r["accepted"] < r["drafted"] and r["failures"] == 0 for r in oracle), oracle
 
 
