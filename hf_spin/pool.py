@@ -64,7 +64,7 @@ class AssistantPool:
     tree: token trees on packed rows (docs/design.md, "token tree"): "auto" (default) verifies a vote's
         whole merged tree and prompt lookup's several continuations in one forward, False chains only (a
         vote's heaviest path), N at most the tree's N heaviest nodes. Chains elsewhere (the rectangular
-        cache, sliding windows, seeded rows). A tree may hold more nodes than draft_length (prompt
+        cache, sliding-window models). A tree may hold more nodes than draft_length (prompt
         lookup: up to 4 continuations of k tokens; a vote: every drafter's k): with a profile the
         planner keeps as many as it would verify tokens of an equally long chain; tree=N caps it.
     profile: the cost profile the planner sizes drafts with (docs/planning.md): "auto" (measured when

@@ -3,8 +3,8 @@ walked (tree_verification.py), the accepted path kept in the target's cache (doc
 
 A step verifies trees where the pool's `tree` allows them and its rows can take them (`usable`):
 packed rows (the kernel's tree masks), no sliding-window or chunked layers (a tree's tokens are not at
-consecutive positions) and no seeded row (its noise is fixed per position: chains only, for now).
-Processors that read token ids score each slot after its own path. A chain row in a tree step is a
+consecutive positions). Processors that read token ids score each slot after its own path; a seeded
+row walks its tree greedily over log p plus its noise at each slot's position (Gumbel-max). A chain row in a tree step is a
 tree with one child per node, so such a step has one way to verify every row.
 """
 
@@ -16,6 +16,7 @@ from .cache import PackedCache, forward_tree, needs_contiguous_slots
 from .processors import target_scores
 from .token_tree import TokenTree
 from .tree_verification import decide, walk_greedy, walk_sampling
+from .verification import gumbel_noise
 
 
 def usable(engine) -> bool:
@@ -24,7 +25,6 @@ def usable(engine) -> bool:
         engine.tree is not False
         and isinstance(engine.cache, PackedCache)
         and not needs_contiguous_slots(engine.model.config)
-        and all(r.request.seed is None for r in engine.rows)
     )
 
 
@@ -44,8 +44,8 @@ def verify(engine, trees: list[TokenTree]) -> tuple[list[list[int]], list[int], 
         return None
     before = [[[]] + [[tree.tokens[n] for n in tree.path(i)] for i in range(len(tree))] for tree in trees]  # [B] draft tokens before each slot
     scores = target_scores(rows, engine._running_batch(), logits, [t.tokens for t in trees], engine.faults.row, before)
-    sampled = [b for b, r in enumerate(rows) if r.request.do_sample and not r.done]
-    parts = [scores.argmax(dim=-1).reshape(-1)]  # [B * T] every slot's argmax (greedy rows read theirs)
+    sampled = [b for b, r in enumerate(rows) if r.request.do_sample and r.request.seed is None and not r.done]
+    parts = [_argmax(rows, trees, scores).reshape(-1)]  # [B * T] every slot's argmax (perturbed for seeded rows)
     for b in sampled:
         n = len(trees[b]) + 1
         coins, fallback = decide(torch.softmax(scores[b, :n], dim=-1), trees[b])
@@ -65,6 +65,20 @@ def verify(engine, trees: list[TokenTree]) -> tuple[list[list[int]], list[int], 
         next_tokens.append(verdict.next_token)
     engine.cache.keep_paths(bases, paths)
     return paths, next_tokens, scores
+
+
+def _argmax(rows, trees: list[TokenTree], scores: torch.Tensor) -> torch.Tensor:
+    """`[B, T]` each slot's argmax; a seeded row's of log p plus its Gumbel noise at the slot's position
+    (verification.verify_seeded): slots at one depth share a position, hence a noise row, so the row's
+    tokens stay a function of its seed alone, tree or chain."""
+    best = scores.argmax(dim=-1)
+    for b, row in enumerate(rows):
+        if row.request.do_sample and row.request.seed is not None and not row.done:
+            depths = [0] + trees[b].depths()  # [n] slot -> position after the row's last committed token
+            noise = gumbel_noise(row.request.seed, len(row.generated), max(depths) + 1, scores.shape[-1], scores.device)  # [D + 1, V]
+            perturbed = torch.log_softmax(scores[b, : len(depths)], dim=-1) + noise[depths]  # [n, V]
+            best[b, : len(depths)] = perturbed.argmax(dim=-1)
+    return best
 
 
 def path_scores(scores: torch.Tensor, path: list[int]) -> torch.Tensor:

@@ -327,3 +327,35 @@ def test_trees_under_processors_that_read_the_tokens(arch, verified_trees, one_t
     out = target.generate(custom_generate=hf_spin.generate, assistant_pool=pool, **inputs)
     assert torch.equal(out, reference)
     assert any(len(t.children(n)) >= 2 for t in verified_trees for n in range(-1, len(t))), "no tree branched"
+
+
+def test_seeded_rows_give_the_same_tokens_with_trees_as_with_chains(verified_trees):
+    """A seeded row's tokens are a function of its seed (Gumbel-max, noise fixed per position): the tree
+    walk over log p + noise at each slot's depth gives exactly the chain's tokens."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+    import hf_spin
+    from hf_spin.engine import SpinEngine
+    from hf_spin.rows import Request
+
+    from .archs import tiny_model
+    from .speculation import multi_token, perturbed
+
+    target = tiny_model("llama")
+    drafters = [perturbed("llama", seed=1), perturbed("llama", seed=2, scale=0.4), "prompt_lookup"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (9, 6, 11)]
+
+    def generated(tree):
+        pool = hf_spin.AssistantPool(drafters, policy="vote", draft_length=multi_token(), ragged_attention=True, tree=tree)
+        engine = SpinEngine(target, pool)
+        sharp = LogitsProcessorList([TemperatureLogitsWarper(0.3)])  # drafts accepted often, off the first branch too
+        rows = [engine.add(Request(prompt=p, max_new_tokens=24, do_sample=True, seed=s, processors=sharp)) for s, p in enumerate(prompts)]
+        while engine.has_work:
+            engine.step()
+        return [r.generated for r in rows]
+
+    chains = generated(False)
+    assert not verified_trees
+    assert generated("auto") == chains
+    assert any(len(t.children(n)) >= 2 for t in verified_trees for n in range(-1, len(t))), "no tree branched"

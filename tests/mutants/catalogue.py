@@ -150,6 +150,14 @@ MUTANTS = (
         ("tests/test_token_trees.py::test_trees_under_processors_that_read_the_tokens[gpt2]",),
     ),
     Mutant(
+        "tree_noise_by_slot",
+        "a seeded row's Gumbel noise on a token tree follows the slot index instead of the slot's depth: its tokens change with what was drafted",
+        "hf_spin/tree_step.py",
+        "+ noise[depths]  # [n, V]",
+        "+ gumbel_noise(row.request.seed, len(row.generated), len(depths), scores.shape[-1], scores.device)  # [n, V]",
+        ("tests/test_token_trees.py::test_seeded_rows_give_the_same_tokens_with_trees_as_with_chains",),
+    ),
+    Mutant(
         "tree_sampling_skips_the_residual",
         "a token tree's later candidates are tested against p instead of what earlier rejections left: sampled output drifts from the target",
         "hf_spin/tree_verification.py",
