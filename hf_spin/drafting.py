@@ -137,17 +137,17 @@ class Drafting:
         drafts: list[list[int]] = [[] for _ in proposals]
         qs: list[torch.Tensor | None] = [None] * len(proposals)
         merged: list[TokenTree | None] = [None] * len(proposals)
+        weights = (self.plan.vote_weights if self.plan is not None else None) or [1.0] * len(self.engine.drafters)
         for b, proposal in enumerate(proposals):
             own = {d: self.tree_of[b][d] for d in proposal if d in self.tree_of[b]} if trees else {}  # drafters' own trees
             if len(proposal) == 1 and not own:
                 ((d_idx, drafts[b]),) = proposal.items()
                 qs[b] = q_of[b][d_idx]
             elif proposal and trees:
-                weights = self.plan.vote_weights if self.plan is not None and self.plan.vote_weights else [1.0] * len(self.engine.drafters)
                 parts = [own.get(d) or TokenTree.chain(tokens, drafter=d) for d, tokens in proposal.items()]
                 tree = TokenTree.merge(parts, [weights[d] for d in proposal])
-                merged[b] = tree.pruned(max_nodes or len(tree))
+                merged[b] = tree.pruned(max_nodes) if max_nodes else tree
                 drafts[b] = list(merged[b].tokens)
             elif proposal:
-                drafts[b] = heaviest_path(proposal, self.plan.vote_weights or [1.0] * len(self.engine.drafters))[: ks[b]]
+                drafts[b] = heaviest_path(proposal, weights)[: ks[b]]
         return drafts, qs, merged

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .cache import PackedCache, forward_tree, needs_contiguous_slots
-from .processors import target_scores
+from .processors import ids_free, target_scores
 from .token_tree import TokenTree
 from .tree_verification import decide, walk_greedy, walk_sampling
 from .verification import gumbel_noise
@@ -42,7 +42,8 @@ def verify(engine, trees: list[TokenTree]) -> tuple[list[list[int]], list[int], 
     logits = engine.faults.target_forward(forward, chunks)  # [B, 1 + N_max, V]
     if logits is None:
         return None
-    before = [[[]] + [[tree.tokens[n] for n in tree.path(i)] for i in range(len(tree))] for tree in trees]  # [B] draft tokens before each slot
+    reads_ids = any(len(r.request.processors) and not ids_free(r.request.processors) for r in rows)
+    before = [[[]] + [[tree.tokens[n] for n in tree.path(i)] for i in range(len(tree))] for tree in trees] if reads_ids else None  # [B] draft tokens before each slot
     scores = target_scores(rows, engine._running_batch(), logits, [t.tokens for t in trees], engine.faults.row, before)
     sampled = [b for b, r in enumerate(rows) if r.request.do_sample and r.request.seed is None and not r.done]
     parts = [_argmax(rows, trees, scores).reshape(-1)]  # [B * T] every slot's argmax (perturbed for seeded rows)
