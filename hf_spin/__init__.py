@@ -11,7 +11,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from . import kernels  # registers attn_implementation="hf_spin_varlen" with transformers
-from .drafters import Drafter, FuzzyDrafter, ModelDrafter, PromptLookupDrafter, StreamingDrafter, TranslatingDrafter
+from .drafters import Drafter, FuzzyDrafter, ModelDrafter, PromptLookupDrafter, StreamingDrafter, SuffixDrafter, TranslatingDrafter
 from .engine import SpinEngine
 from .generation import SpinGenerateOutput, disable, enable, generate
 from .pipeline import Pipeline
@@ -44,6 +44,7 @@ __all__ = [
     "SpinEngine",
     "SpinGenerateOutput",
     "StreamingDrafter",
+    "SuffixDrafter",
     "TranslatingDrafter",
     "disable",
     "enable",

@@ -44,7 +44,7 @@ from .policies import BatchView, Plan, Policy, StepFeedback
 from .policies.base import shadow_lengths
 from .pool import AssistantPool
 from .processors import GenerateBatch, first_scores, row_processors, target_scores
-from .rows import CANCELLED, LENGTH, STOPPED, Request, Row
+from .rows import CANCELLED, ERROR, LENGTH, STOPPED, Request, Row
 from .stats import DrafterStats, GenerationStats
 from .stopping import HostStop
 from .token_tree import TokenTree
@@ -238,6 +238,10 @@ class SpinEngine:
             row.stats.wall_seconds = now - row.added_at
         if self.policy is not None:
             self.policy.end_rows([r.id for r in gone])
+        ended = [b for b, r in enumerate(self.rows) if r.done and r.finish_reason != ERROR]
+        for d_idx, d in enumerate(self.drafters):
+            if self.usable[d_idx] and self.drafters_started and ended:
+                self.faults.drafter(d_idx, lambda: d.end_rows(ended, [self.rows[b].generated for b in ended]), [])
         kept = [b for b, r in enumerate(self.rows) if not r.done]
         self.rows = [self.rows[b] for b in kept]
         if not kept:  # an empty batch starts afresh: caches dropped, drafters restarted by the next admission

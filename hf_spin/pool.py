@@ -3,7 +3,9 @@ what they did.
 
 Entries: a causal LM that shares the target's tokenizer; `(model, tokenizer)` for a drafter with
 another tokenizer (token translation; a shared tokenizer is detected and translation skipped);
-`"prompt_lookup"`; or any `Drafter` object (e.g. `ModelDrafter(model)` to skip the vocabulary check).
+`"prompt_lookup"`; `"suffix"` (a suffix index over the prompt, the output so far and earlier requests'
+outputs, kept across calls: `SuffixDrafter(...)` for its knobs); or any `Drafter` object (e.g.
+`ModelDrafter(model)` to skip the vocabulary check).
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import threading
 
 from .cache import check_packed_support
 from .cost_profile import CostProfile
-from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, TranslatingDrafter
+from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, SuffixDrafter, TranslatingDrafter
 from .planner import Planner
 from .policies import DEFAULT_DRAFT_LENGTH, DrafterInfo, DraftLength, Policy, make_policy
 from .profiling import build_profile
 from .stats import DrafterStats, GenerationStats
 
-NAMED_DRAFTERS = {"prompt_lookup": PromptLookupDrafter}
+NAMED_DRAFTERS = {"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter}
 # Layer kinds whose state is a KV cache that can be rolled back per row (others: conv, recurrent, ...).
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 # `profile=` when none is given: "auto" unless $HF_SPIN_PROFILE says otherwise (the test suite sets
@@ -51,7 +53,7 @@ def _check_model(model, role: str) -> None:
 class AssistantPool:
     """Drafters plus a policy.
 
-    drafters: list of models, `(model, tokenizer)` pairs, `"prompt_lookup"` or `Drafter` objects.
+    drafters: list of models, `(model, tokenizer)` pairs, `"prompt_lookup"`, `"suffix"` or `Drafter` objects.
     policy: a name from `hf_spin.policies.POLICIES` (`"fixed"`: the first drafter, `"round_robin"`,
         ...) or a `Policy` object.
     draft_length: tokens drafted per step (k) for the built-in policies: an int, a name from
@@ -191,6 +193,11 @@ class AssistantPool:
             self.planner = Planner(self.cost_profile)  # warns once if nothing can pay here
             self.policy.attach_profile(self.cost_profile)
             self._profiled = id(target)
+
+    def reset(self) -> None:
+        """Forget what the drafters learned across calls (a suffix drafter's index of earlier outputs)."""
+        for drafter in self.drafters:
+            drafter.reset()
 
     def record(self, stats: GenerationStats) -> None:
         self.last_stats = stats

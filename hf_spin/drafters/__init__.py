@@ -5,6 +5,7 @@ from .fuzzy import FuzzyDrafter, fuzzy_device_map
 from .model import ModelDrafter
 from .prompt_lookup import PromptLookupDrafter
 from .streaming import StreamingDrafter
+from .suffix import SuffixDrafter
 from .translation import TranslatingDrafter
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "ModelDrafter",
     "PromptLookupDrafter",
     "StreamingDrafter",
+    "SuffixDrafter",
     "TranslatingDrafter",
     "fuzzy_device_map",
 ]

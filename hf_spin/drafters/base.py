@@ -92,5 +92,13 @@ class Drafter(ABC):
         """Rows join the running batch after the current ones, with these committed sequences
         (continuous batching). A drafter with per-row state grows it here, as `select_rows` shrinks it."""
 
+    def end_rows(self, rows: list[int], outputs: list[list[int]]) -> None:
+        """Rows at these positions of the current batch ended (before `select_rows` or `finish` drops
+        them) having generated `outputs` (rows that failed are left out). A drafter that learns
+        across requests (suffix.py) learns here; no-op by default."""
+
+    def reset(self) -> None:
+        """Forget what was learned across calls (`AssistantPool.reset`); no-op by default."""
+
     def finish(self) -> None:
         """Free per-call state."""

@@ -1,0 +1,194 @@
+"""A suffix index: every substring of up to `max_depth` tokens of the sequences it holds, with counts,
+so the continuations of any context are read off by frequency (docs/design.md, "suffix index").
+
+The structure is a depth-bounded suffix trie, the one SuffixDecoding (arXiv 2411.04975) uses: a node
+is a substring, its count how many times it occurs in the held sequences, its children the tokens
+that followed it. Chosen over the alternatives on purpose:
+
+- a suffix automaton has O(1) amortised states per token but no cheap removal (evicting a request
+  means rebuilding) and its counts need a separate pass;
+- a suffix array needs a rebuild (or a dynamic structure) per committed token;
+- the bounded trie costs `max_depth` node updates per token (constant in the sequence's length),
+  removes a sequence by undoing exactly what adding it did, and answers "what followed this context,
+  how often" by walking at most `max_depth` nodes. Memory is at most `max_depth` nodes per token held
+  (shared where text repeats), which is why an index holds a bounded number of tokens.
+
+Example, one sequence [a b a c] and max_depth 2: nodes a (2), a.b (1), a.c (1), b (1), b.a (1),
+c (1); after the context [.. a] the index proposes b and c, each with probability 1/2.
+
+Every public method holds the index's lock: one index may be read and written from several threads
+(a server's requests, several pools sharing a drafter).
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import threading
+from dataclasses import dataclass
+
+
+class _Node:
+    __slots__ = ("count", "children")
+
+    def __init__(self):
+        self.count = 0  # occurrences of the substring this node spells
+        self.children: dict[int, _Node] | None = None  # token -> node; None for a leaf (saves memory)
+
+
+@dataclass
+class Match:
+    """The longest suffix of a context found in an index with a continuation: its node and length."""
+
+    node: _Node
+    length: int
+
+
+class SuffixIndex:
+    """Sequences under keys, indexed for continuation lookup. Sequences grow (`extend`) and leave whole
+    (`remove`); `keys()` lists them oldest first, for eviction."""
+
+    def __init__(self, max_depth: int = 24):
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be at least 2 (a match and one token after it), got {max_depth}")
+        self.max_depth = max_depth
+        self.root = _Node()
+        self.nodes = 0  # nodes besides the root: the index's memory, about 100 bytes each
+        self.tokens = 0  # tokens held over all sequences
+        self._sequences: collections.OrderedDict[object, list[int]] = collections.OrderedDict()
+        self._open: dict[object, list[_Node]] = {}  # key -> the nodes of its suffixes shorter than max_depth, by length
+        self._lock = threading.RLock()
+
+    def keys(self) -> list:
+        with self._lock:
+            return list(self._sequences)
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    def length(self, key) -> int:
+        """Tokens held under `key` (0 if none)."""
+        with self._lock:
+            return len(self._sequences.get(key, ()))
+
+    def extend(self, key, tokens: list[int]) -> None:
+        """Append tokens to the sequence under `key` (a new key starts one): each token adds one
+        occurrence to the node of every suffix of up to max_depth tokens ending at it."""
+        with self._lock:
+            sequence = self._sequences.setdefault(key, [])
+            suffixes = self._open.get(key, [])  # [i]: the node of the suffix of length i + 1
+            for token in tokens:
+                self.root.count += 1
+                suffixes = [self._grow(node, token) for node in [self.root] + suffixes[: self.max_depth - 1]]
+                sequence.append(token)
+            self._open[key] = suffixes
+            self.tokens += len(tokens)
+
+    def _grow(self, node: _Node, token: int) -> _Node:
+        if node.children is None:
+            node.children = {}
+        child = node.children.get(token)
+        if child is None:
+            child = node.children[token] = _Node()
+            self.nodes += 1
+        child.count += 1
+        return child
+
+    def remove(self, key) -> None:
+        """Forget the sequence under `key`: every occurrence it added is taken back, and nodes left
+        with none are deleted (with their subtrees, whose only occurrences were this sequence's)."""
+        with self._lock:
+            sequence = self._sequences.pop(key, None)
+            self._open.pop(key, None)
+            if sequence is None:
+                return
+            for start in range(len(sequence)):
+                self.root.count -= 1
+                node = self.root
+                for token in sequence[start : start + self.max_depth]:
+                    child = node.children[token]
+                    child.count -= 1
+                    if child.count == 0:
+                        del node.children[token]
+                        self.nodes -= _size(child)
+                        break
+                    node = child
+            self.tokens -= len(sequence)
+
+    def evict(self, max_keys: int, max_tokens: int) -> None:
+        """Remove the oldest sequences until at most `max_keys` sequences and `max_tokens` tokens remain."""
+        with self._lock:
+            while self._sequences and (len(self._sequences) > max_keys or self.tokens > max_tokens):
+                self.remove(next(iter(self._sequences)))
+
+    def clear(self) -> None:
+        with self._lock:
+            self.root, self.nodes, self.tokens = _Node(), 0, 0
+            self._sequences.clear()
+            self._open.clear()
+
+    def longest_match(self, context: list[int], max_length: int, min_length: int = 1) -> Match | None:
+        """The longest suffix of `context`, of min_length..max_length tokens, that occurs in the index
+        followed by some token; None if there is none."""
+        with self._lock:
+            for length in range(min(max_length, len(context), self.max_depth - 1), min_length - 1, -1):
+                node = self.root
+                for token in context[len(context) - length :]:
+                    node = node.children.get(token) if node.children else None
+                    if node is None:
+                        break
+                else:
+                    if node.children:
+                        return Match(node, length)
+            return None
+
+    def continuations(self, match: Match, max_nodes: int, max_depth: int, min_probability: float, branching: bool = True) -> list[tuple[int, int, float]]:
+        """The likeliest continuations of a match as tree nodes (token, parent index or -1, probability
+        of the path from the match through the node), parents first: nodes taken best-first by path
+        probability, at most `max_nodes`, `max_depth` deep, none below `min_probability`. A child's
+        probability given its parent is its count over its siblings' (the occurrences that continued).
+        branching=False: the single likeliest chain (the most frequent child each time)."""
+        with self._lock:
+            out: list[tuple[int, int, float]] = []
+            tick = 0  # ties broken by discovery order: deterministic
+            frontier: list[tuple[float, int, _Node, int, int, int]] = []  # (-probability, tick, node, parent, depth, token)
+
+            def expand(node: _Node, parent: int, probability: float, depth: int) -> None:
+                nonlocal tick
+                if depth >= max_depth or not node.children:
+                    return
+                total = sum(c.count for c in node.children.values())
+                children = node.children.items() if branching else [max(node.children.items(), key=lambda kv: kv[1].count)]
+                for token, child in children:
+                    p = probability * child.count / total
+                    if p >= min_probability:
+                        heapq.heappush(frontier, (-p, tick, child, parent, depth + 1, token))
+                        tick += 1
+
+            expand(match.node, -1, 1.0, 0)
+            while frontier and len(out) < max_nodes:
+                neg_p, _, node, parent, depth, token = heapq.heappop(frontier)
+                out.append((token, parent, -neg_p))
+                expand(node, len(out) - 1, -neg_p, depth)
+            return out
+
+    def check(self) -> None:
+        """Raise if the counts differ from an index rebuilt from the held sequences (tests)."""
+        with self._lock:
+            fresh = SuffixIndex(self.max_depth)
+            for key, sequence in self._sequences.items():
+                fresh.extend(key, sequence)
+            assert _counts(self.root) == _counts(fresh.root), "suffix index counts differ from a rebuild"
+            assert (self.nodes, self.tokens) == (fresh.nodes, fresh.tokens), ((self.nodes, self.tokens), (fresh.nodes, fresh.tokens))
+
+
+def _size(node: _Node) -> int:
+    """Nodes in the subtree under and including `node`."""
+    return 1 + sum(_size(c) for c in (node.children or {}).values())
+
+
+def _counts(node: _Node, path: tuple = ()) -> dict[tuple, int]:
+    out = {path: node.count} if path else {}
+    for token, child in (node.children or {}).items():
+        out.update(_counts(child, path + (token,)))
+    return out
