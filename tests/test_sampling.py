@@ -127,6 +127,7 @@ MEASURED = 3  # the joint distribution of t_2, t_3, t_4 is checked
 DRAFTERS = {
     "model": lambda target: peaky(1),
     "prompt_lookup": lambda target: "prompt_lookup",
+    "suffix": lambda target: "suffix",  # the row's own repeats (and, within a call, nothing learned yet)
     # self-speculation (MagicDec): the target over a 1 + 2 token KV budget, so q != p. (The plain target
     # drafting for itself has q = p: every draft accepted, which tests only the bonus token.)
     "self_streaming": lambda target: hf_spin.StreamingDrafter(target, sink_tokens=1, window_tokens=2),

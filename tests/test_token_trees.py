@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_spin.drafters import DraftRequest
 from hf_spin.token_tree import TokenTree
 from hf_spin.tree_verification import verify_tree_greedy, verify_tree_sampling, walk_sampling
 
@@ -112,6 +113,8 @@ def _tree(kind: str, q0, q1, g) -> TokenTree:
             node = tree.add(-1, first, drafter=0)
             for second in seconds:
                 tree.add(node, second, drafter=0)
+    if kind == "suffix":  # a suffix drafter's tree: earlier outputs continued the context 1 or 3, then two ways each
+        tree = _suffix_tree()
     if kind in ("model", "mixed"):  # i.i.d. draws from the drafter, 2 under each drawn child
         for first in torch.multinomial(q0, 3 if kind == "model" else 2, replacement=True, generator=g).tolist():
             node = tree.add(-1, first, drafter=1, q=q0)
@@ -119,6 +122,17 @@ def _tree(kind: str, q0, q1, g) -> TokenTree:
                 for second in torch.multinomial(q1[first], 2, replacement=True, generator=g).tolist():
                     tree.add(node, second, drafter=1, q=q1[first])
     return tree
+
+
+def _suffix_tree() -> TokenTree:
+    import hf_spin
+
+    drafter = hf_spin.SuffixDrafter()
+    for output in ([0, 0, 1, 2], [0, 0, 1, 0], [0, 0, 3, 3], [0, 0, 3, 4]):
+        drafter.learn(output)
+    drafter.start(None, [[4, 0, 0]])
+    draft = drafter.draft(DraftRequest([0], [[4, 0, 0]], [6], True, None, trees=True))
+    return draft.trees[0]
 
 
 def _slots(tree: TokenTree, p0, p1) -> torch.Tensor:
@@ -158,13 +172,13 @@ def _counts(kind: str, verify, n: int, seed: int):
     return counts, (p0[:, None] * p1).reshape(-1)
 
 
-@pytest.mark.parametrize("kind", ["model", "lookup", "mixed"])
+@pytest.mark.parametrize("kind", ["model", "lookup", "mixed", "suffix"])
 def test_sampled_tree_keeps_the_two_token_distribution(kind):
     counts, exact = _counts(kind, verify_tree_sampling, 4000, seed=3)
     assert fits(counts, exact) > ALPHA, f"{kind}: {counts.tolist()}"
 
 
-@pytest.mark.parametrize("kind", ["model", "lookup"])
+@pytest.mark.parametrize("kind", ["model", "lookup", "suffix"])
 def test_the_check_rejects_a_verifier_without_residuals(kind):
     counts, exact = _counts(kind, _lossy, 4000, seed=3)
     assert fits(counts, exact) < ALPHA
@@ -358,4 +372,31 @@ def test_seeded_rows_give_the_same_tokens_with_trees_as_with_chains(verified_tre
     chains = generated(False)
     assert not verified_trees
     assert generated("auto") == chains
+    assert any(len(t.children(n)) >= 2 for t in verified_trees for n in range(-1, len(t))), "no tree branched"
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("arch", TREE_ARCHS)
+def test_suffix_trees_equal_plain_generate(arch, batch, verified_trees, one_thread):
+    """Suffix drafting's trees (the likeliest continuations in the row's own tokens and earlier
+    outputs) verified whole on packed rows, equal to plain `generate`. The drafter first learns each
+    row's true continuation and, for every position, a copy that goes wrong there; its trees, cut
+    shallow (a quarter of the match deep), spend their nodes on those wrong siblings."""
+    import hf_spin
+
+    from .archs import VOCAB, tiny_model
+    from .speculation import assert_speculated, greedy_case, multi_token
+
+    target = tiny_model(arch)
+    inputs, reference = greedy_case(target, batch, *CASE["lookup"])
+    suffix = hf_spin.SuffixDrafter(spec_factor=0.25, min_probability=0.0)  # shallow, wide trees
+    for row in reference[:, inputs["input_ids"].shape[1] :].tolist():
+        suffix.learn(row)
+        for j in range(len(row)):
+            suffix.learn(row[:j] + [(row[j] + 1) % VOCAB])
+    pool = hf_spin.AssistantPool([suffix], draft_length=multi_token(), ragged_attention=True)
+    out = target.generate(custom_generate=hf_spin.generate, assistant_pool=pool, **inputs)
+    assert torch.equal(out, reference)
+    assert pool.last_stats.drafters["suffix"].failures == 0
+    assert_speculated(pool.last_stats)
     assert any(len(t.children(n)) >= 2 for t in verified_trees for n in range(-1, len(t))), "no tree branched"

@@ -168,4 +168,26 @@ MUTANTS = (
             "tests/test_token_trees.py::test_sampled_tree_keeps_the_two_token_distribution[mixed]",
         ),
     ),
+    Mutant(
+        "suffix_removal_keeps_deep_counts",
+        "evicting an earlier request takes back only its one-token substrings: the index grows past its bound and proposes what it forgot",
+        "hf_spin/suffix_index.py",
+        "for token in sequence[start : start + self.max_depth]:",
+        "for token in sequence[start : start + 1]:",
+        (
+            "tests/test_suffix.py::test_counts_equal_a_rebuild_after_random_extends_removals_and_evictions",
+            "tests/test_suffix.py::test_memory_stays_within_its_bound_over_a_long_run",
+        ),
+    ),
+    Mutant(
+        "suffix_learns_nothing_across_calls",
+        "rows that end never reach the drafters' end_rows: the suffix index stays empty across requests",
+        "hf_spin/engine.py",
+        "ended = [b for b, r in enumerate(self.rows) if r.done and r.finish_reason != ERROR]",
+        "ended = []",
+        (
+            "tests/test_suffix.py::test_suffix_alone_equals_plain_generate[llama-1]",
+            "tests/test_suffix.py::test_failed_rows_teach_nothing",
+        ),
+    ),
 )
