@@ -11,7 +11,9 @@ that followed it. Chosen over the alternatives on purpose:
 - the bounded trie costs `max_depth` node updates per token (constant in the sequence's length),
   removes a sequence by undoing exactly what adding it did, and answers "what followed this context,
   how often" by walking at most `max_depth` nodes. Memory is at most `max_depth` nodes per token held
-  (shared where text repeats), which is why an index holds a bounded number of tokens.
+  (shared where text repeats; about 1.5 KB a token of text that does not repeat at max_depth 24),
+  which is why an index holds a bounded number of tokens. (A path-compressed suffix tree would hold
+  O(1) nodes a token, at the price of splitting and merging edges on every update and removal.)
 
 Example, one sequence [a b a c] and max_depth 2: nodes a (2), a.b (1), a.c (1), b (1), b.a (1),
 c (1); after the context [.. a] the index proposes b and c, each with probability 1/2.
@@ -29,11 +31,46 @@ from dataclasses import dataclass
 
 
 class _Node:
-    __slots__ = ("count", "children")
+    """A substring: its last token, its count, and the tokens that followed it. Most nodes have one
+    child (text that occurred once below some point), so children are None, the one child itself,
+    or a dict token -> child only where the text went two ways: a third of a dict's memory."""
 
-    def __init__(self):
+    __slots__ = ("token", "count", "children")
+
+    def __init__(self, token: int | None = None):
+        self.token = token
         self.count = 0  # occurrences of the substring this node spells
-        self.children: dict[int, _Node] | None = None  # token -> node; None for a leaf (saves memory)
+        self.children: _Node | dict[int, _Node] | None = None
+
+    def child(self, token: int) -> _Node | None:
+        kids = self.children
+        if kids is None or type(kids) is _Node:
+            return kids if kids is not None and kids.token == token else None
+        return kids.get(token)
+
+    def kids(self) -> list[_Node]:
+        kids = self.children
+        return [] if kids is None else [kids] if type(kids) is _Node else list(kids.values())
+
+    def add(self, token: int) -> _Node:
+        """A new child for `token` (which the node does not have yet)."""
+        new, kids = _Node(token), self.children
+        if kids is None:
+            self.children = new
+        elif type(kids) is _Node:
+            self.children = {kids.token: kids, token: new}
+        else:
+            kids[token] = new
+        return new
+
+    def drop(self, token: int) -> None:
+        kids = self.children
+        if type(kids) is _Node:
+            self.children = None
+        else:
+            del kids[token]
+            if len(kids) == 1:
+                self.children = next(iter(kids.values()))
 
 
 @dataclass
@@ -85,11 +122,9 @@ class SuffixIndex:
             self.tokens += len(tokens)
 
     def _grow(self, node: _Node, token: int) -> _Node:
-        if node.children is None:
-            node.children = {}
-        child = node.children.get(token)
+        child = node.child(token)
         if child is None:
-            child = node.children[token] = _Node()
+            child = node.add(token)
             self.nodes += 1
         child.count += 1
         return child
@@ -106,10 +141,10 @@ class SuffixIndex:
                 self.root.count -= 1
                 node = self.root
                 for token in sequence[start : start + self.max_depth]:
-                    child = node.children[token]
+                    child = node.child(token)
                     child.count -= 1
                     if child.count == 0:
-                        del node.children[token]
+                        node.drop(token)
                         self.nodes -= _size(child)
                         break
                     node = child
@@ -134,7 +169,7 @@ class SuffixIndex:
             for length in range(min(max_length, len(context), self.max_depth - 1), min_length - 1, -1):
                 node = self.root
                 for token in context[len(context) - length :]:
-                    node = node.children.get(token) if node.children else None
+                    node = node.child(token)
                     if node is None:
                         break
                 else:
@@ -157,12 +192,12 @@ class SuffixIndex:
                 nonlocal tick
                 if depth >= max_depth or not node.children:
                     return
-                total = sum(c.count for c in node.children.values())
-                children = node.children.items() if branching else [max(node.children.items(), key=lambda kv: kv[1].count)]
-                for token, child in children:
+                kids = node.kids()
+                total = sum(c.count for c in kids)
+                for child in kids if branching else [max(kids, key=lambda c: c.count)]:
                     p = probability * child.count / total
                     if p >= min_probability:
-                        heapq.heappush(frontier, (-p, tick, child, parent, depth + 1, token))
+                        heapq.heappush(frontier, (-p, tick, child, parent, depth + 1, child.token))
                         tick += 1
 
             expand(match.node, -1, 1.0, 0)
@@ -184,11 +219,11 @@ class SuffixIndex:
 
 def _size(node: _Node) -> int:
     """Nodes in the subtree under and including `node`."""
-    return 1 + sum(_size(c) for c in (node.children or {}).values())
+    return 1 + sum(_size(c) for c in node.kids())
 
 
 def _counts(node: _Node, path: tuple = ()) -> dict[tuple, int]:
     out = {path: node.count} if path else {}
-    for token, child in (node.children or {}).items():
-        out.update(_counts(child, path + (token,)))
+    for child in node.kids():
+        out.update(_counts(child, path + (child.token,)))
     return out
