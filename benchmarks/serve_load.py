@@ -2,8 +2,9 @@
 
 For each mode (speculation off, on, on with pipelining) it starts a server (`python -m hf_spin serve`,
 127.0.0.1 only), and for each number of concurrent clients (1, 4, 16) sends the same `--requests`
-prompts through `POST /v1/chat/completions` with `stream: true` (greedy, `--max-new-tokens`), using
-httpx's async client. It reports per cell: requests ok / failed / lost, throughput (generated tokens
+prompts (`--workload`: Spec-Bench first turns, or benchmarks/workloads.py's repeated-schema requests)
+through `POST /v1/chat/completions` with `stream: true` (greedy, `--max-new-tokens`), using httpx's
+async client. It reports per cell: requests ok / failed / lost, throughput (generated tokens
 per second of wall time), p50 / p99 latency and time to first token, and for each mode the server's
 resident memory (RSS, sampled every half second) at the start, its peak and at the end. Bounded in
 count (`--requests` per cell) and time (`--time-limit` per cell: no new request after it). Exits 1 if
@@ -12,11 +13,16 @@ any request failed or was lost.
     python -m benchmarks.serve_load                                          # the full run (long on CPU)
     python -m benchmarks.serve_load --requests 4 --max-new-tokens 8          # a quick check
     python -m benchmarks.serve_load --model smollm2-135m-instruct --drafter prompt_lookup --modes off on
+    python -m benchmarks.serve_load --workload schema --drafter suffix --modes off on --concurrency 16
 
 failed = an HTTP error or an error event; lost = a stream that ended without its finish reason (a
 dropped connection, a timeout). Greedy outputs of each mode are compared with the speculation-off
 mode's for the same prompts (bf16: batching changes rounding, so this is a measured rate, not a
 promise; fp32 is exact).
+
+A server whose drafter learns across requests (`--drafter suffix`) keeps what it learned from one cell
+to the next, and every cell sends the same prompts: a cell after the first would replay answers it has
+seen. Measure such a server with one `--concurrency` value per run.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import workloads
 from benchmarks.common import DEFAULT_QUESTIONS, load_questions, machine, write_results
 
 REPO = Path(__file__).resolve().parents[1]  # the server subprocess runs here, with this checkout first on PYTHONPATH
@@ -118,9 +125,9 @@ class Server:
         return self.proc.returncode
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, max_new_tokens: int) -> dict:
+async def one_request(client: httpx.AsyncClient, messages: list[dict], max_new_tokens: int) -> dict:
     """Stream one chat completion; returns status, latency, TTFT, generated tokens and text."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_new_tokens, "temperature": 0,
+    body = {"messages": messages, "max_tokens": max_new_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     out = {"status": "lost", "latency": None, "ttft": None, "tokens": 0, "text": "", "error": None}
@@ -157,7 +164,7 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_new_tokens: in
     return out
 
 
-async def run_cell(url: str, prompts: list[str], clients: int, max_new_tokens: int, time_limit: float) -> tuple[list[dict], float]:
+async def run_cell(url: str, prompts: list[list[dict]], clients: int, max_new_tokens: int, time_limit: float) -> tuple[list[dict], float]:
     """`clients` workers take prompts in order until none is left or the time limit passed."""
     todo = list(enumerate(prompts))
     results: list[dict | None] = [None] * len(prompts)
@@ -218,9 +225,24 @@ def table(cells: list[dict], memory: dict, same: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def load_prompts(workload: str, questions: Path, requests: int) -> list[list[dict]]:
+    """`requests` chat message lists: Spec-Bench first turns round-robin over categories (so a short run
+    still mixes tasks), or the schema workload's requests in order (repeated past its 48)."""
+    if workload == "schema":
+        convs = workloads.schema(min(requests, workloads.SCHEMA_REQUESTS))
+        return [convs[i % len(convs)].messages(0, []) for i in range(requests)]
+    by_cat: dict[str, list[str]] = {}
+    for q in load_questions(questions):
+        by_cat.setdefault(q["category"], []).append(q["turns"][0])
+    mixed = [p for group in zip(*by_cat.values()) for p in group]
+    return [[{"role": "user", "content": mixed[i % len(mixed)]}] for i in range(requests)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
+    ap.add_argument("--workload", default="spec_bench", choices=["spec_bench", "schema"],
+                    help="the prompts: Spec-Bench first turns mixed over categories, or the repeated-schema requests of benchmarks/workloads.py")
     ap.add_argument("--requests", type=int, default=32, help="requests per (mode, clients) cell (default 32)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--time-limit", type=float, default=1800.0, help="seconds per cell after which no new request is sent (default 1800)")
@@ -236,14 +258,11 @@ def main() -> int:
     if args.requests < 1 or args.max_new_tokens < 1 or min(args.concurrency) < 1:
         ap.error("--requests, --max-new-tokens and --concurrency must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
+    if "suffix" in (args.drafter or []) and len(args.concurrency) > 1 and set(args.modes) - {"off"}:
+        print("warning: the suffix drafter learns across requests and every cell sends the same prompts: the cells after the first "
+              "replay answers the server has seen; give one --concurrency value per run", file=sys.stderr, flush=True)
 
-    questions = load_questions(args.questions)
-    # round-robin over categories, so a short run still mixes tasks
-    by_cat: dict[str, list[str]] = {}
-    for q in questions:
-        by_cat.setdefault(q["category"], []).append(q["turns"][0])
-    mixed = [p for group in zip(*by_cat.values()) for p in group]
-    prompts = [mixed[i % len(mixed)] for i in range(args.requests)]
+    prompts = load_prompts(args.workload, args.questions, args.requests)
 
     cells, memory, texts, commands = [], {}, {}, {}
     for mode in args.modes:
