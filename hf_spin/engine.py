@@ -104,7 +104,7 @@ class SpinEngine:
         else:
             self.drafters, self.policy, self.names = [], None, []
         self.ragged_attention = bool(pool is not None and pool.ragged_attention)
-        self.tree = pool.tree if pool is not None else False  # token trees for votes on packed rows: "auto", False, or a node cap
+        self.tree = pool.tree if pool is not None else False  # token trees (tree_step.usable): "auto", False, or a node cap
         self.planner = pool.planner if pool is not None else None  # sizes drafts from measured costs; None: profile "off"
         self.isolate_faults = isolate_faults
         self.faults = Faults(self, isolate_faults)
@@ -279,7 +279,7 @@ class SpinEngine:
                 lags = [{d: len(r.sequence) - n for d in chosen[b] if (n := self.drafters[d].synced(b)) is not None} for b, r in enumerate(rows)]
                 ks = self.planner.size([r.id for r in rows], lags, [r.draft_room + 1 for r in rows], chosen, ks, self._padded)
         # 4. Draft: a preempting drafter first (4a), then each drafter over the rows it serves (4b), shadow
-        #    drafts for measurement (4c); rows with several drafters take their vote tree: whole on packed rows
+        #    drafts for measurement (4c); rows with several drafters take their vote tree: whole where trees are usable
         #    (tree_step.usable), else its heaviest path.
         use_trees = tree_step.usable(self)
         drafting = Drafting(self, plan, draft_seconds, use_trees)

@@ -1,16 +1,19 @@
-"""Step 5 with token trees: every row's tree verified in one target forward on packed rows, each tree
+"""Step 5 with token trees: every row's tree verified in one target forward, each tree
 walked (tree_verification.py), the accepted path kept in the target's cache (docs/design.md, "token tree").
 
 A step verifies trees where the pool's `tree` allows them and its rows can take them (`usable`):
-packed rows (the kernel's tree masks), no sliding-window or chunked layers (a tree's tokens are not at
-consecutive positions). Processors that read token ids score each slot after its own path; a seeded
+packed rows (the kernel's tree masks) or a rectangular cache under a model that takes 4D masks, no
+sliding-window, chunked or slot-biased layers (a tree's tokens are not at consecutive slots). Processors that read token ids score each slot after its own path; a seeded
 row walks its tree greedily over log p plus its noise at each slot's position (Gumbel-max). A chain row in a tree step is a
 tree with one child per node, so such a step has one way to verify every row.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
+from transformers.masking_utils import create_causal_mask
 
 from .cache import PackedCache, forward_tree, needs_contiguous_slots
 from .processors import ids_free, target_scores
@@ -21,10 +24,18 @@ from .verification import gumbel_noise
 
 def usable(engine) -> bool:
     """Whether this step may verify trees (module docstring)."""
+    return engine.tree is not False and not needs_contiguous_slots(engine.model.config) and (isinstance(engine.cache, PackedCache) or takes_4d_masks(engine.model))
+
+
+def takes_4d_masks(model) -> bool:
+    """Whether the model reads a 4D attention mask as given (the rectangular cache's tree masks): eager
+    or SDPA attention, masks made by transformers' `create_causal_mask` (which passes a 4D mask
+    through), and no ALiBi built from the 2D mask (bloom's)."""
+    module = sys.modules.get(type(model).__module__)
     return (
-        engine.tree is not False
-        and isinstance(engine.cache, PackedCache)
-        and not needs_contiguous_slots(engine.model.config)
+        model.config._attn_implementation in ("eager", "sdpa")
+        and getattr(module, "create_causal_mask", None) is create_causal_mask
+        and not hasattr(module, "build_alibi_tensor")
     )
 
 

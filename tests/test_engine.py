@@ -343,8 +343,9 @@ def test_a_preempting_drafter_serves_the_rows_its_draft_is_long_enough_for(targe
     """Plan.preempt: prompt lookup drafts first; rows it proposes `least` tokens or more for, from a
     match of `min_match` tokens or more, verify its draft and the planned drafter skips them, the
     others keep their drafter and the lookup draft is their shadow draft; the output is plain
-    generate's. With min_match 3 some rows keep their drafter although lookup had a draft for them."""
-    pool = spin_pool([drafter, "prompt_lookup"])
+    generate's. With min_match 3 some rows keep their drafter although lookup had a draft for them.
+    Chains (tree=False): the counts below are of lookup's chain, not of a tree of its continuations."""
+    pool = spin_pool([drafter, "prompt_lookup"], tree=False)
     engine = SpinEngine(target, pool)
     policy = engine.policy = PreemptingPolicy(lambda: engine.rows, least, min_match)
     ps = [p * 3 for p in prompts(3, seed=2)]  # repeated prompts: prompt lookup finds matches

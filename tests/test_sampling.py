@@ -137,7 +137,8 @@ DRAFTERS = {
 def _sampled_counts(target, entry, prompt, n: int, seed: int) -> tuple[torch.Tensor, hf_spin.GenerationStats]:
     """Counts [V ** MEASURED] of (t_2, t_3, t_4) over n sampled rows, drafting 3 tokens a step."""
     torch.manual_seed(seed)
-    pool = hf_spin.AssistantPool([entry], draft_length=multi_token(MEASURED))
+    # chains: the control below patches the chain verifier (trees: tests/test_token_trees.py)
+    pool = hf_spin.AssistantPool([entry], draft_length=multi_token(MEASURED), tree=False)
     kwargs = dict(do_sample=True, temperature=0.7, top_k=5, max_new_tokens=SAMPLED_NEW_TOKENS + 1, pad_token_id=0)
     out = target.generate(input_ids=prompt.expand(n, -1), custom_generate=hf_spin.generate, assistant_pool=pool, **kwargs)
     cells = torch.zeros(n, dtype=torch.long)

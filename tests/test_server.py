@@ -170,6 +170,44 @@ def test_pipelined_server_greedy_equals_plain_generate(target, drafter, tok, pip
         s.stop()
 
 
+@pytest.mark.parametrize("pipeline", [None, 2], ids=["one_engine", "two_micro_batches"])
+def test_concurrent_requests_share_one_suffix_index_uncorrupted(target, tok, pipeline):
+    """Sixteen concurrent requests, twice, on a server whose pool holds a suffix drafter (with two
+    micro-batches: two lanes, each with its own copy of the drafter, drafting and learning into the
+    one shared index from two threads): every answer equals plain `generate`, the index's counts equal
+    a rebuild from what it holds, and the second round drafts from the first round's answers."""
+    pool = spin_pool(["suffix"])
+    options = {"pipeline": pipeline} if pipeline else {}
+    s = Served(build_app(target, tok, pool, max_batch_size=6, limits=Limits(max_input_tokens=64, max_total_tokens=128), **options))
+    prompts = [p + suffix for p in PROMPTS for suffix in ("", " or", " and", " so")]
+    lengths = [12 + 3 * (i % 5) for i in range(len(prompts))]
+    index = pool.drafters[0].index
+    try:
+        async def go():
+            async with s.async_client() as c:
+                return await asyncio.gather(*(
+                    c.post("/generate", json={"inputs": p, "parameters": {"max_new_tokens": n, "details": True}}) for p, n in zip(prompts, lengths)
+                ))
+
+        accepted, generated = [], []
+        for _ in range(2):
+            before = served_totals(s).accepted
+            generated.append(0)
+            for r, p, n in zip(asyncio.run(go()), prompts, lengths):
+                assert r.status_code == 200, r.text
+                ids = [t["id"] for t in r.json()["details"]["tokens"]]
+                assert ids == plain(target, tok, p, n)
+                generated[-1] += len(ids)
+            accepted.append(served_totals(s).accepted - before)
+            index.check()
+        # every answer learned once: the first round's by now (the last rows to end leave the batch,
+        # and reach the index, at the engine's next step)
+        assert generated[0] <= index.tokens <= sum(generated), (generated, index.tokens)
+        assert accepted[1] > accepted[0], accepted
+    finally:
+        s.stop()
+
+
 def test_generate_stream_one_event_per_token(served, target, tok):
     with served.client() as c, c.stream("POST", "/generate_stream", json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 14}}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")

@@ -211,11 +211,13 @@ def _random_tree(g, nodes: int, vocab: int) -> TokenTree:
     return tree
 
 
+@pytest.mark.parametrize("cache_kind", ["packed", "rectangular"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])  # sliding windows and trees: not together (kernels/)
-def test_every_tree_slot_scores_its_own_path_and_the_kept_path_decodes_on(arch):
+def test_every_tree_slot_scores_its_own_path_and_the_kept_path_decodes_on(arch, cache_kind):
     """Two rows with random trees after ragged prompts: the logits at each slot equal a plain forward
-    over prompt + the slot's path; after keep_paths the cache continues exactly like a fresh forward."""
-    from hf_spin.cache import PackedCache, forward_ragged, forward_tree
+    over prompt + the slot's path; after keep_paths the cache continues exactly like a fresh forward
+    (packed rows: the kernel's tree masks; the rectangular cache: a 4D mask, rejected nodes left as holes)."""
+    from hf_spin.cache import PackedCache, RaggedCache, forward_ragged, forward_tree
 
     from .archs import VOCAB, tiny_model
 
@@ -223,10 +225,10 @@ def test_every_tree_slot_scores_its_own_path_and_the_kept_path_decodes_on(arch):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 5)]
     trees = [_random_tree(g, 7, VOCAB), _random_tree(g, 4, VOCAB)]
-    cache = PackedCache(2)
+    cache = PackedCache(2) if cache_kind == "packed" else RaggedCache(torch.zeros(2, 0, dtype=torch.bool))
     with torch.no_grad():
         forward_ragged(model, cache, [p[:-1] for p in prompts])
-        bases = list(cache.lengths)
+        bases = [len(p) - 1 for p in prompts]
         logits = forward_tree(model, cache, [p[-1] for p in prompts], trees)  # [2, 1 + N, V]
 
         def plain(tokens):
@@ -275,7 +277,7 @@ def verified_trees(monkeypatch):
     return seen
 
 
-def _pool(arch: str, kind: str):
+def _pool(arch: str, kind: str, ragged_attention: bool = True):
     """"lookup": prompt lookup alone, every distinct continuation of its matches a branch; "vote": two
     noisy copies of the target and prompt lookup, their drafts merged into one tree (branching where
     they disagree)."""
@@ -284,14 +286,16 @@ def _pool(arch: str, kind: str):
     from .speculation import multi_token, perturbed
 
     drafters = ["prompt_lookup"] if kind == "lookup" else [perturbed(arch, seed=1), perturbed(arch, seed=2, scale=0.4), "prompt_lookup"]
-    return hf_spin.AssistantPool(drafters, policy="vote" if kind == "vote" else "fixed", draft_length=multi_token(), ragged_attention=True)
+    return hf_spin.AssistantPool(drafters, policy="vote" if kind == "vote" else "fixed", draft_length=multi_token(), ragged_attention=ragged_attention)
 
 
+@pytest.mark.parametrize("cache_kind", ["packed", "rectangular"])
 @pytest.mark.parametrize("kind", ["lookup", "vote"])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("arch", TREE_ARCHS)
-def test_trees_equal_plain_generate(arch, batch, kind, verified_trees, one_thread):
-    """Each step verifies every row's tree whole in one forward; greedy output as plain `generate`."""
+def test_trees_equal_plain_generate(arch, batch, kind, cache_kind, verified_trees, one_thread):
+    """Each step verifies every row's tree whole in one forward (packed rows, or the rectangular cache
+    with a 4D mask); greedy output as plain `generate`."""
     import hf_spin
 
     from .archs import tiny_model
@@ -299,7 +303,7 @@ def test_trees_equal_plain_generate(arch, batch, kind, verified_trees, one_threa
 
     target = tiny_model(arch)
     inputs, reference = greedy_case(target, batch, *CASE[kind])
-    pool = _pool(arch, kind)
+    pool = _pool(arch, kind, ragged_attention=cache_kind == "packed")
     out = target.generate(custom_generate=hf_spin.generate, assistant_pool=pool, **inputs)
     assert torch.equal(out, reference)
     assert_speculated(pool.last_stats)

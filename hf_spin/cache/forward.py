@@ -144,20 +144,55 @@ def check_packed_support(model, role: str = "model") -> None:
         )
 
 
-def forward_tree(model, cache: PackedCache, roots: list[int], trees: list) -> torch.Tensor:
-    """Verify token trees on packed rows: one forward over [root] + the tree's nodes per row, each slot
-    seeing the row's cache and its own path (`TokenTree.ancestor_mask`), at position length + depth.
+def forward_tree(model, cache: RaggedCache | PackedCache, roots: list[int], trees: list) -> torch.Tensor:
+    """Verify token trees: one forward over [root] + the tree's nodes per row, each slot seeing the
+    row's cache and its own path (`TokenTree.ancestor_mask`), at position length + depth. On packed
+    rows the kernel's tree masks; on a `RaggedCache` a 4D mask (`_forward_tree_ragged`).
 
     roots: [B] each row's last committed token (not yet in the cache), None for a row left out of this
     forward (fault isolation); trees: [B] `TokenTree`s. Returns logits `[B, 1 + N_max, V]`: slot 0
-    after the root, slot i + 1 after node i (zeros past a row's nodes). Afterwards the cache holds every
-    slot; `PackedCache.keep_paths` keeps the accepted ones.
+    after the root, slot i + 1 after node i (anything past a row's nodes). Afterwards the cache holds
+    every slot; its `keep_paths` keeps the accepted ones.
     """
     fed = [root is not None for root in roots]
     chunks = [[root] + tree.tokens if f else [] for root, tree, f in zip(roots, trees, fed)]
     depths = [[0] + tree.depths() if f else [] for tree, f in zip(trees, fed)]
     masks = [tree.ancestor_mask() if f else torch.zeros(0, 0, dtype=torch.bool) for tree, f in zip(trees, fed)]
+    if isinstance(cache, RaggedCache):
+        return _forward_tree_ragged(model, cache, chunks, depths, masks)
     return forward_packed(model, cache, chunks, depths=depths, tree_masks=masks)
+
+
+def _forward_tree_ragged(model, cache: RaggedCache, chunks: list[list[int]], depths: list[list[int]], masks: list[torch.Tensor]) -> torch.Tensor:
+    """`forward_tree` on a `RaggedCache`: the chunks right-padded as `forward_ragged` pads them, and a
+    4D additive mask `[B, 1, T, S + T]` (transformers takes a 4D mask as given): a new slot sees the
+    row's valid slots and its own path; a pad slot sees the row and itself (its logits are unused)."""
+    device, (B, S), T = model.device, cache.host_mask.shape, max(len(c) for c in chunks)
+    old = cache.host_mask  # [B, S]
+    positions = old.sum(dim=1)[:, None].repeat(1, T)  # [B, T] each row's length; + depth below
+    input_ids = to_device([c + [FILLER_TOKEN] * (T - len(c)) for c in chunks], device, torch.long)  # [B, T]
+    allowed = torch.zeros(B, T, S + T, dtype=torch.bool)
+    allowed[:, :, :S] = old[:, None, :]
+    allowed[:, torch.arange(T), S + torch.arange(T)] = True  # every slot sees itself
+    for b, (mask, depth) in enumerate(zip(masks, depths)):
+        n = len(depth)
+        allowed[b, :n, S : S + n] = mask
+        positions[b, :n] += torch.tensor(depth, dtype=positions.dtype)
+    dtype = model.dtype
+    additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]  # [B, 1, T, S + T]
+    cache.add_slots([len(c) for c in chunks], T)
+    past = cache.get_seq_length()
+    with _attention(model):
+        out = model(
+            input_ids=input_ids,
+            attention_mask=to_device(additive, device),
+            position_ids=to_device(positions, device),
+            cache_position=torch.arange(past, past + T, device=device),
+            use_cache=True,
+            return_dict=True,
+            **{CACHE_ARG: cache},
+        )
+    return out.logits  # [B, T, V]
 
 
 def forward_packed(

@@ -138,6 +138,23 @@ class RaggedCache(DynamicCache):
         mask = self.host_mask
         rank = mask.long().cumsum(dim=1)  # [B, S] 1-based rank of each valid slot
         self._set_mask(mask & (rank <= keep[:, None]))
+        self._dropped()
+
+    def keep_paths(self, bases: list[int], paths: list[list[int]]) -> None:
+        """After a token-tree forward (`forward_tree`): row b's valid slots are its bases[b] tokens, then
+        the root and the tree's nodes in node order; keep the root and the accepted nodes paths[b]
+        (holes elsewhere). They stay where they are: their positions are already the path's."""
+        mask = self.host_mask
+        rank = mask.long().cumsum(dim=1)  # [B, S] 1-based rank of each valid slot
+        keep = mask & (rank <= torch.tensor(bases)[:, None] + 1)  # [B, S] the row's tokens and its root
+        for b, (base, path) in enumerate(zip(bases, paths)):
+            keep[b] |= mask[b] & torch.isin(rank[b], torch.tensor([base + 2 + node for node in path], dtype=rank.dtype))
+        self._set_mask(keep)
+        self._dropped()
+
+    def _dropped(self) -> None:
+        """Valid slots became holes: drop trailing hole columns; compact when holes pile up (or at once
+        for a cache that must stay contiguous)."""
         self._trim_tail()
         if self.hole_fraction() > COMPACT_HOLE_FRACTION or (self.contiguous and self._has_inner_holes()):
             self.compact()
