@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="plain always runs (the reference)")
     ap.add_argument("--profile", default="auto", choices=["auto", "off"], help="hf_spin pools: the planner's cost profile (auto) or the k given every step (off)")
     ap.add_argument("--policy", default="lbss", help="hf_spin_pool's policy")
-    ap.add_argument("--ragged-attention", action="store_true", help="hf_spin on packed rows (token trees for prompt lookup and suffix)")
+    ap.add_argument("--ragged-attention", action="store_true", help="hf_spin on packed rows (the varlen kernel) instead of the rectangular cache")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", choices=models.NAMES)
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", choices=models.NAMES, help="hf_spin_pool's draft model")
