@@ -5,8 +5,9 @@ of its matches' continuations cut to k nodes: the same number of verified tokens
     python -m benchmarks.tree_bench --questions ../shared/data/spec_bench/question.jsonl --per-group 2
 
 Per task group: tokens committed per target forward (what a tree adds at equal verification width),
-speed-up over plain `generate` in the same run, rows identical to plain. Packed rows (trees need them),
-profile "off" (k every step: the comparison is of what k verified tokens buy, not of the planner).
+speed-up over plain `generate` in the same run, rows identical to plain. Packed rows by default
+(`--cache rectangular`: the rectangular cache, trees under a 4D mask), profile "off" (k every step:
+the comparison is of what k verified tokens buy, not of the planner).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_toke
 METHODS = ("plain", "transformers_lookup", "hf_spin_chain", "hf_spin_tree")
 
 
-def run_method(method: str, model, batch: dict, k: int, max_new_tokens: int):
+def run_method(method: str, model, batch: dict, k: int, max_new_tokens: int, ragged_attention: bool = True):
     """(output ids, seconds, tokens per target forward or None)."""
     kwargs = dict(**batch, max_new_tokens=max_new_tokens, do_sample=False)
     if method == "plain":
@@ -38,7 +39,7 @@ def run_method(method: str, model, batch: dict, k: int, max_new_tokens: int):
         out, seconds = timed(lambda: model.generate(**kwargs, prompt_lookup_num_tokens=k))
         return out, seconds, None
     pool = hf_spin.AssistantPool(
-        ["prompt_lookup"], draft_length=FixedLength(k, min_confidence=0.0), ragged_attention=True, profile="off",
+        ["prompt_lookup"], draft_length=FixedLength(k, min_confidence=0.0), ragged_attention=ragged_attention, profile="off",
         tree=False if method == "hf_spin_chain" else k,
     )
     out, seconds = timed(lambda: model.generate(**kwargs, custom_generate=hf_spin.generate, assistant_pool=pool))
@@ -54,6 +55,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--cache", choices=["packed", "rectangular"], default="packed", help="hf_spin's target cache: packed rows (the kernel's tree masks) or the rectangular cache (a 4D mask)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
 
@@ -71,7 +73,7 @@ def main(argv=None) -> None:
             for method in METHODS:
                 if method == "transformers_lookup" and bs > 1:
                     continue  # transformers' assisted generation runs at batch 1 only
-                out, seconds, per_forward = run_method(method, model, batch, args.k, args.max_new_tokens)
+                out, seconds, per_forward = run_method(method, model, batch, args.k, args.max_new_tokens, args.cache == "packed")
                 texts = new_tokens(out, L, tok.pad_token_id)
                 if method == "plain":
                     reference = texts
