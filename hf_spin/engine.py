@@ -239,9 +239,11 @@ class SpinEngine:
         if self.policy is not None:
             self.policy.end_rows([r.id for r in gone])
         ended = [b for b, r in enumerate(self.rows) if r.done and r.finish_reason != ERROR]
-        for d_idx, d in enumerate(self.drafters):
-            if self.usable[d_idx] and self.drafters_started and ended:
-                self.faults.drafter(d_idx, lambda: d.end_rows(ended, [self.rows[b].generated for b in ended]), [])
+        if ended and self.drafters_started:
+            outputs = [self.rows[b].generated for b in ended]
+            for d_idx, d in enumerate(self.drafters):
+                if self.usable[d_idx]:
+                    self.faults.drafter(d_idx, lambda: d.end_rows(ended, outputs), [])
         kept = [b for b, r in enumerate(self.rows) if not r.done]
         self.rows = [self.rows[b] for b in kept]
         if not kept:  # an empty batch starts afresh: caches dropped, drafters restarted by the next admission

@@ -90,7 +90,7 @@ class SuffixIndex:
             raise ValueError(f"max_depth must be at least 2 (a match and one token after it), got {max_depth}")
         self.max_depth = max_depth
         self.root = _Node()
-        self.nodes = 0  # nodes besides the root: the index's memory, about 100 bytes each
+        self.nodes = 0  # nodes besides the root: the index's memory, about 60 bytes each
         self.tokens = 0  # tokens held over all sequences
         self._sequences: collections.OrderedDict[object, list[int]] = collections.OrderedDict()
         self._open: dict[object, list[_Node]] = {}  # key -> the nodes of its suffixes shorter than max_depth, by length
@@ -115,7 +115,6 @@ class SuffixIndex:
             sequence = self._sequences.setdefault(key, [])
             suffixes = self._open.get(key, [])  # [i]: the node of the suffix of length i + 1
             for token in tokens:
-                self.root.count += 1
                 suffixes = [self._grow(node, token) for node in [self.root] + suffixes[: self.max_depth - 1]]
                 sequence.append(token)
             self._open[key] = suffixes
@@ -138,7 +137,6 @@ class SuffixIndex:
             if sequence is None:
                 return
             for start in range(len(sequence)):
-                self.root.count -= 1
                 node = self.root
                 for token in sequence[start : start + self.max_depth]:
                     child = node.child(token)
@@ -186,7 +184,7 @@ class SuffixIndex:
         with self._lock:
             out: list[tuple[int, int, float]] = []
             tick = 0  # ties broken by discovery order: deterministic
-            frontier: list[tuple[float, int, _Node, int, int, int]] = []  # (-probability, tick, node, parent, depth, token)
+            frontier: list[tuple[float, int, _Node, int, int]] = []  # (-probability, tick, node, parent, depth)
 
             def expand(node: _Node, parent: int, probability: float, depth: int) -> None:
                 nonlocal tick
@@ -197,13 +195,13 @@ class SuffixIndex:
                 for child in kids if branching else [max(kids, key=lambda c: c.count)]:
                     p = probability * child.count / total
                     if p >= min_probability:
-                        heapq.heappush(frontier, (-p, tick, child, parent, depth + 1, child.token))
+                        heapq.heappush(frontier, (-p, tick, child, parent, depth + 1))
                         tick += 1
 
             expand(match.node, -1, 1.0, 0)
             while frontier and len(out) < max_nodes:
-                neg_p, _, node, parent, depth, token = heapq.heappop(frontier)
-                out.append((token, parent, -neg_p))
+                neg_p, _, node, parent, depth = heapq.heappop(frontier)
+                out.append((node.token, parent, -neg_p))
                 expand(node, len(out) - 1, -neg_p, depth)
             return out
 
