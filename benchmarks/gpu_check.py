@@ -303,8 +303,8 @@ def identity(check: Check) -> dict:
         ids, mask = check.prompts(batch, seed=batch)
         refs = references(plain(check, ids, mask, cfg["identity_tokens"], dtype), mask)
         vocab = cfg["target"]["vocab_size"]
-        # oracle_tree: on packed rows, token trees whose second branch is the truth (verified in one
-        # forward with the kernel's tree masks, the accepted branch's KV kept)
+        # oracle_tree: token trees whose second branch is the truth, verified in one forward (packed rows:
+        # the kernel's tree masks; rectangular cache: a 4D mask), the accepted branch's KV kept
         drafters = {"model": check.model("drafter", dtype), "oracle": Oracle(refs, 0.7, vocab, seed=batch), "oracle_tree": Oracle(refs, 0.5, vocab, seed=batch, tree=True)}
         for ragged in (False, True):
             for name, drafter in drafters.items():
@@ -357,15 +357,17 @@ def end_to_end(check: Check) -> dict:
         plain(check, ids, mask, 4)  # warm-up
         ref_out, plain_s = timed(check, lambda: plain(check, ids, mask, tokens))
         refs = references(ref_out, mask)
-        # k tokens every step on both paths; then the default rectangular pool with the planner sizing
-        # drafts from the cost profile it measures here (profile "auto")
-        variants = [(ragged, alpha, "off") for ragged in (False, True) for alpha in cfg["alphas"]] + [(False, 0.6, "auto")]
-        for ragged, alpha, profile in variants:
-            where = {"batch": batch, "packed": ragged, "alpha": alpha, "profile": profile}
+        # k tokens every step on both paths; the default rectangular pool with the planner sizing drafts
+        # from the cost profile it measures here (profile "auto"); token trees (the alpha chain plus the
+        # truth as a second branch: up to 2k nodes verified, k accepted every step) on both paths
+        variants = [(ragged, alpha, "off", False) for ragged in (False, True) for alpha in cfg["alphas"]] + [(False, 0.6, "auto", False)]
+        variants += [(ragged, 0.6, "off", True) for ragged in (False, True)]
+        for ragged, alpha, profile, tree in variants:
+            where = {"batch": batch, "packed": ragged, "alpha": alpha, "profile": profile, "tree": tree}
             if check.left() < 0.15 * cfg["budget_s"]:
                 results.append({**where, "skipped": "time budget"})
                 continue
-            oracle = Oracle(refs, alpha, cfg["target"]["vocab_size"], seed=batch)
+            oracle = Oracle(refs, alpha, cfg["target"]["vocab_size"], seed=batch, tree=tree)
             try:
                 if not check.smoke:  # warm-up: kernel compiles, the profile's measurement
                     spin(check, ids, mask, 4, oracle, ragged, profile=profile)
@@ -380,14 +382,14 @@ def end_to_end(check: Check) -> dict:
             r = {
                 **where, "plain_tok_s": batch * tokens / plain_s, "hf_spin_tok_s": batch * tokens / spin_s,
                 "speedup": plain_s / spin_s, "identical_rows": sum(a == b for a, b in zip(refs, references(out, mask))),
-                "accepted_per_step": stats.mean_accepted_length - 1, "theoretical_accepted_per_step": theoretical_accepted(alpha, k),
+                "accepted_per_step": stats.mean_accepted_length - 1, "theoretical_accepted_per_step": k if tree else theoretical_accepted(alpha, k),
                 "steps": stats.steps, "ms_per_step": {"draft": 1e3 * draft_s / steps, "verify": 1e3 * stats.verify_seconds / steps, "other": 1e3 * other_s / steps},
                 "plain_ms_per_step": 1e3 * plain_s / tokens,
             }
             results.append(r)
             ms = r["ms_per_step"]
             print(
-                f"  e2e b={batch:<2} {'packed' if ragged else 'rect  '} alpha={alpha:.1f} profile {profile:<4}: {r['speedup']:.2f}x plain ({r['hf_spin_tok_s']:.0f} vs {r['plain_tok_s']:.0f} tok/s), "
+                f"  e2e b={batch:<2} {'packed' if ragged else 'rect  '} {'tree ' if tree else 'chain'} alpha={alpha:.1f} profile {profile:<4}: {r['speedup']:.2f}x plain ({r['hf_spin_tok_s']:.0f} vs {r['plain_tok_s']:.0f} tok/s), "
                 f"accepted/step {r['accepted_per_step']:.2f} (theory {r['theoretical_accepted_per_step']:.2f}), "
                 f"ms/step draft {ms['draft']:.1f} verify {ms['verify']:.1f} other {ms['other']:.1f} (plain {r['plain_ms_per_step']:.1f}), identical {r['identical_rows']}/{batch}"
             )
