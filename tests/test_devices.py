@@ -245,12 +245,13 @@ def test_load_places_the_model_on_the_device_given(cached_tiny, monkeypatch):
     from hf_spin import models
 
     name, cache = cached_tiny
+    # a device map (accelerate): placed where accelerate sees devices, which a patched is_available does not hide
+    model, _ = models.load(name, dtype=torch.float32, cache_dir=cache, device="auto")
+    assert model.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert models.default_device() == "cpu" and models.device_map(None) == "cpu"
     model, tok = models.load(name, dtype=torch.float32, cache_dir=cache)  # default: cpu without a GPU
     assert model.device.type == "cpu" and tok.padding_side == "left"
-    model, _ = models.load(name, dtype=torch.float32, cache_dir=cache, device="auto")  # a device map (accelerate)
-    assert model.device.type == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert models.device_map(None) == "cuda"
 
@@ -283,6 +284,9 @@ def test_load_refuses_an_unknown_device(cached_tiny):
         models.load(name, dtype=torch.float32, cache_dir=cache, device="gpu0")
 
 
+SERVE_EXTRA = "the serve extra is not installed (pip install 'hf_spin[serve]'); the test extra installs it"
+
+
 class _Stop(Exception):
     pass
 
@@ -291,6 +295,8 @@ class _Stop(Exception):
 def test_serve_device_reaches_every_model(monkeypatch, argv, expected):
     """`hf-spin serve --device` is parsed and handed to the target's and each drafter's load."""
     import argparse
+
+    pytest.importorskip("fastapi", reason=SERVE_EXTRA)
 
     from hf_spin.serving import cli
 
@@ -313,6 +319,7 @@ def test_serve_device_reaches_every_model(monkeypatch, argv, expected):
 
 
 def test_serve_loads_a_local_folder_on_the_device(tmp_path, target):
+    pytest.importorskip("fastapi", reason=SERVE_EXTRA)
     from hf_spin.serving import cli
 
     from .tiny_tokenizers import char_tokenizer
