@@ -292,12 +292,9 @@ class SpinEngine:
         shadows = drafting.shadows(chosen, firsts)
         drafts, qs, trees = drafting.merge(proposals, q_of, ks, use_trees, None if self.tree == "auto" else self.tree)
         match_lengths = drafting.match_lengths
-        if self.planner is not None:  # verify what pays of each draft (drafting is paid for)
-            # a tree of n nodes is judged as a chain of n tokens (the same verification cost; a stand-in
-            # until the planner sizes trees node by node) and keeps its heaviest nodes
-            chains = [d if t is None else [0] * len(t) for d, t in zip(drafts, trees)]
-            keep = self.planner.trim([r.id for r in rows], chains, chosen, match_lengths, self._padded)
-            trees = [t.pruned(k) if t is not None else None for t, k in zip(trees, keep)]
+        if self.planner is not None:  # verify what pays of each draft, a tree node by node (drafting is paid for)
+            keep, values = self.planner.trim([r.id for r in rows], drafts, chosen, match_lengths, self._padded, trees)
+            trees = [t.pruned(k, by=v) if t is not None else None for t, k, v in zip(trees, keep, values)]
             drafts = [d[:k] if t is None else list(t.tokens) for d, t, k in zip(drafts, trees, keep)]
             qs = [q[:k] if q is not None and k > 0 else None for q, k in zip(qs, keep)]
         return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows, match_lengths, trees if any(t is not None for t in trees) else None)

@@ -81,7 +81,7 @@ _SYNC_OPS = {
 # Python-level factories: without device= they make host tensors.
 _FACTORIES = {
     torch.tensor, torch.as_tensor, torch.arange, torch.zeros, torch.ones, torch.full, torch.empty,
-    torch.rand, torch.randn, torch.randint, torch.randperm, torch.linspace,
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.linspace, torch.eye,
 }  # fmt: skip
 _FROM_DATA = {torch.tensor, torch.as_tensor}  # factories that copy host data
 

@@ -3,7 +3,7 @@
 Policies choose drafters; the planner sizes. Every step, twice (docs/planning.md):
 
     ks = planner.size(row_ids, lags, rooms, chosen, caps, padded)     # before drafting: k per row, 0 allowed
-    keep = planner.trim(row_ids, drafts, chosen, matches, padded)    # after: how much of each draft to verify
+    keep, _ = planner.trim(row_ids, drafts, chosen, matches, padded, trees)  # after: how much of each draft (or tree) to verify
 
 Both maximise the step's expected committed tokens per second,
 
@@ -20,7 +20,9 @@ beats a plain step (B / t_verify(B)) by MIN_GAIN, the step is plain. Before draf
 read optimistically (an upper bound on what the request has shown, so each new request tries a
 drafter that might pay on it); after
 drafting, at its mean, with the drafting already paid for and, for prompt lookup, the length of the
-match each draft continued. A drafter that cannot pay on this machine at any realistic acceptance
+match each draft continued. A token tree is sized node by node: each node is a slot whose value is
+its estimated acceptance (`Planner._node_values`), so trees grow where the next node pays, rows
+sharing the step's budget. A drafter that cannot pay on this machine at any realistic acceptance
 (`CostProfile.pays`) is never sized above 0.
 """
 
@@ -207,11 +209,36 @@ class Planner:
                 seconds += cost.predict(lag) - cost.predict(1)
         return seconds / max(room / (1.0 + sum(curve)), 1.0)
 
-    def trim(self, row_ids: list[int], drafts: list[list[int]], chosen: list[tuple[int, ...]], matches: list[dict[int, int]], padded: bool) -> list[int]:
-        """[B] how many tokens of each row's draft to verify, the drafting being paid for."""
+    def trim(self, row_ids: list[int], drafts: list[list[int]], chosen: list[tuple[int, ...]], matches: list[dict[int, int]], padded: bool, trees: list | None = None) -> tuple[list[int], list[list[float] | None]]:
+        """([B] how many tokens of each row's draft, or nodes of its token tree, to verify, the drafting
+        being paid for; [B] per node of a row's tree its estimated acceptance (`_node_values`), None for
+        a chain): a tree keeps that many of its likeliest nodes, node by node across the batch."""
+        trees = trees or [None] * len(drafts)
         with self.lock:
-            curves = [self._curve(r, ds, len(t), m, 0.0) if t else [] for r, t, ds, m in zip(row_ids, drafts, chosen, matches)]
-            return self._best(curves, chosen, padded)
+            values = [self._node_values(r, ds, t, m) if t is not None else None for r, ds, t, m in zip(row_ids, chosen, trees, matches)]
+            curves = [
+                (sorted(v, reverse=True) if any(v) else []) if v is not None else (self._curve(r, ds, len(d), m, 0.0) if d else [])
+                for r, d, ds, m, v in zip(row_ids, drafts, chosen, matches, values)
+            ]
+            return self._best(curves, chosen, padded), values
+
+    def _node_values(self, row: int, drafters: tuple[int, ...], tree, match: dict[int, int] | None) -> list[float]:
+        """[N] the probability that each node of a row's token tree is accepted: the survival S(d) of the
+        drafters' draft at the node's depth d (what the heaviest path has shown), scaled by the node's
+        weight over the heaviest weight at its depth (a sibling drafted as less likely is accepted less
+        often), and never above its parent's (a node is accepted only after its parent)."""
+        depths = tree.depths()
+        chain = self._curve(row, drafters, max(depths, default=0), match, 0.0)  # [D]
+        if not chain:
+            return [0.0] * len(tree)
+        top: dict[int, float] = {}
+        for d, w in zip(depths, tree.weights):
+            top[d] = max(top.get(d, 0.0), w)
+        out: list[float] = []
+        for d, w, p in zip(depths, tree.weights, tree.parents):
+            v = chain[d - 1] * w / top[d] if top[d] > 0 else 0.0
+            out.append(min(v, out[p]) if p >= 0 else v)
+        return out
 
     def update(self, feedback: StepFeedback) -> None:
         """Learn from a step: the target's timed forward, each drafter's timed call, and every draft

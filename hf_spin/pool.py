@@ -64,13 +64,14 @@ class AssistantPool:
         and `attn_implementation="hf_spin_varlen"` for those forwards, so no compute or memory goes to
         padding or holes. Needs models whose attention goes through transformers' AttentionInterface.
     tree: token trees (docs/design.md, "token tree"): "auto" (default) verifies a vote's whole merged
-        tree, prompt lookup's several continuations and suffix drafting's likeliest ones in one forward,
-        False chains only (a vote's heaviest path), N at most the tree's N heaviest nodes. Packed rows
-        use the kernel's tree masks, the rectangular cache a 4D mask (models whose masks come from
-        transformers' create_causal_mask, eager or SDPA attention); chains for sliding-window, chunked
-        and slot-biased models. A tree may hold more nodes than draft_length (prompt lookup: up to 4
-        continuations of k tokens; a vote: every drafter's k): with a profile the planner keeps as
-        many as it would verify tokens of an equally long chain; tree=N caps it.
+        tree, prompt lookup's several continuations, suffix drafting's likeliest ones and a model
+        drafter's grown tree (on a rectangular cache) in one forward, False chains only (a vote's
+        heaviest path), N at most the tree's N heaviest nodes. Packed rows use the kernel's tree masks,
+        the rectangular cache a 4D mask (models whose masks come from transformers'
+        create_causal_mask, eager or SDPA attention); chains for sliding-window, chunked and
+        slot-biased models. A tree may hold more nodes than draft_length (prompt lookup: up to 4
+        continuations of k tokens; a model drafter: tree_width x k; a vote: every drafter's): with a
+        profile the planner keeps its nodes node by node while the next one pays; tree=N caps it.
     profile: the cost profile the planner sizes drafts with (docs/planning.md): "auto" (measured when
         the pool first meets a model, a few seconds, cached on disk), a path (one JSON file for the
         whole profile), a `CostProfile` (injected costs), or "off": no planner, the policy's k as

@@ -115,16 +115,18 @@ class TokenTree:
             mask[i + 1] |= mask[p + 1]
         return mask
 
-    def pruned(self, n: int) -> TokenTree:
-        """The n heaviest nodes (ties: the earlier node), with their proposal order. A node weighs at
-        least as much as each of its children in a merged tree (every drafter through a child passes
-        its parent), so the kept nodes hold every kept node's parent."""
+    def pruned(self, n: int, by: list[float] | None = None) -> TokenTree:
+        """The n heaviest nodes (ties: the earlier node), with their proposal order; `by`: [N] another
+        score per node to rank by (the planner's estimated acceptance). A node weighs at least as much
+        as each of its children in a merged tree (every drafter through a child passes its parent), so
+        the kept nodes hold every kept node's parent; `by` must not grow from parent to child either."""
         if n >= len(self):
             return self
-        keep = sorted(sorted(range(len(self)), key=lambda i: (-self.weights[i], i))[:n])
+        score = self.weights if by is None else by
+        keep = sorted(sorted(range(len(self)), key=lambda i: (-score[i], i))[:n])
         new = {old: i for i, old in enumerate(keep)}
         if any(self.parents[i] >= 0 and self.parents[i] not in new for i in keep):
-            raise ValueError("pruned() needs node weights that do not grow from parent to child")
+            raise ValueError("pruned() needs node scores that do not grow from parent to child")
         return TokenTree(
             tokens=[self.tokens[i] for i in keep], parents=[new.get(self.parents[i], -1) for i in keep],
             drafters=[self.drafters[i] for i in keep], weights=[self.weights[i] for i in keep],

@@ -10,12 +10,9 @@ tree with one child per node, so such a step has one way to verify every row.
 
 from __future__ import annotations
 
-import sys
-
 import torch
-from transformers.masking_utils import create_causal_mask
 
-from .cache import PackedCache, forward_tree, needs_contiguous_slots
+from .cache import PackedCache, forward_tree, needs_contiguous_slots, takes_4d_masks
 from .processors import ids_free, target_scores
 from .token_tree import TokenTree
 from .tree_verification import decide, walk_greedy, walk_sampling
@@ -25,18 +22,6 @@ from .verification import gumbel_noise
 def usable(engine) -> bool:
     """Whether this step may verify trees (module docstring)."""
     return engine.tree is not False and not needs_contiguous_slots(engine.model.config) and (isinstance(engine.cache, PackedCache) or takes_4d_masks(engine.model))
-
-
-def takes_4d_masks(model) -> bool:
-    """Whether the model reads a 4D attention mask as given (the rectangular cache's tree masks): eager
-    or SDPA attention, masks made by transformers' `create_causal_mask` (which passes a 4D mask
-    through), and no ALiBi built from the 2D mask (bloom's)."""
-    module = sys.modules.get(type(model).__module__)
-    return (
-        model.config._attn_implementation in ("eager", "sdpa")
-        and getattr(module, "create_causal_mask", None) is create_causal_mask
-        and not hasattr(module, "build_alibi_tensor")
-    )
 
 
 def verify(engine, trees: list[TokenTree]) -> tuple[list[list[int]], list[int], torch.Tensor] | None:

@@ -50,7 +50,7 @@ BATCHES = (1, 4)
 # The architectures this file proves lossless; an architecture that fails is removed from archs.ARCHS
 # with the reason, not from here.
 EQUIVALENT_ARCHS = tuple(ARCHS)
-MODEL_DRAFTERS = ("other", "self", "prompt_lookup")
+MODEL_DRAFTERS = ("other", "other_chain", "self", "prompt_lookup")  # other: a token tree where the model takes 4D masks
 ROUND_ROBIN_ARCHS = ("llama", "gpt2", "gemma2", "opt", "falcon", "bloom", "mixtral", "qwen2_moe")
 TRANSLATION_ARCHS = ("llama", "gpt2")
 TRANSLATION_DRAFTERS = ("bpe", "mirror", "bpe+lookup", "mirror+lookup")
@@ -96,9 +96,10 @@ def _assert_lossless(target, inputs: dict, reference: torch.Tensor, pool: hf_spi
 @pytest.mark.parametrize("arch", EQUIVALENT_ARCHS)
 def test_greedy_equivalence(arch, drafter, batch):
     target, other = _models(arch)
-    entry = {"other": other, "self": target, "prompt_lookup": "prompt_lookup"}[drafter]
-    pool = spin_pool([entry])
-    # the target agrees with itself in float32: every draft accepted, a bonus token each step
+    entry = {"other": other, "other_chain": other, "self": target, "prompt_lookup": "prompt_lookup"}[drafter]
+    # the target agrees with itself in float32: every draft accepted, a bonus token each step (chains: a
+    # tree's other branches are rejected by design)
+    pool = spin_pool([entry], tree=False) if drafter in ("self", "other_chain") else spin_pool([entry])
     stats = _assert_lossless(target, *_case(arch, batch), pool, rejected=drafter != "self")
     if drafter == "self":
         assert stats.acceptance_rate == 1.0, str(stats)

@@ -32,11 +32,12 @@ def models():
     return tiny_model("llama"), perturbed("llama")
 
 
-def generate_counted(models, batch: int, ragged_attention: bool, **kwargs):
-    """(syncs per step, the counter, the pool) of a generate call over `batch` ragged prompts."""
+def generate_counted(models, batch: int, ragged_attention: bool, tree="auto", **kwargs):
+    """(syncs per step, the counter, the pool) of a generate call over `batch` ragged prompts (the model
+    drafter grows token trees on the rectangular cache unless tree=False)."""
     target, drafter = models
     ids, mask = ragged_batch(batch, 14, seed=0)
-    spin = pool([drafter], ragged_attention=ragged_attention)
+    spin = pool([drafter], ragged_attention=ragged_attention, tree=tree)
     with count_syncs("instrumented") as syncs:
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, custom_generate=hf_spin.generate, assistant_pool=spin, **kwargs)
     assert syncs.entries["step"] > 3, f"too few steps to count: {syncs.entries}"
@@ -50,7 +51,9 @@ def test_greedy_step_within_budget_whatever_the_batch(models, ragged_attention):
         per_step[batch], syncs, spin = generate_counted(models, batch, ragged_attention, do_sample=False)
         assert_speculated(spin.last_stats)
         assert per_step[batch] <= BUDGET, f"batch {batch}: {per_step[batch]:.2f} syncs a step > {BUDGET}; sites {syncs.step_sites.most_common(8)}"
-    assert per_step[16] <= per_step[1], f"syncs a step grow with the batch: {per_step}"
+    # a catch-up wider than one token (a tree's accepted branch the drafter did not keep) reads the 2D
+    # mask once for the batch, which 16 rows meet more often than one: a fraction of a sync, not one a row
+    assert per_step[16] <= per_step[1] + 0.5, f"syncs a step grow with the batch: {per_step}"
 
 
 @pytest.mark.parametrize("ragged_attention", [False, True], ids=["rectangular", "packed"])
@@ -87,7 +90,7 @@ def test_a_planted_read_per_row_breaks_the_budget(models, monkeypatch):
         return verdict
 
     monkeypatch.setattr(hf_spin.engine, "verify_rows", reading)
-    per_step, syncs, _ = generate_counted(models, 16, False, do_sample=False)
+    per_step, syncs, _ = generate_counted(models, 16, False, tree=False, do_sample=False)  # chains: verify_rows verifies
     assert per_step > BUDGET and syncs.kinds["item"] > syncs.entries["step"]  # a row per step, and rows retire
 
 

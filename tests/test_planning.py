@@ -19,7 +19,7 @@ import torch
 import hf_spin
 from hf_spin.cost_profile import CostProfile, ForwardCost, measure
 from hf_spin.drafters import Draft, Drafter
-from hf_spin.planner import Acceptance, Planner
+from hf_spin.planner import PRIOR_ACCEPTANCE, Acceptance, Planner
 from hf_spin.profiling import build_profile
 from hf_spin.token_tree import TokenTree
 
@@ -228,7 +228,7 @@ def test_batch_budget_goes_to_the_rows_most_likely_to_survive(monkeypatch):
     pool = hf_spin.AssistantPool([Scripted(refs, acceptance)], draft_length=8, ragged_attention=True, profile=profile_of(budget, [None], ["scripted"]))
     trims = []
     trim = Planner.trim
-    monkeypatch.setattr(Planner, "trim", lambda self, *a, **kw: trims.append(trim(self, *a, **kw)) or trims[-1])
+    monkeypatch.setattr(Planner, "trim", lambda self, *a, **kw: trims.append(trim(self, *a, **kw)[0]) or (trims[-1], [None] * len(trims[-1])))
     out = run(target, prompts, pool, clock, monkeypatch, new_tokens=60)
     assert torch.equal(out, plain)
     full = [ks for ks in trims[3:] if len(ks) == 8]  # after a few steps of learning, while every row runs
@@ -280,7 +280,32 @@ def test_planner_sizes_zero_and_full():
     with pytest.warns(UserWarning, match="speculation cannot pay here"):  # even free drafts cannot beat proportional costs
         linear_planner = Planner(profile_of(table(lambda n: 0.1 * n), [None], ["lookup"]))
     assert linear_planner.size([0, 1], [{}, {}], [None, None], [(0,), (0,)], [8, 8], padded=False) == [0, 0]
-    assert linear_planner.trim([0, 1], [[5, 6], [7]], [(0,), (0,)], [{}, {}], padded=False) == [0, 0]
+    assert linear_planner.trim([0, 1], [[5, 6], [7]], [(0,), (0,)], [{}, {}], padded=False)[0] == [0, 0]
+
+
+def test_trees_are_sized_node_by_node_by_estimated_acceptance():
+    """A node's value is the draft's survival at its depth scaled by its weight over its depth's heaviest,
+    never above its parent's; trim keeps the likeliest nodes while the next one pays: all of them when
+    verification is flat, fewer when it grows, and the kept nodes are the likeliest (a heavy chain
+    before its lighter siblings)."""
+    tree = TokenTree()
+    a = tree.add(-1, 10, weight=1.0)
+    b = tree.add(-1, 11, weight=0.25)
+    tree.add(a, 12, weight=0.8)
+    tree.add(a, 13, weight=0.1)
+    tree.add(b, 14, weight=0.25)  # as heavy as its parent: capped at its parent's value
+    s1, s2 = PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE**2  # no evidence yet: the prior at each position
+    expected = [s1, s1 * 0.25, s2, s2 * 0.1 / 0.8, min(s2 * 0.25 / 0.8, s1 * 0.25)]
+    flat_planner = Planner(profile_of(table(flat), [None], ["lookup"]))
+    ks, values = flat_planner.trim([0], [tree.tokens], [(0,)], [{}], padded=False, trees=[tree])
+    assert values[0] == pytest.approx(expected) and ks == [5]
+    steep = Planner(profile_of(table(lambda n: 0.1 * (1 + 0.3 * (n - 1))), [None], ["lookup"]))
+    ks, values = steep.trim([0], [tree.tokens], [(0,)], [{}], padded=False, trees=[tree])
+    assert 1 <= ks[0] < 5
+    kept = tree.pruned(2, by=values[0])
+    assert kept.tokens == [10, 12] and kept.parents == [-1, 0]
+    with pytest.raises(ValueError, match="node scores that do not grow from parent to child"):
+        tree.pruned(2, by=[0.1, 0.2, 0.9, 0.0, 0.0])
 
 
 def test_profile_argument_is_checked():

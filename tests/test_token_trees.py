@@ -2,8 +2,9 @@
 
 Hand-built cases for the tree's bookkeeping and both walks; then the sampled walk against the exact
 distribution of the first two tokens, with branching >= 2 at both levels, for sampled (model
-drafter) candidates, deterministic (prompt lookup) candidates and a mix, and a lossy control (each
-candidate tested against p instead of the residual) that the same check rejects.
+drafter) candidates, deterministic (prompt lookup) candidates, a mix, a suffix drafter's tree and a
+model drafter's grown tree, and a lossy control (each candidate tested against p instead of the
+residual) that the same check rejects.
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ def _tree(kind: str, q0, q1, g) -> TokenTree:
                 tree.add(node, second, drafter=0)
     if kind == "suffix":  # a suffix drafter's tree: earlier outputs continued the context 1 or 3, then two ways each
         tree = _suffix_tree()
+    if kind == "grown":  # a model drafter's grown trees (deterministic top children), one of several prompts
+        trees = _grown_trees()
+        tree = trees[int(torch.randint(len(trees), (1,), generator=g))]
     if kind in ("model", "mixed"):  # i.i.d. draws from the drafter, 2 under each drawn child
         for first in torch.multinomial(q0, 3 if kind == "model" else 2, replacement=True, generator=g).tolist():
             node = tree.add(-1, first, drafter=1, q=q0)
@@ -122,6 +126,26 @@ def _tree(kind: str, q0, q1, g) -> TokenTree:
                 for second in torch.multinomial(q1[first], 2, replacement=True, generator=g).tolist():
                     tree.add(node, second, drafter=1, q=q1[first])
     return tree
+
+
+_GROWN: list[TokenTree] = []
+
+
+def _grown_trees() -> list[TokenTree]:
+    """Trees a real `ModelDrafter` grows (a tiny random model over the test's V tokens, width 2, two
+    levels, cut to its 4 heaviest nodes) for 16 prompts, made once; those that branch at both levels."""
+    if not _GROWN:
+        from hf_spin.drafters import ModelDrafter
+
+        from .archs import tiny_model
+
+        drafter = ModelDrafter(tiny_model("llama", seed=5, vocab_size=V), tree_width=2)
+        prompts = [[3, i // 5, 4, i % 5] for i in range(16)]
+        drafter.start(drafter.model, prompts)
+        draft = drafter.draft(DraftRequest(list(range(16)), prompts, [2] * 16, True, None, trees=True))
+        _GROWN.extend(t for t in draft.trees if len(t.children(-1)) == 2 and any(len(t.children(n)) == 2 for n in t.children(-1)))
+        assert len(_GROWN) >= 3, f"only {len(_GROWN)} of 16 grown trees branch at both levels"
+    return _GROWN
 
 
 def _suffix_tree() -> TokenTree:
@@ -172,13 +196,13 @@ def _counts(kind: str, verify, n: int, seed: int):
     return counts, (p0[:, None] * p1).reshape(-1)
 
 
-@pytest.mark.parametrize("kind", ["model", "lookup", "mixed", "suffix"])
+@pytest.mark.parametrize("kind", ["model", "lookup", "mixed", "suffix", "grown"])
 def test_sampled_tree_keeps_the_two_token_distribution(kind):
     counts, exact = _counts(kind, verify_tree_sampling, 4000, seed=3)
     assert fits(counts, exact) > ALPHA, f"{kind}: {counts.tolist()}"
 
 
-@pytest.mark.parametrize("kind", ["model", "lookup", "suffix"])
+@pytest.mark.parametrize("kind", ["model", "lookup", "suffix", "grown"])
 def test_the_check_rejects_a_verifier_without_residuals(kind):
     counts, exact = _counts(kind, _lossy, 4000, seed=3)
     assert fits(counts, exact) < ALPHA
@@ -308,6 +332,42 @@ def test_trees_equal_plain_generate(arch, batch, kind, cache_kind, verified_tree
     assert torch.equal(out, reference)
     assert_speculated(pool.last_stats)
     assert any(len(t.children(n)) >= 2 for t in verified_trees for n in range(-1, len(t))), "no tree branched"
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("arch", TREE_ARCHS)
+def test_model_drafter_trees_equal_plain_generate(arch, batch, verified_trees, one_thread):
+    """A model drafter grows its own tree a depth at a time (drafters/tree_expansion.py) and the target
+    verifies it whole on the rectangular cache: greedy output as plain `generate`, trees branch, and
+    some step accepts a branch that is not the drafter's heaviest path."""
+    import hf_spin
+    import hf_spin.tree_step as tree_step
+
+    from .archs import tiny_model
+    from .speculation import assert_speculated, greedy_case, multi_token, perturbed
+
+    target = tiny_model(arch)
+    inputs, reference = greedy_case(target, batch, *CASE["vote"])
+    pool = hf_spin.AssistantPool([perturbed(arch, seed=1)], draft_length=multi_token())
+    accepted_off_path = []
+    real = tree_step.walk_greedy
+
+    def walk(best, tree):
+        verdict = real(best, tree)
+        heaviest, node = [], -1  # the path down the heaviest children
+        while kids := tree.children(node):
+            node = max(kids, key=lambda c: tree.weights[c])
+            heaviest.append(node)
+        accepted_off_path.append(verdict.path != heaviest[: len(verdict.path)])
+        return verdict
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tree_step, "walk_greedy", walk)
+        out = target.generate(custom_generate=hf_spin.generate, assistant_pool=pool, **inputs)
+    assert torch.equal(out, reference)
+    assert_speculated(pool.last_stats)
+    assert any(len(t.children(n)) >= 2 for t in verified_trees for n in range(-1, len(t))), "no tree branched"
+    assert any(accepted_off_path), "no step accepted a branch other than the heaviest"
 
 
 def test_sampled_vote_trees_run_in_the_engine(verified_trees):

@@ -2,7 +2,7 @@
 
 * `ragged`: `RaggedCache`, a rectangular `DynamicCache` `[B, H, S, D]` with holes (the default path).
 * `packed`: `PackedCache`, every row's tokens back to back for the varlen kernel (`ragged_attention=True`).
-* `forward`: `forward_ragged` (either cache), `forward_packed`, `forward_tree` (token trees, packed rows), `check_packed_support`, `CACHE_ARG`.
+* `forward`: `forward_ragged` (either cache), `forward_packed`, `forward_tree` (token trees, either cache), `forward_masked` (a 4D mask on a `RaggedCache`, for models that `takes_4d_masks`), `check_packed_support`, `CACHE_ARG`.
 * `protocol`: `RowCache`, the calls the engine and the drafters make on either cache.
 
 Under `device_map` each layer's KV lives on its own device: every index a cache applies to its layers goes
@@ -14,7 +14,7 @@ Tuning constants (`ragged.COMPACT_HOLE_FRACTION`, `packed.RESERVE_TOKENS`, ...) 
 patched, in their own module; they are not re-exported, so a patch of `hf_spin.cache.<name>` fails loudly.
 """
 
-from .forward import CACHE_ARG, CACHE_NAMES, check_packed_support, forward_packed, forward_ragged, forward_tree
+from .forward import CACHE_ARG, CACHE_NAMES, check_packed_support, forward_masked, forward_packed, forward_ragged, forward_tree, takes_4d_masks
 from .packed import PackedCache, grow_capacity
 from .protocol import RowCache
 from .ragged import RaggedCache, compaction_index, gather_slots, needs_contiguous_slots, per_device
@@ -28,8 +28,10 @@ __all__ = [
     "check_packed_support",
     "compaction_index",
     "forward_packed",
+    "forward_masked",
     "forward_ragged",
     "forward_tree",
+    "takes_4d_masks",
     "gather_slots",
     "grow_capacity",
     "needs_contiguous_slots",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import sys
 import threading
 import weakref
 from contextlib import contextmanager
@@ -144,6 +145,18 @@ def check_packed_support(model, role: str = "model") -> None:
         )
 
 
+def takes_4d_masks(model) -> bool:
+    """Whether the model reads a 4D attention mask as given (`forward_masked`: token trees on a
+    `RaggedCache`): eager or SDPA attention, masks made by transformers' `create_causal_mask` (which
+    passes a 4D mask through), and no ALiBi built from the 2D mask (bloom's)."""
+    module = sys.modules.get(type(model).__module__)
+    return (
+        model.config._attn_implementation in ("eager", "sdpa")
+        and getattr(module, "create_causal_mask", None) is create_causal_mask
+        and not hasattr(module, "build_alibi_tensor")
+    )
+
+
 def forward_tree(model, cache: RaggedCache | PackedCache, roots: list[int], trees: list) -> torch.Tensor:
     """Verify token trees: one forward over [root] + the tree's nodes per row, each slot seeing the
     row's cache and its own path (`TokenTree.ancestor_mask`), at position length + depth. On packed
@@ -164,20 +177,33 @@ def forward_tree(model, cache: RaggedCache | PackedCache, roots: list[int], tree
 
 
 def _forward_tree_ragged(model, cache: RaggedCache, chunks: list[list[int]], depths: list[list[int]], masks: list[torch.Tensor]) -> torch.Tensor:
-    """`forward_tree` on a `RaggedCache`: the chunks right-padded as `forward_ragged` pads them, and a
-    4D additive mask `[B, 1, T, S + T]` (transformers takes a 4D mask as given): a new slot sees the
-    row's valid slots and its own path; a pad slot sees the row and itself (its logits are unused)."""
-    device, (B, S), T = model.device, cache.host_mask.shape, max(len(c) for c in chunks)
-    old = cache.host_mask  # [B, S]
-    positions = old.sum(dim=1)[:, None].repeat(1, T)  # [B, T] each row's length; + depth below
-    input_ids = to_device([c + [FILLER_TOKEN] * (T - len(c)) for c in chunks], device, torch.long)  # [B, T]
+    """`forward_tree` on a `RaggedCache`: the chunks right-padded as `forward_ragged` pads them; a new
+    slot sees the row's valid slots and its own path, a pad slot the row and itself (its logits are unused)."""
+    (B, S), T = cache.host_mask.shape, max(len(c) for c in chunks)
+    positions = cache.host_mask.sum(dim=1)[:, None].repeat(1, T)  # [B, T] each row's length; + depth below
     allowed = torch.zeros(B, T, S + T, dtype=torch.bool)
-    allowed[:, :, :S] = old[:, None, :]
-    allowed[:, torch.arange(T), S + torch.arange(T)] = True  # every slot sees itself
+    allowed[:, :, :S] = cache.host_mask[:, None, :]
     for b, (mask, depth) in enumerate(zip(masks, depths)):
         n = len(depth)
         allowed[b, :n, S : S + n] = mask
         positions[b, :n] += torch.tensor(depth, dtype=positions.dtype)
+    return forward_masked(model, cache, chunks, positions, allowed)
+
+
+def forward_masked(model, cache: RaggedCache, chunks: list[list[int]], positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Run `model` on one chunk of new tokens per row (right-padded), appended to a `RaggedCache`, each new
+    slot at its own position and seeing what `allowed` says, through a 4D additive mask (transformers
+    takes one as given). Token trees use it: the target verifying one (`forward_tree`), a model drafter
+    growing one depth at a time (drafters/tree_expansion.py).
+
+    positions: `[B, T]` host long, each new slot's position; allowed: `[B, T, S + T]` host bool, which of
+    the cache's S slots and of the T new ones each new slot sees (every slot is made to see itself).
+    Returns logits `[B, T, V]`."""
+    device, T = model.device, max(len(c) for c in chunks)
+    input_ids = to_device([c + [FILLER_TOKEN] * (T - len(c)) for c in chunks], device, torch.long)  # [B, T]
+    S = allowed.shape[-1] - T
+    allowed = allowed.clone()
+    allowed[:, torch.arange(T), S + torch.arange(T)] = True
     dtype = model.dtype
     additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]  # [B, 1, T, S + T]
     cache.add_slots([len(c) for c in chunks], T)

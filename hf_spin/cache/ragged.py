@@ -152,6 +152,18 @@ class RaggedCache(DynamicCache):
         self._set_mask(keep)
         self._dropped()
 
+    def keep_columns(self, start: int, columns: list[list[int]]) -> None:
+        """Keep each row's valid slots before column `start` and, of those from `start` on, only the
+        columns `columns[b]` (a model drafter keeping one path of the tree it grew); the rest become holes."""
+        mask = self.host_mask
+        keep = mask.clone()
+        keep[:, start:] = False
+        for b, cols in enumerate(columns):
+            cols = torch.tensor(cols, dtype=torch.long)
+            keep[b, cols] = mask[b, cols]
+        self._set_mask(keep)
+        self._dropped()
+
     def _dropped(self) -> None:
         """Valid slots became holes: drop trailing hole columns; compact when holes pile up (or at once
         for a cache that must stay contiguous)."""

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import PackedCache, RaggedCache, forward_ragged, needs_contiguous_slots
+from ..cache import PackedCache, RaggedCache, forward_ragged, needs_contiguous_slots, takes_4d_masks
 from ..host_syncs import to_device
 from .base import Draft, Drafter, DraftRequest
+from .tree_expansion import grow_trees
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -35,15 +36,22 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 class ModelDrafter(Drafter):
-    """A draft model that shares the target's tokenizer (token ids mean the same thing)."""
+    """A draft model that shares the target's tokenizer (token ids mean the same thing).
+
+    tree_width: where the step verifies token trees, each depth expands the `tree_width` heaviest
+    nodes by their `tree_width` likeliest children (drafters/tree_expansion.py); 1 drafts chains.
+    """
 
     shares_vocab = True  # the target's logits processors and q apply to this drafter's ids
     kind = "model"
     gives_q = True
     ragged_attention = False  # set by AssistantPool(ragged_attention=True): a PackedCache and varlen attention
 
-    def __init__(self, model, name: str | None = None):
+    def __init__(self, model, name: str | None = None, tree_width: int = 3):
+        if tree_width < 1:
+            raise ValueError(f"tree_width must be at least 1, got {tree_width}")
         self.model = model
+        self.tree_width = tree_width
         self.name = name or getattr(model.config, "name_or_path", "") or model.config.model_type
         self.cache: RaggedCache | PackedCache | None = None
         self.cached: list[list[int]] = []  # per row: the draft-space ids whose KV the cache holds
@@ -63,6 +71,15 @@ class ModelDrafter(Drafter):
         self.cache = self._new_cache(len(sequences))
         self.cached = [[] for _ in sequences]
         self.exact = None
+
+    def grows_trees(self) -> bool:
+        """Whether this drafter can grow token trees: `tree_width` > 1, the target's vocabulary, its own
+        forwards (not a subclass's fuzzy or sparse ones) over a rectangular cache, and a model that takes
+        4D masks at consecutive-or-not slots."""
+        return (
+            self.tree_width > 1 and self.shares_vocab and type(self)._forward is ModelDrafter._forward and isinstance(self.cache, RaggedCache)
+            and takes_4d_masks(self.model) and not needs_contiguous_slots(self.model.config)
+        )
 
     def _new_cache(self, batch: int) -> RaggedCache | PackedCache:
         if self.ragged_attention:
@@ -142,6 +159,8 @@ class ModelDrafter(Drafter):
             return Draft(tokens=[[] for _ in request.rows], q=[None] * len(request.rows))
         # 1. Catch up (roll back rejected drafts, feed the bonus token or any tokens since this drafter last served the row).
         logits, draft_seqs = self._catch_up(request.rows, request.sequences)  # [B, 1, V_draft]
+        if request.trees and self.grows_trees():
+            return grow_trees(self, request, logits, draft_seqs)
         # 2. Draft up to kmax tokens, one forward per token after the first; a row stops at its k or
         #    after a token less likely than min_confidence. Each position is drawn for every row at once
         #    and crosses to the host in one transfer.

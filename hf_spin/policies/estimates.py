@@ -181,8 +181,9 @@ class DraftObservation:
 
 def longest_draft(k: int, fill: float, rows: float) -> float:
     """Expected longest of `rows` drafts of up to k tokens that each reach k with probability
-    `fill`: k (1 - (1 - fill)^rows); exact for all-or-nothing drafts, an upper bound otherwise."""
-    return k * (1 - (1 - fill) ** rows)
+    `fill`: k (1 - (1 - fill)^rows); exact for all-or-nothing drafts, an upper bound otherwise. A fill
+    above 1 (token trees: more nodes than k) is every draft's width: k fill."""
+    return k * fill if fill >= 1 else k * (1 - (1 - fill) ** rows)
 
 
 class CostModel:

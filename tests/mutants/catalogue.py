@@ -33,7 +33,7 @@ MUTANTS = (
         "ok = _draft_mask(draft_lengths, K)",
         (
             "tests/test_verification.py::test_greedy_accepts_matching_prefix_then_corrects",
-            EQ + "test_greedy_equivalence[llama-other-1]",
+            EQ + "test_greedy_equivalence[llama-other_chain-1]",
             EQ + "test_greedy_equivalence[gpt2-prompt_lookup-4]",
         ),
     ),
@@ -68,8 +68,8 @@ MUTANTS = (
         "self.cache.rollback([len(r.sequence) - 1 for r in rows])",
         "self.cache.rollback([len(r.sequence) - 1 + (accepted[b] < len(proposal.drafts[b])) for b, r in enumerate(rows)])",
         (
-            EQ + "test_greedy_equivalence[llama-other-1]",
-            EQ + "test_greedy_equivalence[qwen2-other-4]",
+            EQ + "test_greedy_equivalence[llama-other_chain-1]",
+            EQ + "test_greedy_equivalence[qwen2-other_chain-4]",
             "tests/test_packed_cache.py::test_greedy_output_equals_plain_generate[other-llama-4]",
         ),
     ),
@@ -128,6 +128,14 @@ MUTANTS = (
         "hf_spin/drafters/model.py",
         "tokens_host, confidence = tokens.tolist(), None",
         "tokens_host, confidence = [int(t) for t in tokens], None",
+        ("tests/test_host_syncs.py::test_greedy_step_within_budget_whatever_the_batch[packed]",),  # chains: packed rows
+    ),
+    Mutant(
+        "drafter_tree_reads_each_node",
+        "a model drafter growing a tree reads each frontier node's children off the device on its own: a sync per node and depth (lossless, slow on a GPU)",
+        "hf_spin/drafters/tree_expansion.py",
+        "values, tokens = torch.stack([top.values.double(), top.indices.double()]).tolist()",
+        "values, tokens = [v.tolist() for v in top.values.double()], [i.tolist() for i in top.indices.double()]",
         ("tests/test_host_syncs.py::test_greedy_step_within_budget_whatever_the_batch[rectangular]",),
     ),
     Mutant(
@@ -190,5 +198,24 @@ MUTANTS = (
             "tests/test_suffix.py::test_suffix_alone_equals_plain_generate[llama-1]",
             "tests/test_suffix.py::test_failed_rows_teach_nothing",
         ),
+    ),
+    Mutant(
+        "drafter_tree_nodes_see_their_cousins",
+        "a model drafter growing a tree lets each node attend to every node fed before it, not only its ancestors: its children are drafted after the wrong context",
+        "hf_spin/drafters/tree_expansion.py",
+        "allowed[row, t, torch.tensor([column[row][a] for a in trees[row].path(node)[:-1]], dtype=torch.long)] = True",
+        "allowed[row, t, start:S] = True",
+        (
+            "tests/test_tree_expansion.py::test_children_are_the_drafters_likeliest_tokens_after_their_path[llama]",
+            "tests/test_tree_expansion.py::test_children_are_the_drafters_likeliest_tokens_after_their_path[gpt2]",
+        ),
+    ),
+    Mutant(
+        "planner_values_siblings_as_the_chain",
+        "the planner values every node of a token tree at its depth's survival, however unlikely the drafter made it: trees keep unlikely siblings",
+        "hf_spin/planner.py",
+        "v = chain[d - 1] * w / top[d] if top[d] > 0 else 0.0",
+        "v = chain[d - 1]",
+        ("tests/test_planning.py::test_trees_are_sized_node_by_node_by_estimated_acceptance",),
     ),
 )
