@@ -226,7 +226,8 @@ class Planner:
         """[N] the probability that each node of a row's token tree is accepted: the survival S(d) of the
         drafters' draft at the node's depth d (what the heaviest path has shown), scaled by the node's
         weight over the heaviest weight at its depth (a sibling drafted as less likely is accepted less
-        often), and never above its parent's (a node is accepted only after its parent)."""
+        often). At most one child of a node is accepted, and only after the node: siblings' values
+        are scaled down to add up to at most their parent's (1 for the root's children)."""
         depths = tree.depths()
         chain = self._curve(row, drafters, max(depths, default=0), match, 0.0)  # [D]
         if not chain:
@@ -234,10 +235,14 @@ class Planner:
         top: dict[int, float] = {}
         for d, w in zip(depths, tree.weights):
             top[d] = max(top.get(d, 0.0), w)
+        raw = [chain[d - 1] * w / top[d] if top[d] > 0 else 0.0 for d, w in zip(depths, tree.weights)]  # [N]
+        siblings: dict[int, float] = {}  # parent -> its children's raw values, summed
+        for p, v in zip(tree.parents, raw):
+            siblings[p] = siblings.get(p, 0.0) + v
         out: list[float] = []
-        for d, w, p in zip(depths, tree.weights, tree.parents):
-            v = chain[d - 1] * w / top[d] if top[d] > 0 else 0.0
-            out.append(min(v, out[p]) if p >= 0 else v)
+        for p, v in zip(tree.parents, raw):  # parents before children: out[p] is final
+            cap = out[p] if p >= 0 else 1.0
+            out.append(min(v * min(1.0, cap / siblings[p]) if siblings[p] > 0 else 0.0, cap))
         return out
 
     def update(self, feedback: StepFeedback) -> None:

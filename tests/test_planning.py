@@ -285,7 +285,7 @@ def test_planner_sizes_zero_and_full():
 
 def test_trees_are_sized_node_by_node_by_estimated_acceptance():
     """A node's value is the draft's survival at its depth scaled by its weight over its depth's heaviest,
-    never above its parent's; trim keeps the likeliest nodes while the next one pays: all of them when
+    siblings together never above their parent's; trim keeps the likeliest nodes while the next one pays: all of them when
     verification is flat, fewer when it grows, and the kept nodes are the likeliest (a heavy chain
     before its lighter siblings)."""
     tree = TokenTree()
@@ -306,6 +306,13 @@ def test_trees_are_sized_node_by_node_by_estimated_acceptance():
     assert kept.tokens == [10, 12] and kept.parents == [-1, 0]
     with pytest.raises(ValueError, match="node scores that do not grow from parent to child"):
         tree.pruned(2, by=[0.1, 0.2, 0.9, 0.0, 0.0])
+    # siblings add up to at most their parent's value (one of them, at most, is accepted): three root
+    # children drafted at 0.4 / 0.35 / 0.25 would be worth 1.5 x S(1) together; scaled to 1
+    wide = TokenTree()
+    for token, w in ((20, 0.4), (21, 0.35), (22, 0.25)):
+        wide.add(-1, token, weight=w)
+    _, values = flat_planner.trim([0], [wide.tokens], [(0,)], [{}], padded=False, trees=[wide])
+    assert values[0] == pytest.approx([0.4, 0.35, 0.25]) and sum(values[0]) <= 1.0
 
 
 def test_profile_argument_is_checked():

@@ -4,7 +4,8 @@ Per row the drafter remembers which token ids its KV cache holds (`cached`). Eac
 them with the row's committed sequence (in the drafter's vocabulary): the longest common prefix
 stays, the rest is rolled back (rejected drafts), and the new tail is fed in one ragged forward
 (catch-up: the bonus token, or every token since this drafter last served the row). Then k - 1
-single-token forwards. The same code serves a drafter with another tokenizer (translation.py),
+single-token forwards; or, where the step verifies token trees, k - 1 forwards of a tree's frontier
+(tree_expansion.py). The same code serves a drafter with another tokenizer (translation.py),
 which only changes how sequences and drafts cross between the two vocabularies.
 
 Subclasses change the mechanism through three hooks, never by copying `draft`:

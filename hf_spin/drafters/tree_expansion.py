@@ -8,12 +8,12 @@ along its path. The depth's `width` heaviest children are the next frontier, cou
 whose own probability is at least `min_confidence` (with width 1 this is the chain's confidence
 stop). The frontier of every row is fed in one forward over the drafter's own `RaggedCache`, with a
 4D mask (`forward_masked`): a node sees the row's committed tokens and its ancestors, at position
-length + depth. A row stops at its k levels.
+L - 1 + depth (L committed tokens, the last of them the root). A row stops at its k levels.
 
 The tree then keeps its `width * k` heaviest nodes. A child never outweighs its parent, so the kept
 nodes hold their parents. The cache keeps only the KV of the heaviest path's fed nodes, which is what
 a chain draft would have left, so the next catch-up works as it does after a chain. `Draft.tokens` is
-that heaviest path, down to its leaf.
+the kept tree's heaviest path (heaviest child at each node), down to its leaf.
 
 Children are deterministic proposals given their path (q None). Sampled verification reads them as
 one-hot (tree_verification.py): rejecting x_j zeroes it in the residual, so m distinct candidates at
@@ -59,7 +59,7 @@ def grow_trees(drafter, request: DraftRequest, logits: torch.Tensor, draft_seqs:
         for (row, node, _), lps, ids in zip(at, values, tokens):
             before = logp[row][node] if node >= 0 else 0.0
             for lp, token in zip(lps, ids):
-                if lp == -math.inf:  # a token the processors forbid
+                if not math.isfinite(lp):  # a token the processors forbid (NaN: every token forbidden)
                     continue
                 child = trees[row].add(node, int(token), weight=math.exp(before + lp))
                 logp[row].append(before + lp)
@@ -88,17 +88,23 @@ def grow_trees(drafter, request: DraftRequest, logits: torch.Tensor, draft_seqs:
             frontier[row] = [(node, t) for t, node in enumerate(nodes)]
         logits = forward_masked(drafter.model, cache, chunks, positions, allowed)  # [B, T, V_draft]
         depth += 1
-    # 4. Keep the heaviest path's KV; hand back the heaviest paths and the pruned trees.
+    # 4. Keep the heaviest path's KV; hand back the pruned trees and their heaviest paths.
     chains, kept = [], [[] for _ in lengths]
     for row, k in zip(request.rows, request.k):
-        tree, path, node = trees[row], [], -1
-        while kids := tree.children(node):
-            node = max(kids, key=lambda c: (tree.weights[c], -c))
-            path.append(node)
+        path = _heaviest_path(trees[row])
         fed = [n for n in path if n in column[row]]  # a prefix of the path: only fed nodes have children
         kept[row] = [column[row][n] for n in fed]
-        drafter.cached[row] = draft_seqs[row] + [tree.tokens[n] for n in fed]
-        chains.append([tree.tokens[n] for n in path])
-        trees[row] = tree.pruned(width * k)
+        drafter.cached[row] = draft_seqs[row] + [trees[row].tokens[n] for n in fed]
+        trees[row] = trees[row].pruned(width * k)
+        chains.append([trees[row].tokens[n] for n in _heaviest_path(trees[row])])
     cache.keep_columns(start, kept)
     return Draft(tokens=chains, q=[None] * len(chains), trees=[trees[row] if len(trees[row]) else None for row in request.rows])
+
+
+def _heaviest_path(tree: TokenTree) -> list[int]:
+    """The nodes from the root down, taking the heaviest child (ties: the earlier) at each node."""
+    path, node = [], -1
+    while kids := tree.children(node):
+        node = max(kids, key=lambda c: (tree.weights[c], -c))
+        path.append(node)
+    return path

@@ -214,8 +214,8 @@ MUTANTS = (
         "planner_values_siblings_as_the_chain",
         "the planner values every node of a token tree at its depth's survival, however unlikely the drafter made it: trees keep unlikely siblings",
         "hf_spin/planner.py",
-        "v = chain[d - 1] * w / top[d] if top[d] > 0 else 0.0",
-        "v = chain[d - 1]",
+        "raw = [chain[d - 1] * w / top[d] if top[d] > 0 else 0.0 for d, w in zip(depths, tree.weights)]",
+        "raw = [chain[d - 1] for d, w in zip(depths, tree.weights)]",
         ("tests/test_planning.py::test_trees_are_sized_node_by_node_by_estimated_acceptance",),
     ),
 )

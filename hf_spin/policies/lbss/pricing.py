@@ -49,13 +49,13 @@ class Pricing(LBSSState):
     def expected_tokens(self, row: RowState, drafter: int, k: int, z: float | None = None) -> float:
         """Tokens d's next step commits on the row: the `TokensModel` posterior z sds up (default
         `optimism`); a drafter no request has measured counts as the best measured one, so it gets
-        tried. Capped at what d's drafts can commit, k x fill_d + 1 (docs/lbss.md#optimism)."""
+        tried. Capped at what d's drafts can commit, k x min(fill_d, 1) + 1 (docs/lbss.md#optimism)."""
         z = self.config.optimism if z is None else z
         tokens = self.tokens_model.tokens_per_step(row.row_id, drafter, z)
         if tokens is None:
             known = [self.tokens_model.tokens_per_step(row.row_id, d, z) for d in range(len(self.drafters))]
             tokens = max((x for x in known if x is not None), default=0.0)
-        return min(tokens, k * self.fill_fraction(drafter) + 1)
+        return min(tokens, k * min(self.fill_fraction(drafter), 1.0) + 1)  # a tree of more nodes than k still commits at most k + 1
 
     def fill_fraction(self, drafter: int) -> float:
         """fill_d: the fraction of k that d's drafts reach (1 before any)."""
@@ -83,7 +83,7 @@ class Pricing(LBSSState):
         added = B * longest_draft(k, fill, drafting) if self.padded else drafting * k * fill
         verify = max(costs.verify_seconds(B, B + added) - costs.verify_seconds(B, B), 0.0) / drafting
         served = self.served[drafter].mean or B
-        forwards = max(1.0, longest_draft(k, fill, served))
+        forwards = max(1.0, longest_draft(k, min(fill, 1.0), served))  # a tree's k depths: k forwards, however many nodes
         return plain / B + verify + self.draft_seconds(drafter, forwards, k * fill * served) / served
 
     def catch_up_seconds(self, drafter: int) -> float:
