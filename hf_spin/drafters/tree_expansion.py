@@ -43,7 +43,6 @@ def grow_trees(drafter, request: DraftRequest, logits: torch.Tensor, draft_seqs:
     lengths = committed.sum(dim=1).tolist()  # [B]; the root (last committed token) is at position length - 1
     limit = dict(zip(request.rows, request.k))
     trees = {row: TokenTree() for row in request.rows}
-    logp = {row: [] for row in request.rows}  # row -> [N] path log-probability per node
     column = {row: {} for row in request.rows}  # row -> node -> cache column of its KV
     frontier = {row: [(-1, 0)] for row in request.rows if limit[row] > 0}  # row -> [(node, slot of its logits in `logits`)]
     depth = 1
@@ -57,12 +56,11 @@ def grow_trees(drafter, request: DraftRequest, logits: torch.Tensor, draft_seqs:
         values, tokens = torch.stack([top.values.double(), top.indices.double()]).tolist()  # one transfer: [n, w] each
         children: dict[int, list[tuple[int, float]]] = {}  # row -> [(child, its own log-probability)]
         for (row, node, _), lps, ids in zip(at, values, tokens):
-            before = logp[row][node] if node >= 0 else 0.0
+            before = trees[row].weights[node] if node >= 0 else 1.0  # the node's path probability
             for lp, token in zip(lps, ids):
                 if not math.isfinite(lp):  # a token the processors forbid (NaN: every token forbidden)
                     continue
-                child = trees[row].add(node, int(token), weight=math.exp(before + lp))
-                logp[row].append(before + lp)
+                child = trees[row].add(node, int(token), weight=before * math.exp(lp))
                 children.setdefault(row, []).append((child, lp))
         # 2. The next frontier: the depth's heaviest confident children, for rows with depths left.
         chunks: list[list[int]] = [[] for _ in lengths]
@@ -71,7 +69,7 @@ def grow_trees(drafter, request: DraftRequest, logits: torch.Tensor, draft_seqs:
             if depth >= limit[row]:
                 continue
             confident = [c for c, lp in kids if math.exp(lp) >= request.min_confidence]
-            nodes_of[row] = sorted(confident, key=lambda c: (-logp[row][c], c))[:width]
+            nodes_of[row] = sorted(confident, key=lambda c: (-trees[row].weights[c], c))[:width]
             chunks[row] = [trees[row].tokens[c] for c in nodes_of[row]]
         frontier = {}
         if not any(chunks):
