@@ -14,8 +14,9 @@ per-position acceptances, `Acceptance`), t_verify the target's forward over the 
 (B + sum k packed, B (1 + max k) padded) and t_draft each drafter's forwards (its longest draft,
 over the rows it serves, plus its catch-up on a row it has not drafted for lately, spread over the
 steps the row has left: a draft model that has never seen a 1000-token prompt must read it first,
-which pays back over a long answer and not over a short one), all from the `CostProfile`. Draft slots (b, i) are taken in order of S,
-most likely first (vLLM's adaptive verification budget), and the best prefix wins; if no prefix
+which pays back over a long answer and not over a short one; once the pool knows the drafter, only
+where the row's mean acceptance repays it, else charged in full), all from the `CostProfile`.
+Draft slots (b, i) are taken in order of S, most likely first (vLLM's adaptive verification budget), and the best prefix wins; if no prefix
 beats a plain step (B / t_verify(B)) by MIN_GAIN, the step is plain. Before drafting the survival is
 read optimistically (an upper bound on what the request has shown, so each new request tries a
 drafter that might pay on it); after
@@ -51,6 +52,10 @@ SURVIVAL_DECAY = 0.98
 # requests have), so every new request tries a drafter that might pay on it, and one that has shown
 # what it does on the request is judged at about its mean.
 OPTIMISM = 1.0
+# Decayed observations of a drafter from which the pool knows it: below, optimism may buy a row's
+# catch-up (the pool is exploring the drafter, and what it learns serves every later request);
+# from there on, a catch-up is paid only where the row's mean acceptance repays it (`Planner.size`).
+KNOWN_EVIDENCE = 8.0
 # A speculative step must beat a plain one by this factor: inside it the estimates' noise could
 # make a plan that only ties plain decoding cost time.
 MIN_GAIN = 1.02
@@ -193,21 +198,30 @@ class Planner:
         each row may still generate (None: unknown)."""
         with self.lock:
             curves = [self._curve(r, ds, k, None, OPTIMISM) if ds and k > 0 else [] for r, ds, k in zip(row_ids, chosen, caps)]
-            catch_up = [self._catch_up(lag, room, curve) for lag, room, curve in zip(lags, rooms, curves)]
+            means = [self._curve(r, ds, k, None, 0.0) if c else [] for r, ds, k, c in zip(row_ids, chosen, caps, curves)]
+            # [B] whether the row's catch-up will be repaid: the pool is still exploring its drafters,
+            # or drafting for the row pays at its mean acceptance, the catch-up spread over its steps left
+            repaid = [k > 0 for k in self._best(means, chosen, padded, [self._catch_up(lag, room, m, True) for lag, room, m in zip(lags, rooms, means)])]
+            repaid = [p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)]
+            catch_up = [self._catch_up(lag, room, curve, p) for lag, room, curve, p in zip(lags, rooms, curves, repaid)]
             return self._best(curves, chosen, padded, catch_up)
 
-    def _catch_up(self, lags: dict[int, int], room: int | None, curve: list[float]) -> float:
-        """Seconds a step that a row's model drafters would spend catching up on the tokens they lack
-        (the whole prompt, for a drafter new to the row), spread over the row's steps left: its room
-        over the tokens a step commits at this curve. 0 with no room known."""
-        if room is None or not curve:
+    def _catch_up(self, lags: dict[int, int], room: int | None, curve: list[float], repaid: bool) -> float:
+        """Seconds of a step charged for a row's model drafters catching up on the tokens they lack
+        (the whole prompt, for a drafter new to the row). Where drafting for the row pays at its mean
+        acceptance (`repaid`), the catch-up is spread over the row's steps left (its room over the
+        tokens a step commits at this curve; 0 with no room known); elsewhere a draft would be a
+        probe on a request's optimism alone, which the steps after it may never repay (at batch 4 a
+        plain step costs little more than at batch 1, four catch-ups four times one): it is charged
+        in full."""
+        if not curve or (repaid and room is None):
             return 0.0
         seconds = 0.0
         for d, lag in lags.items():
             cost = self.profile.drafters[d]
             if cost is not None and lag > 1:  # one token (the last step's bonus) is every step's own catch-up
                 seconds += cost.predict(lag) - cost.predict(1)
-        return seconds / max(room / (1.0 + sum(curve)), 1.0)
+        return seconds / max(room / (1.0 + sum(curve)), 1.0) if repaid else seconds
 
     def trim(self, row_ids: list[int], drafts: list[list[int]], chosen: list[tuple[int, ...]], matches: list[dict[int, int]], padded: bool, trees: list | None = None) -> tuple[list[int], list[list[float] | None]]:
         """([B] how many tokens of each row's draft, or nodes of its token tree, to verify, the drafting
