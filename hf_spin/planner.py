@@ -16,12 +16,12 @@ over the rows it serves, plus its catch-up on a row it has not drafted for latel
 steps the row has left: a draft model that has never seen a 1000-token prompt must read it first,
 which pays back over a long answer and not over a short one; once the pool knows the drafter, only
 where the row's mean acceptance repays it, else charged in full), all from the `CostProfile`.
-Draft slots (b, i) are taken in order of S, most likely first (vLLM's adaptive verification budget), and the best prefix wins; if no prefix
-beats a plain step (B / t_verify(B)) by MIN_GAIN, the step is plain. Before drafting the survival is
-read optimistically (an upper bound on what the request has shown, so each new request tries a
-drafter that might pay on it); after
-drafting, at its mean, with the drafting already paid for and, for prompt lookup, the length of the
-match each draft continued. A token tree is sized node by node: each node is a slot whose value is
+Draft slots (b, i) are taken in order of S, most likely first (vLLM's adaptive verification
+budget), and the best prefix wins; if no prefix beats a plain step (B / t_verify(B)) by MIN_GAIN,
+the step is plain. Before drafting the survival is read optimistically (an upper bound on what the
+request has shown, so each new request tries a drafter that might pay on it); after drafting, at
+its mean, with the drafting already paid for and, for prompt lookup, the length of the match each
+draft continued. A token tree is sized node by node: each node is a slot whose value is
 its estimated acceptance (`Planner._node_values`), so trees grow where the next node pays, rows
 sharing the step's budget. A drafter that cannot pay on this machine at any realistic acceptance
 (`CostProfile.pays`) is never sized above 0.
@@ -198,12 +198,14 @@ class Planner:
         each row may still generate (None: unknown)."""
         with self.lock:
             curves = [self._curve(r, ds, k, None, OPTIMISM) if ds and k > 0 else [] for r, ds, k in zip(row_ids, chosen, caps)]
-            means = [self._curve(r, ds, k, None, 0.0) if c else [] for r, ds, k, c in zip(row_ids, chosen, caps, curves)]
-            # [B] whether the row's catch-up will be repaid: the pool is still exploring its drafters,
-            # or drafting for the row pays at its mean acceptance, the catch-up spread over its steps left
-            repaid = [k > 0 for k in self._best(means, chosen, padded, [self._catch_up(lag, room, m, True) for lag, room, m in zip(lags, rooms, means)])]
-            repaid = [p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)]
-            catch_up = [self._catch_up(lag, room, curve, p) for lag, room, curve, p in zip(lags, rooms, curves, repaid)]
+            catch_up = [0.0] * len(curves)
+            if any(lag > 1 for row in lags for lag in row.values()):  # else no row has a catch-up to price
+                means = [self._curve(r, ds, k, None, 0.0) if c else [] for r, ds, k, c in zip(row_ids, chosen, caps, curves)]
+                # [B] whether the row's catch-up will be repaid: the pool is still exploring its drafters,
+                # or drafting for the row pays at its mean acceptance, the catch-up spread over its steps left
+                repaid = [k > 0 for k in self._best(means, chosen, padded, [self._catch_up(lag, room, m, True) for lag, room, m in zip(lags, rooms, means)])]
+                repaid = [p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)]
+                catch_up = [self._catch_up(lag, room, curve, p) for lag, room, curve, p in zip(lags, rooms, curves, repaid)]
             return self._best(curves, chosen, padded, catch_up)
 
     def _catch_up(self, lags: dict[int, int], room: int | None, curve: list[float], repaid: bool) -> float:

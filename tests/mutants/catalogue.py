@@ -218,4 +218,20 @@ MUTANTS = (
         "raw = [chain[d - 1] for d, w in zip(depths, tree.weights)]",
         ("tests/test_planning.py::test_trees_are_sized_node_by_node_by_estimated_acceptance",),
     ),
+    Mutant(
+        "planner_spreads_catch_ups_on_optimism",
+        "the planner spreads every row's catch-up over its steps left, whether or not the row's mean acceptance repays it: a pool made optimistic at batch 1 reads four new prompts at batch 4 for nothing",
+        "hf_spin/planner.py",
+        "repaid = [p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)]",
+        "repaid = [True for p, ds in zip(repaid, chosen)]",
+        ("tests/test_planning.py::test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay",),
+    ),
+    Mutant(
+        "planner_never_explores_past_a_catch_up",
+        "a pool still learning a drafter pays no catch-up its prior mean does not repay: on a machine where the prior is marginal, a fresh pool never tries its draft model on a new prompt, and never learns it",
+        "hf_spin/planner.py",
+        "repaid = [p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)]",
+        "repaid = [p for p, ds in zip(repaid, chosen)]",
+        ("tests/test_planning.py::test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay",),
+    ),
 )
