@@ -58,6 +58,27 @@ def test_rollback_and_compact_keep_each_rows_valid_slots():
     assert cache.layers[0].keys[1, 0, :, 0].tolist() == [1.0, 2.0, 3.0]
 
 
+def test_a_cache_without_holes_forwards_without_a_mask():
+    """Rows with every slot valid (batch 1, rows of one length) pass no attention mask, so SDPA keeps
+    its causal kernel (a mask forces its math path); the first hole brings the mask back. Logits
+    equal a plain forward's either way."""
+    from hf_spin.cache.forward import forward_ragged
+
+    model = tiny_model("llama")
+    masks = []
+
+    def spy(**kwargs):
+        masks.append(kwargs["attention_mask"])
+        return model(**kwargs)
+
+    cache = RaggedCache(torch.zeros(2, 0, dtype=torch.bool))
+    forward_ragged(model, cache, [[5, 6, 7], [8, 9, 10]], forward=spy)
+    logits = forward_ragged(model, cache, [[11], [12, 13]], forward=spy)  # row 0 gets a hole
+    assert masks[0] is None and masks[1] is not None and cache.has_holes()
+    plain = model(torch.tensor([[8, 9, 10, 12, 13]])).logits
+    torch.testing.assert_close(logits[1], plain[0, 3:])
+
+
 def test_rows_leave_and_join_a_cache_rolled_back_to_no_slot():
     """A drafter whose cache every row rolled back to nothing (a full re-feed next time) keeps its
     layers' batch in step with the slot mask when rows leave or join (transformers' own row

@@ -48,6 +48,8 @@ def forward_ragged(model, cache: RaggedCache | PackedCache, chunks: list[list[in
     lengths = [len(c) for c in chunks]  # [B]
     input_ids = to_device([c + [FILLER_TOKEN] * (width - len(c)) for c in chunks], device, torch.long)  # [B, T]
     attention_mask, position_ids = cache.add_slots(lengths, width)
+    if not cache.has_holes():  # every slot valid (batch 1, rows of one length): with no mask, SDPA keeps its
+        attention_mask = None  # causal kernel and grouped KV heads, which a mask trades for its math path
     past = cache.get_seq_length()
     cache_position = torch.arange(past, past + width, device=device)  # [T]
     last = [max(n - 1, 0) for n in lengths]  # [B] each row's last chunk slot (an empty row reads a hole)
@@ -58,7 +60,7 @@ def forward_ragged(model, cache: RaggedCache | PackedCache, chunks: list[list[in
         position = {j: u for u, j in enumerate(keep)}
         last = [position[j] for j in last]  # [B] index into keep
         extra["logits_to_keep"] = to_device(keep, device, torch.long)
-    cache.single_token_forward = width == 1  # no host read of the mask for a one-token query (RaggedCache.is_compileable)
+    cache.single_token_forward = width == 1 and attention_mask is not None  # no host read of the mask for a one-token query (RaggedCache.is_compileable)
     try:
         with _attention(model):  # the model's own attention, never a packed forward's (another thread's)
             out = (forward or model)(

@@ -116,6 +116,10 @@ class RaggedCache(DynamicCache):
     def device(self) -> torch.device:
         return self.slot_mask.device
 
+    def has_holes(self) -> bool:
+        """Any slot of any row not valid (read on the host)."""
+        return not bool(self.host_mask.all())
+
     def hole_fraction(self) -> float:
         return 1.0 - self.host_mask.float().mean().item() if self.host_mask.numel() else 0.0
 
