@@ -358,9 +358,11 @@ def end_to_end(check: Check) -> dict:
         ref_out, plain_s = timed(check, lambda: plain(check, ids, mask, tokens))
         refs = references(ref_out, mask)
         # k tokens every step on both paths; the default rectangular pool with the planner sizing drafts
-        # from the cost profile it measures here (profile "auto"); token trees (the alpha chain plus the
-        # truth as a second branch: up to 2k nodes verified, k accepted every step) on both paths
-        variants = [(ragged, alpha, "off", False) for ragged in (False, True) for alpha in cfg["alphas"]] + [(False, 0.6, "auto", False)]
+        # from the cost profile it measures here (profile "auto"), at alpha 0.6 and at 0 (never slower:
+        # the planner decodes plainly, so this is hf_spin's plain step against generate's); token trees
+        # (the alpha chain plus the truth as a second branch: up to 2k nodes verified, k accepted every
+        # step) on both paths
+        variants = [(ragged, alpha, "off", False) for ragged in (False, True) for alpha in cfg["alphas"]] + [(False, 0.6, "auto", False), (False, 0.0, "auto", False)]
         variants += [(ragged, 0.6, "off", True) for ragged in (False, True)]
         for ragged, alpha, profile, tree in variants:
             where = {"batch": batch, "packed": ragged, "alpha": alpha, "profile": profile, "tree": tree}
