@@ -198,32 +198,35 @@ class Planner:
         each row may still generate (None: unknown)."""
         with self.lock:
             curves = [self._curve(r, ds, k, None, OPTIMISM) if ds and k > 0 else [] for r, ds, k in zip(row_ids, chosen, caps)]
+            seconds = [self._catch_up_seconds(lag) for lag in lags]  # [B]
             catch_up = [0.0] * len(curves)
-            if any(lag > 1 for row in lags for lag in row.values()):  # else no row has a catch-up to price
+            if any(seconds):  # else no row has a catch-up to price
                 means = [self._curve(r, ds, k, None, 0.0) if c else [] for r, ds, k, c in zip(row_ids, chosen, caps, curves)]
                 # [B] whether the row's catch-up will be repaid: the pool is still exploring its drafters,
                 # or drafting for the row pays at its mean acceptance, the catch-up spread over its steps left
-                repaid = [k > 0 for k in self._best(means, chosen, padded, [self._catch_up(lag, room, m, True) for lag, room, m in zip(lags, rooms, means)])]
+                repaid = [k > 0 for k in self._best(means, chosen, padded, [self._spread(s, room, m) for s, room, m in zip(seconds, rooms, means)])]
                 repaid = [p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)]
-                catch_up = [self._catch_up(lag, room, curve, p) for lag, room, curve, p in zip(lags, rooms, curves, repaid)]
+                # elsewhere a draft would be a probe on a request's optimism alone, which the steps after
+                # it may never repay (at batch 4 a plain step costs little more than at batch 1, four
+                # catch-ups four times one): it is charged in full
+                catch_up = [self._spread(s, room, c) if p else s for s, room, c, p in zip(seconds, rooms, curves, repaid)]
             return self._best(curves, chosen, padded, catch_up)
 
-    def _catch_up(self, lags: dict[int, int], room: int | None, curve: list[float], repaid: bool) -> float:
-        """Seconds of a step charged for a row's model drafters catching up on the tokens they lack
-        (the whole prompt, for a drafter new to the row). Where drafting for the row pays at its mean
-        acceptance (`repaid`), the catch-up is spread over the row's steps left (its room over the
-        tokens a step commits at this curve; 0 with no room known); elsewhere a draft would be a
-        probe on a request's optimism alone, which the steps after it may never repay (at batch 4 a
-        plain step costs little more than at batch 1, four catch-ups four times one): it is charged
-        in full."""
-        if not curve or (repaid and room is None):
-            return 0.0
+    def _catch_up_seconds(self, lags: dict[int, int]) -> float:
+        """Seconds a row's model drafters would spend catching up on the tokens they lack (the whole
+        prompt, for a drafter new to the row)."""
         seconds = 0.0
         for d, lag in lags.items():
             cost = self.profile.drafters[d]
             if cost is not None and lag > 1:  # one token (the last step's bonus) is every step's own catch-up
                 seconds += cost.predict(lag) - cost.predict(1)
-        return seconds / max(room / (1.0 + sum(curve)), 1.0) if repaid else seconds
+        return seconds
+
+    @staticmethod
+    def _spread(seconds: float, room: int | None, curve: list[float]) -> float:
+        """A catch-up's seconds a step, spread over the row's steps left: its room over the tokens a
+        step commits at this curve. 0 with no room known."""
+        return seconds / max(room / (1.0 + sum(curve)), 1.0) if room is not None and curve else 0.0
 
     def trim(self, row_ids: list[int], drafts: list[list[int]], chosen: list[tuple[int, ...]], matches: list[dict[int, int]], padded: bool, trees: list | None = None) -> tuple[list[int], list[list[float] | None]]:
         """([B] how many tokens of each row's draft, or nodes of its token tree, to verify, the drafting
