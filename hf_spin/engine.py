@@ -105,6 +105,7 @@ class SpinEngine:
             self.drafters, self.policy, self.names = [], None, []
         self.ragged_attention = bool(pool is not None and pool.ragged_attention)
         self.tree = pool.tree if pool is not None else False  # token trees (tree_step.usable): "auto", False, or a node cap
+        self.tree_capability = tree_step.capability(model) if self.tree is not False else (False, False)
         self.planner = pool.planner if pool is not None else None  # sizes drafts from measured costs; None: profile "off"
         self.isolate_faults = isolate_faults
         self.faults = Faults(self, isolate_faults)
@@ -351,7 +352,8 @@ class SpinEngine:
                 self.drafter_stats[self.names[d_idx]].add(drafted, own, len(new))
         for d_idx in sorted({d for prop in proposal.proposals for d in prop}):
             self.drafter_stats[self.names[d_idx]].steps += 1
-        self.cache.rollback([len(r.sequence) - 1 for r in rows])
+        if proposal.trees is not None or any(proposal.drafts) or any(r.finish_reason == ERROR for r in rows):
+            self.cache.rollback([len(r.sequence) - 1 for r in rows])  # else each row committed the one token it fed: nothing to drop
 
         # 7. Fast switching: idle drafters named by the plan catch up on rows they may serve next; the
         #    policy hears what the step did.

@@ -199,18 +199,20 @@ class Planner:
         with self.lock:
             curves = [self._curve(r, ds, k, None, OPTIMISM) if ds and k > 0 else [] for r, ds, k in zip(row_ids, chosen, caps)]
             seconds = [self._catch_up_seconds(lag) for lag in lags]  # [B]
-            catch_up = [0.0] * len(curves)
-            if any(seconds):  # else no row has a catch-up to price
-                means = [self._curve(r, ds, k, None, 0.0) if c else [] for r, ds, k, c in zip(row_ids, chosen, caps, curves)]
-                # [B] whether the row's catch-up will be repaid: the pool is still exploring its drafters,
-                # or drafting for the row pays at its mean acceptance, the catch-up spread over its steps left
-                repaid = [k > 0 for k in self._best(means, chosen, padded, [self._spread(s, room, m) for s, room, m in zip(seconds, rooms, means)])]
-                repaid = [p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)]
-                # elsewhere a draft would be a probe on a request's optimism alone, which the steps after
-                # it may never repay (at batch 4 a plain step costs little more than at batch 1, four
-                # catch-ups four times one): it is charged in full
-                catch_up = [self._spread(s, room, c) if p else s for s, room, c, p in zip(seconds, rooms, curves, repaid)]
-            return self._best(curves, chosen, padded, catch_up)
+            spread = [self._spread(s, room, c) for s, room, c in zip(seconds, rooms, curves)]  # [B] the least a catch-up is charged
+            ks = self._best(curves, chosen, padded, spread)
+            if not any(ks) or not any(seconds):  # charging catch-ups in full could only cost more (or there are none)
+                return ks
+            means = [self._curve(r, ds, k, None, 0.0) if c else [] for r, ds, k, c in zip(row_ids, chosen, caps, curves)]
+            # [B] whether the row's catch-up will be repaid: the pool is still exploring its drafters,
+            # or drafting for the row pays at its mean acceptance, the catch-up spread over its steps left
+            repaid = [k > 0 for k in self._best(means, chosen, padded, [self._spread(s, room, m) for s, room, m in zip(seconds, rooms, means)])]
+            repaid = [p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)]
+            # elsewhere a draft would be a probe on a request's optimism alone, which the steps after
+            # it may never repay (at batch 4 a plain step costs little more than at batch 1, four
+            # catch-ups four times one): it is charged in full
+            catch_up = [sp if p else s for s, sp, p in zip(seconds, spread, repaid)]
+            return ks if catch_up == spread else self._best(curves, chosen, padded, catch_up)
 
     def _catch_up_seconds(self, lags: dict[int, int]) -> float:
         """Seconds a row's model drafters would spend catching up on the tokens they lack (the whole

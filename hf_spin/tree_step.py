@@ -19,9 +19,16 @@ from .tree_verification import decide, walk_greedy, walk_sampling
 from .verification import gumbel_noise
 
 
+def capability(model) -> tuple[bool, bool]:
+    """(trees on packed rows, trees on a rectangular cache): what the model allows (module docstring),
+    read once per engine: reading a config's attributes costs microseconds a step."""
+    slots_free = not needs_contiguous_slots(model.config)
+    return slots_free, slots_free and takes_4d_masks(model)
+
+
 def usable(engine) -> bool:
     """Whether this step may verify trees (module docstring)."""
-    return engine.tree is not False and not needs_contiguous_slots(engine.model.config) and (isinstance(engine.cache, PackedCache) or takes_4d_masks(engine.model))
+    return engine.tree is not False and engine.tree_capability[0 if isinstance(engine.cache, PackedCache) else 1]
 
 
 def verify(engine, trees: list[TokenTree]) -> tuple[list[list[int]], list[int], torch.Tensor] | None:

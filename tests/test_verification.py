@@ -2,7 +2,7 @@
 
 import torch
 
-from hf_spin.verification import verify_greedy, verify_sampling
+from hf_spin.verification import RowSampling, verify_greedy, verify_rows, verify_sampling
 
 V = 10
 
@@ -47,6 +47,17 @@ def test_greedy_ragged_rows_ignore_padding_slots():
 def test_greedy_no_drafts_at_all():
     v = verify_greedy(one_hot_scores([[4], [6]]), torch.zeros(2, 0, dtype=torch.long), torch.tensor([0, 0]))
     assert v.accepted.tolist() == [0, 0] and v.next_token.tolist() == [4, 6]
+
+
+def test_a_step_without_drafts_takes_the_argmax_of_greedy_rows_only():
+    scores = one_hot_scores([[4], [6]])  # [2, 1, V]: nothing drafted
+    greedy = [RowSampling(False, None, 0)] * 2
+    v = verify_rows([0, 1], greedy, scores, [[], []], [None, None])
+    assert v.accepted.tolist() == [0, 0] and v.next_token.tolist() == [4, 6]
+    # a sampled row samples: with p = softmax(scores) every token has mass, so some draw leaves the argmax
+    torch.manual_seed(0)
+    drawn = {verify_rows([0, 1], [RowSampling(True, None, 0)] * 2, scores, [[], []], [None, None]).next_token[0].item() for _ in range(20)}
+    assert drawn - {4}
 
 
 def dist(*pairs) -> torch.Tensor:
