@@ -4,6 +4,7 @@ shapes: a Qwen2.5-1.5B target and a Qwen2.5-0.5B drafter).
 
     python benchmarks/gpu_check.py --out DIR              # the full check on CUDA
     python benchmarks/gpu_check.py --cpu-smoke --out DIR  # reduced: tiny shapes, interpreted kernel
+    python benchmarks/gpu_check.py --cpu-host-bound --out DIR  # end to end where the host bounds a step, on CPU
 
 Sections, each written to DIR/gpu_check.json as soon as it ends (a run cut short keeps what it did):
 
@@ -65,6 +66,9 @@ QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
 QWEN_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
 TINY_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 TINY_DRAFTER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+# Deep and narrow: on one CPU thread its forward costs what dispatching its ops costs, as an eager
+# decode's costs its launches on a GPU (the 1.5B shape's 28 layers), so the host's work is the step.
+LAUNCH_BOUND = dict(TINY_TARGET, num_hidden_layers=28)
 
 # What each run covers: the full check on a GPU, the smoke on CPU (minutes under the interpreter).
 FULL = dict(
@@ -79,6 +83,7 @@ SMOKE = dict(
     kernel_dtypes=(torch.bfloat16, torch.float32), head_dims=(16,), groups=(1, 2),
     context=(0, 20), split_context=300, timing_rows=(1, 2), timing_keys=(16, 64), budget_s=600,
 )
+HOST_BOUND = dict(SMOKE, target=LAUNCH_BOUND, batches=(1, 4), prompt=(32, 96), e2e_tokens=64, alphas=(0.0, 0.6), reps=3, budget_s=900)
 # Kernel tolerance against the float32 reference: max |error| / max(1, max |reference|).
 TOLERANCE = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float32: 1e-4}
 MASKS = ("causal", "window", "tree", "empty_rows", "splits")
@@ -120,13 +125,13 @@ def theoretical_accepted(alpha: float, k: int) -> float:
 class Check:
     """The run: its settings, its device, the JSON it keeps writing, the time left."""
 
-    def __init__(self, smoke: bool, out: Path, sections: list[str]):
-        self.cfg = SMOKE if smoke else FULL
+    def __init__(self, smoke: bool, out: Path, sections: list[str], host_bound: bool = False):
+        self.cfg = HOST_BOUND if host_bound else SMOKE if smoke else FULL
         self.smoke = smoke
-        self.device = torch.device("cpu" if smoke else "cuda")
+        self.device = torch.device("cpu" if smoke or host_bound else "cuda")
         self.out = out
         self.sections = sections
-        self.report: dict = {"smoke": smoke}
+        self.report: dict = {"smoke": smoke, "host_bound": host_bound}
         self.start = time.perf_counter()
         self.models: dict = {}
 
@@ -197,7 +202,7 @@ def environment(check: Check) -> dict:
     env = {
         "device": machine.describe(check.device),
         "torch": torch.__version__, "transformers": transformers.__version__, "hf_spin": hf_spin.__version__,
-        "cuda": torch.version.cuda, "python": sys.version.split()[0],
+        "cuda": torch.version.cuda, "python": sys.version.split()[0], "threads": torch.get_num_threads(),
     }
     try:
         import triton
@@ -342,11 +347,15 @@ def identity_run(check: Check, ids, mask, refs, drafter, ragged: bool, dtype) ->
 
 
 def timed(check: Check, fn):
-    check.sync()
-    t = time.perf_counter()
-    out = fn()
-    check.sync()
-    return out, time.perf_counter() - t
+    """(fn's last output, its median wall time over the run's `reps` calls)."""
+    times = []
+    for _ in range(check.cfg.get("reps", 1)):
+        check.sync()
+        t = time.perf_counter()
+        out = fn()
+        check.sync()
+        times.append(time.perf_counter() - t)
+    return out, sorted(times)[len(times) // 2]
 
 
 def end_to_end(check: Check) -> dict:
@@ -510,12 +519,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, the kernel interpreted (TRITON_INTERPRET=1)")
-    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
-    parser.add_argument("--budget-s", type=float, help="time budget of the whole run (default: 450 s on GPU, 600 s smoke)")
+    parser.add_argument(
+        "--cpu-host-bound", action="store_true",
+        help="environment and end to end on CPU, one thread, a 28-layer model of width 64: steps bound by the host's work, as on a GPU",
+    )
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS))
+    parser.add_argument("--budget-s", type=float, help="time budget of the whole run (default: 450 s on GPU, 600 s smoke, 900 s host-bound)")
     args = parser.parse_args(argv)
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        parser.error("no CUDA device: run with --cpu-smoke on a machine without a GPU")
-    check = Check(args.cpu_smoke, args.out, args.sections)
+    if not (args.cpu_smoke or args.cpu_host_bound) and not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --cpu-smoke or --cpu-host-bound on a machine without a GPU")
+    if args.cpu_host_bound:
+        torch.set_num_threads(1)
+    args.sections = args.sections or (["environment", "end_to_end"] if args.cpu_host_bound else list(SECTIONS))
+    check = Check(args.cpu_smoke, args.out, args.sections, host_bound=args.cpu_host_bound)
     if args.budget_s:
         check.cfg = {**check.cfg, "budget_s": args.budget_s}
     failed = False

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,3 +62,21 @@ def test_syncs_per_step_within_the_budget(report):
     runs = report["syncs"]["runs"]
     assert {(r["batch"], r["packed"], r["drafter"]) for r in runs} == {(b, p, d) for b in (1, 16) for p in (False, True) for d in ("oracle", "model")}
     assert all(r["mode"] == "instrumented" and r["steps"] > 0 and r["per_step"] <= r["bound"] for r in runs), runs
+
+
+def test_host_bound_mode_runs_the_launch_bound_stand_in_on_one_thread(tmp_path, monkeypatch):
+    """--cpu-host-bound: the environment on CPU, one thread, the 28-layer stand-in (its end to end is
+    a benchmark, too slow for the suite)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    threads = torch.get_num_threads()
+    try:
+        import gpu_check
+
+        monkeypatch.setitem(gpu_check.HOST_BOUND, "budget_s", 60)
+        assert gpu_check.main(["--cpu-host-bound", "--sections", "environment", "--out", str(tmp_path)]) == 0
+        report = json.loads((tmp_path / "gpu_check.json").read_text())
+        assert report["host_bound"] and report["environment"]["threads"] == 1 and report["environment"]["cuda"] is None
+        assert gpu_check.HOST_BOUND["target"]["num_hidden_layers"] == 28 and gpu_check.HOST_BOUND["reps"] > 1
+    finally:
+        torch.set_num_threads(threads)
+        sys.path.remove(str(ROOT / "benchmarks"))
