@@ -71,8 +71,11 @@ class Acceptance:
     per position (LEVEL_WEIGHT pseudo-observations of the pooled value), per position and match-length
     bucket for drafters that report matches (prompt lookup). Then the request: its own pooled
     acceptance with the drafter (LEVEL_WEIGHT pseudo-observations of the drafter's), as a factor on
-    the position's (code copies well, open chat does not). Counts decay by SURVIVAL_DECAY per step;
-    a request's are dropped once decayed to nothing (it ended)."""
+    the position's (code copies well, open chat does not), raised to the part of the pool's evidence
+    that is not the request's: the levels above already hold the request's own observations, and at
+    batch 1 the pool's recent evidence is mostly the running request's, so a full factor would count
+    them twice (three early rejections would read as 0.08 where the levels above say 0.14). Counts decay by
+    SURVIVAL_DECAY per step; a request's are dropped once decayed to nothing (it ended)."""
 
     def __init__(self, num_drafters: int):
         self.pooled = [[0.0, 0.0] for _ in range(num_drafters)]  # [accepted, rejected]
@@ -121,7 +124,8 @@ class Acceptance:
             a, r = self.counts.get((drafter, m, position), (0.0, 0.0))
             mean = acceptance_with_prior(a, r, mean, LEVEL_WEIGHT)
         a, r = self.rows.get((drafter, row), (0.0, 0.0))
-        mean = min(mean * acceptance_with_prior(a, r, pooled, LEVEL_WEIGHT) / pooled, 0.999)
+        share = (a + r) / max(sum(self.pooled[drafter]), a + r, 1e-9)  # of the pool's evidence, the request's own
+        mean = min(mean * (acceptance_with_prior(a, r, pooled, LEVEL_WEIGHT) / pooled) ** (1.0 - share), 0.999)
         if optimism:  # the request's own evidence (with the pool's mean as LEVEL_WEIGHT pseudo-observations)
             mean += optimism * math.sqrt(mean * (1 - mean) / (a + r + LEVEL_WEIGHT + 1))
         return min(max(mean, 0.0), 0.999)

@@ -274,6 +274,23 @@ def test_acceptance_learns_per_position_and_per_row():
     assert acc.rows[(0, 9)] == [2.0, 0.0]
 
 
+def test_a_request_that_holds_the_pools_evidence_is_not_counted_twice():
+    """Batch 1: the pool's evidence is the running request's own. Its factor would count it again (three
+    early rejections reading as 0.08 where the pool's levels say 0.14, and the planner decoding plainly
+    for twenty steps at 0.6 acceptance); beside other requests' evidence its deviation from them counts."""
+    alone = Acceptance(1)
+    for _ in range(3):
+        alone.observe(0, row=0, proposed=4, matched=0, committed=1)
+    assert alone.conditional(0, 0, 1) == pytest.approx(alone.conditional(0, 1, 1))  # as a request with no evidence of its own
+    assert alone.conditional(0, 0, 1) > 0.13  # counted twice: 0.08
+    among = Acceptance(1)
+    for _ in range(30):
+        among.observe(0, row=1, proposed=4, matched=2, committed=3)
+    for _ in range(3):
+        among.observe(0, row=0, proposed=4, matched=0, committed=1)
+    assert among.conditional(0, 0, 1) < 0.8 * among.conditional(0, 2, 1)  # below a request the pool knows nothing of
+
+
 def test_planner_sizes_zero_and_full():
     flat_planner = Planner(profile_of(table(flat), [None], ["lookup"]))
     assert flat_planner.size([0, 1], [{}, {}], [None, None], [(0,), (0,)], [8, 8], padded=False) == [8, 8]

@@ -219,6 +219,14 @@ MUTANTS = (
         ("tests/test_planning.py::test_trees_are_sized_node_by_node_by_estimated_acceptance",),
     ),
     Mutant(
+        "request_counted_twice",
+        "a request's own acceptance scales the position's in full, though the pool's evidence it is built on may be the request's own: at batch 1 three early rejections read as 0.08 and the planner decodes plainly at 0.6 acceptance",
+        "hf_spin/planner.py",
+        "/ pooled) ** (1.0 - share), 0.999)",
+        "/ pooled), 0.999)",
+        ("tests/test_planning.py::test_a_request_that_holds_the_pools_evidence_is_not_counted_twice",),
+    ),
+    Mutant(
         "planner_spreads_catch_ups_on_optimism",
         "the planner spreads every row's catch-up over its steps left, whether or not the row's mean acceptance repays it: a pool made optimistic at batch 1 reads four new prompts at batch 4 for nothing",
         "hf_spin/planner.py",
