@@ -69,12 +69,14 @@ class Acceptance:
 
     Three levels, each the prior of the next: the drafter's pooled acceptance (prior PRIOR_ACCEPTANCE),
     per position (LEVEL_WEIGHT pseudo-observations of the pooled value), per position and match-length
-    bucket for drafters that report matches (prompt lookup). Then the request: its own pooled
+    bucket for drafters that report matches (prompt lookup). A level's prior is read from the level
+    above without the level's own counts, which it holds too: where one position holds all the
+    evidence (a fresh pool's first drafts), its counts are read once. Then the request: its own pooled
     acceptance with the drafter (LEVEL_WEIGHT pseudo-observations of the drafter's), as a factor on
     the position's (code copies well, open chat does not), raised to the part of the pool's evidence
     that is not the request's: the levels above already hold the request's own observations, and at
     batch 1 the pool's recent evidence is mostly the running request's, so a full factor would count
-    them twice (three early rejections would read as 0.08 where the levels above say 0.14). Counts decay by
+    them twice (three early rejections would read as 0.20 where the levels above say 0.34). Counts decay by
     SURVIVAL_DECAY per step; a request's are dropped once decayed to nothing (it ended)."""
 
     def __init__(self, num_drafters: int):
@@ -118,11 +120,13 @@ class Acceptance:
 
     def conditional(self, drafter: int, row: int, position: int, match: int | None = None, optimism: float = 0.0) -> float:
         """P(position accepted | positions before it accepted) on request `row`, `optimism` posterior sds up."""
-        a, r = self.pooled[drafter]
-        pooled = mean = acceptance_with_prior(a, r, PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
+        above, prior = self.pooled[drafter], (PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
+        pooled = mean = acceptance_with_prior(*above, *prior)
         for m in (None, self.bucket(match)) if match is not None else (None,):
             a, r = self.counts.get((drafter, m, position), (0.0, 0.0))
-            mean = acceptance_with_prior(a, r, mean, LEVEL_WEIGHT)
+            # the level's prior: the level above without this level's own counts (else counted twice)
+            prior = (acceptance_with_prior(max(above[0] - a, 0.0), max(above[1] - r, 0.0), *prior), LEVEL_WEIGHT)
+            mean, above = acceptance_with_prior(a, r, *prior), (a, r)
         a, r = self.rows.get((drafter, row), (0.0, 0.0))
         share = (a + r) / max(sum(self.pooled[drafter]), a + r, 1e-9)  # of the pool's evidence, the request's own
         mean = min(mean * (acceptance_with_prior(a, r, pooled, LEVEL_WEIGHT) / pooled) ** (1.0 - share), 0.999)

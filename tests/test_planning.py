@@ -19,7 +19,8 @@ import torch
 import hf_spin
 from hf_spin.cost_profile import CostProfile, ForwardCost, measure
 from hf_spin.drafters import Draft, Drafter
-from hf_spin.planner import PRIOR_ACCEPTANCE, Acceptance, Planner
+from hf_spin.planner import LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance, Planner
+from hf_spin.policies.estimates import acceptance_with_prior
 from hf_spin.profiling import build_profile
 from hf_spin.token_tree import TokenTree
 
@@ -276,19 +277,33 @@ def test_acceptance_learns_per_position_and_per_row():
 
 def test_a_request_that_holds_the_pools_evidence_is_not_counted_twice():
     """Batch 1: the pool's evidence is the running request's own. Its factor would count it again (three
-    early rejections reading as 0.08 where the pool's levels say 0.14, and the planner decoding plainly
+    early rejections reading as 0.20 where the pool's levels say 0.34, and the planner decoding plainly
     for twenty steps at 0.6 acceptance); beside other requests' evidence its deviation from them counts."""
     alone = Acceptance(1)
     for _ in range(3):
         alone.observe(0, row=0, proposed=4, matched=0, committed=1)
     assert alone.conditional(0, 0, 1) == pytest.approx(alone.conditional(0, 1, 1))  # as a request with no evidence of its own
-    assert alone.conditional(0, 0, 1) > 0.13  # counted twice: 0.08
+    assert alone.conditional(0, 0, 1) > 0.3  # counted twice: 0.20
     among = Acceptance(1)
     for _ in range(30):
         among.observe(0, row=1, proposed=4, matched=2, committed=3)
     for _ in range(3):
         among.observe(0, row=0, proposed=4, matched=0, committed=1)
     assert among.conditional(0, 0, 1) < 0.8 * among.conditional(0, 2, 1)  # below a request the pool knows nothing of
+
+
+def test_each_level_reads_its_own_counts_once():
+    """A level's prior is the level above without the level's own counts: where one position holds all
+    the pool's evidence (a fresh pool whose first drafts died at position 1), the position reads its
+    counts once, against the prior, as the pooled level does; not shrunk toward a pooled value that
+    already holds them (three rejections read as 0.14 that way, three acceptances as 0.91)."""
+    for matched, committed in ((0, 1), (4, 5)):
+        acc = Acceptance(1)
+        for _ in range(3):
+            acc.observe(0, row=0, proposed=1, matched=matched, committed=committed)
+        a, r = acc.counts[(0, None, 1)]
+        assert (a, r) in ((0.0, 3.0), (3.0, 0.0))
+        assert acc.conditional(0, 1, 1) == pytest.approx(acceptance_with_prior(a, r, PRIOR_ACCEPTANCE, LEVEL_WEIGHT))
 
 
 def test_planner_sizes_zero_and_full():

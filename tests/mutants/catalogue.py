@@ -219,8 +219,16 @@ MUTANTS = (
         ("tests/test_planning.py::test_trees_are_sized_node_by_node_by_estimated_acceptance",),
     ),
     Mutant(
+        "levels_count_their_own_evidence_twice",
+        "a position's counts are shrunk toward the pooled acceptance, which already holds them: where one position holds the pool's evidence (a fresh pool), three rejections read as 0.14 and three acceptances as 0.91",
+        "hf_spin/planner.py",
+        "prior = (acceptance_with_prior(max(above[0] - a, 0.0), max(above[1] - r, 0.0), *prior), LEVEL_WEIGHT)",
+        "prior = (acceptance_with_prior(above[0], above[1], *prior), LEVEL_WEIGHT)",
+        ("tests/test_planning.py::test_each_level_reads_its_own_counts_once",),
+    ),
+    Mutant(
         "request_counted_twice",
-        "a request's own acceptance scales the position's in full, though the pool's evidence it is built on may be the request's own: at batch 1 three early rejections read as 0.08 and the planner decodes plainly at 0.6 acceptance",
+        "a request's own acceptance scales the position's in full, though the pool's evidence it is built on may be the request's own: at batch 1 three early rejections read as 0.20 where the pool's levels say 0.34",
         "hf_spin/planner.py",
         "/ pooled) ** (1.0 - share), 0.999)",
         "/ pooled), 0.999)",
