@@ -352,7 +352,7 @@ class SpinEngine:
                 self.drafter_stats[self.names[d_idx]].add(drafted, own, len(new))
         for d_idx in sorted({d for prop in proposal.proposals for d in prop}):
             self.drafter_stats[self.names[d_idx]].steps += 1
-        if proposal.trees is not None or any(proposal.drafts) or any(r.finish_reason == ERROR for r in rows):
+        if any(proposal.drafts) or any(r.finish_reason == ERROR for r in rows):
             self.cache.rollback([len(r.sequence) - 1 for r in rows])  # else each row committed the one token it fed: nothing to drop
 
         # 7. Fast switching: idle drafters named by the plan catch up on rows they may serve next; the

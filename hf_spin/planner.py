@@ -128,7 +128,7 @@ class Acceptance:
             prior = (acceptance_with_prior(max(above[0] - a, 0.0), max(above[1] - r, 0.0), *prior), LEVEL_WEIGHT)
             mean, above = acceptance_with_prior(a, r, *prior), (a, r)
         a, r = self.rows.get((drafter, row), (0.0, 0.0))
-        share = (a + r) / max(sum(self.pooled[drafter]), a + r, 1e-9)  # of the pool's evidence, the request's own
+        share = (a + r) / max(self.evidence(drafter), a + r, 1e-9)  # of the pool's evidence, the request's own
         mean = min(mean * (acceptance_with_prior(a, r, pooled, LEVEL_WEIGHT) / pooled) ** (1.0 - share), 0.999)
         if optimism:  # the request's own evidence (with the pool's mean as LEVEL_WEIGHT pseudo-observations)
             mean += optimism * math.sqrt(mean * (1 - mean) / (a + r + LEVEL_WEIGHT + 1))

@@ -154,16 +154,16 @@ def verify_rows(
     Returns accepted / next_token for `rows`, in their order ([B] when `rows` is every row).
     """
     B, K = scores.shape[0], scores.shape[1] - 1
-    if K == 0 and rows == list(range(B)) and not any(s.do_sample for s in sampling):  # a plain step: `generate`'s argmax
+    greedy = [b for b in rows if not sampling[b].do_sample]
+    shared = [b for b in rows if sampling[b].do_sample and sampling[b].seed is None]
+    seeded = [b for b in rows if sampling[b].do_sample and sampling[b].seed is not None]
+    everyone = rows == list(range(B))
+    if everyone and len(greedy) == B and K == 0:  # a plain step: `generate`'s argmax, no draft tensors to build
         next_token = scores[:, 0].argmax(dim=-1)  # [B]
         return Verdict(torch.zeros_like(next_token), next_token)
     device = scores.device
     draft_lengths = to_device([len(d) for d in drafts], device, torch.long)  # [B]
     draft_tokens = to_device([d + [0] * (K - len(d)) for d in drafts], device, torch.long).view(B, K)  # [B, K]
-    greedy = [b for b in rows if not sampling[b].do_sample]
-    shared = [b for b in rows if sampling[b].do_sample and sampling[b].seed is None]
-    seeded = [b for b in rows if sampling[b].do_sample and sampling[b].seed is not None]
-    everyone = rows == list(range(B))
     if everyone and len(greedy) == B:
         return verify_greedy(scores, draft_tokens, draft_lengths)
     if everyone and len(shared) == B:
