@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from hf_spin.machine import cpu, describe, kernels
+from hf_spin.planning.machine import cpu, describe, kernels
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}

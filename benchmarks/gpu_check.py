@@ -52,13 +52,13 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_spin  # noqa: E402
-from hf_spin import machine  # noqa: E402
+from hf_spin.planning import machine  # noqa: E402
 from hf_spin.drafters import Draft, Drafter, DraftRequest  # noqa: E402
 from hf_spin.host_syncs import count_syncs  # noqa: E402
 from hf_spin.kernels import pack_tree_masks, varlen_attention, varlen_attention_ref  # noqa: E402
 from hf_spin.policies import FixedLength  # noqa: E402
 from hf_spin.stats import DrafterStats  # noqa: E402
-from hf_spin.token_tree import TokenTree  # noqa: E402
+from hf_spin.verify.token_tree import TokenTree  # noqa: E402
 
 # Real shapes (Qwen2.5 configs), random weights. The vocabulary is the real one: the lm_head's cost
 # and the sampling/argmax over 152k entries are part of what a step costs on a GPU.

@@ -22,7 +22,7 @@ import torch
 
 import hf_spin
 from hf_spin import models
-from hf_spin.machine import describe
+from hf_spin.planning.machine import describe
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",

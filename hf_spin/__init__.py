@@ -8,24 +8,20 @@
     row = engine.add(hf_spin.Request(prompt_ids, max_new_tokens=64)); engine.step() ...
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
 from . import kernels  # registers attn_implementation="hf_spin_varlen" with transformers
 from .drafters import Drafter, FuzzyDrafter, ModelDrafter, PromptLookupDrafter, StreamingDrafter, SuffixDrafter, TranslatingDrafter
-from .engine import SpinEngine
+from .step.engine import SpinEngine
 from .generation import SpinGenerateOutput, disable, enable, generate
-from .pipeline import Pipeline
+from .step.pipeline import Pipeline
 from .policies import DraftLength, FixedLength, FixedPolicy, Plan, Policy, RoundRobinPolicy
 from .pool import AssistantPool
-from .rows import Request, Row
+from .step.rows import Request, Row
 from .stats import GenerationStats
+from .version import __version__
 
-try:
-    __version__ = version("hf-spin")
-except PackageNotFoundError:  # imported from a source tree that was not installed
-    __version__ = "0.0.0+local"
 
 __all__ = [
+    "__version__",
     "AssistantPool",
     "DraftLength",
     "Drafter",

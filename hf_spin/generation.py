@@ -24,7 +24,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import CACHE_NAMES
-from .engine import SpinEngine
+from .step.engine import SpinEngine
 from .pool import AssistantPool
 from .stats import GenerationStats
 

@@ -15,11 +15,11 @@ import os
 import threading
 
 from .cache import check_packed_support
-from .cost_profile import CostProfile
+from .planning.cost_profile import CostProfile
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, SuffixDrafter, TranslatingDrafter
-from .planner import Planner
+from .planning.planner import Planner
 from .policies import DEFAULT_DRAFT_LENGTH, DrafterInfo, DraftLength, Policy, make_policy
-from .profiling import build_profile
+from .planning.profiling import build_profile
 from .stats import DrafterStats, GenerationStats
 
 NAMED_DRAFTERS = {"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter}

@@ -493,8 +493,8 @@ def test_pipeline_orders_the_drafting_and_target_streams(target, drafter, monkey
     """With a (simulated) drafting stream: drafts are made on it, after an event of the target's work on
     the lane; verification waits for an event of the drafts; the target thread's own drafter calls
     (rows retired, rows admitted) run on it too, fenced both ways."""
-    from hf_spin.engine import SpinEngine
-    from hf_spin.pipeline import Pipeline, _Streams
+    from hf_spin.step.engine import SpinEngine
+    from hf_spin.step.pipeline import Pipeline, _Streams
 
     from .test_engine import prompts, request, run
 
@@ -549,7 +549,7 @@ def test_pipeline_orders_the_drafting_and_target_streams(target, drafter, monkey
 def test_q_made_on_the_drafting_stream_is_recorded_on_the_target_stream():
     from types import SimpleNamespace
 
-    from hf_spin.pipeline import _Streams
+    from hf_spin.step.pipeline import _Streams
 
     cuda = FakeCuda()
     streams = _Streams(FakeCuda.Stream("side", cuda.log), [torch.device("cuda", 0)], cuda=cuda)
@@ -586,7 +586,7 @@ def split_over_devices(model, main: str = "cuda"):
 @pytest.mark.parametrize("ragged_attention", [False, True], ids=["ragged_cache", "packed_cache"])
 def test_cuda_pipeline_greedy_equals_plain_generate(ragged_attention):
     """Drafting on a side stream of the GPU while the target verifies on the default one."""
-    from hf_spin.pipeline import Pipeline
+    from hf_spin.step.pipeline import Pipeline
 
     from .archs import tiny_model
     from .speculation import perturbed

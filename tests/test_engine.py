@@ -13,9 +13,9 @@ from transformers.generation.stopping_criteria import EosTokenCriteria
 
 import hf_spin
 from hf_spin.drafters import Draft, Drafter
-from hf_spin.engine import SpinEngine
+from hf_spin.step.engine import SpinEngine
 from hf_spin.policies.base import Preempt
-from hf_spin.rows import CANCELLED, ERROR, LENGTH, STOPPED, Request
+from hf_spin.step.rows import CANCELLED, ERROR, LENGTH, STOPPED, Request
 from hf_spin.stats import DrafterStats
 
 from .archs import EOS, VOCAB

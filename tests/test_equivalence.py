@@ -34,8 +34,8 @@ import torch
 
 import hf_spin
 import hf_spin.cache.ragged
-import hf_spin.engine
-import hf_spin.faults
+import hf_spin.step.engine
+import hf_spin.step.faults
 
 from hf_spin.stats import DrafterStats
 
@@ -139,7 +139,7 @@ def test_policy_equivalence(arch, batch, policy, draft_length, monkeypatch):
     drafts from measured seconds see drafting and verification cost the same at any k, and draft
     several tokens on every run instead of whatever this machine's timings say."""
     clock = itertools.count().__next__
-    for module in (hf_spin.engine, hf_spin.faults):  # verify and prefill timed in one, drafter calls in the other
+    for module in (hf_spin.step.engine, hf_spin.step.faults):  # verify and prefill timed in one, drafter calls in the other
         monkeypatch.setattr(module, "perf_counter", clock)
     target, other = _models(arch)
     self_drafter = hf_spin.ModelDrafter(target, name="self")

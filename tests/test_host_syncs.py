@@ -15,7 +15,7 @@ import torch
 import hf_spin
 from hf_spin import host_syncs
 from hf_spin.host_syncs import count_syncs, to_device
-from hf_spin.rows import Request
+from hf_spin.step.rows import Request
 
 from .archs import ragged_batch, tiny_model
 from .speculation import DRAFT_TOKENS, assert_speculated, perturbed, pool
@@ -81,7 +81,7 @@ def test_seeded_rows_within_budget(models):
 
 def test_a_planted_read_per_row_breaks_the_budget(models, monkeypatch):
     """The count can fail: one `.item()` per row in verification costs a sync per row and step."""
-    verify_rows = hf_spin.engine.verify_rows
+    verify_rows = hf_spin.step.engine.verify_rows
 
     def reading(rows, *args):
         verdict = verify_rows(rows, *args)
@@ -89,7 +89,7 @@ def test_a_planted_read_per_row_breaks_the_budget(models, monkeypatch):
             verdict.accepted[b].item()
         return verdict
 
-    monkeypatch.setattr(hf_spin.engine, "verify_rows", reading)
+    monkeypatch.setattr(hf_spin.step.engine, "verify_rows", reading)
     per_step, syncs, _ = generate_counted(models, 16, False, tree=False, do_sample=False)  # chains: verify_rows verifies
     assert per_step > BUDGET and syncs.kinds["item"] > syncs.entries["step"]  # a row per step, and rows retire
 

@@ -11,10 +11,10 @@ from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
 
 from hf_spin.drafters import Draft, Drafter
-from hf_spin.engine import SpinEngine
-from hf_spin.micro_batches import WINDOW_SECONDS, WINDOW_STEPS, MicroBatchCount
-from hf_spin.pipeline import Pipeline
-from hf_spin.rows import Request
+from hf_spin.step.engine import SpinEngine
+from hf_spin.policies.micro_batches import WINDOW_SECONDS, WINDOW_STEPS, MicroBatchCount
+from hf_spin.step.pipeline import Pipeline
+from hf_spin.step.rows import Request
 from hf_spin.stats import DrafterStats
 
 from .speculation import assert_speculated, pool as spin_pool

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import hf_spin
-from hf_spin.cost_profile import CostProfile, ForwardCost, measure
+from hf_spin.planning.cost_profile import CostProfile, ForwardCost, measure
 from hf_spin.drafters import Draft, Drafter
-from hf_spin.planner import LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance, Planner
-from hf_spin.policies.estimates import acceptance_with_prior
-from hf_spin.profiling import build_profile
-from hf_spin.token_tree import TokenTree
+from hf_spin.planning.planner import LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance, Planner
+from hf_spin.planning.estimates import acceptance_with_prior
+from hf_spin.planning.profiling import build_profile
+from hf_spin.verify.token_tree import TokenTree
 
 from .archs import EOS, VOCAB, tiny_model
 from .speculation import perturbed
@@ -89,7 +89,7 @@ def case(batch: int, new_tokens: int = 40, seed: int = 0):
 
 
 def run(target, prompts, pool, clock, monkeypatch, new_tokens=40):
-    for module in (hf_spin.engine, hf_spin.faults):
+    for module in (hf_spin.step.engine, hf_spin.step.faults):
         monkeypatch.setattr(module, "perf_counter", clock)
     return target.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS, custom_generate=hf_spin.generate, assistant_pool=pool)
 
@@ -416,7 +416,7 @@ class ScriptedTree(Scripted):
 def test_trees_cost_what_the_planner_lets_a_chain_cost(costs, monkeypatch):
     """On packed rows, a tree verifies as many nodes as its chain would verify tokens: plain-like under
     linear verification (within 3% of plain's time), branching trees under flat verification."""
-    import hf_spin.tree_step as tree_step
+    import hf_spin.step.tree_step as tree_step
 
     target, prompts, _, refs = case(batch=2, new_tokens=30)
     plain = target.generate(prompts, max_new_tokens=30, do_sample=False, eos_token_id=EOS)
@@ -426,7 +426,7 @@ def test_trees_cost_what_the_planner_lets_a_chain_cost(costs, monkeypatch):
     seen = []
     real = tree_step.verify
     monkeypatch.setattr(tree_step, "verify", lambda engine, trees: seen.extend(trees) or real(engine, trees))
-    for module in (hf_spin.engine, hf_spin.faults):
+    for module in (hf_spin.step.engine, hf_spin.step.faults):
         monkeypatch.setattr(module, "perf_counter", clock)
     pool = hf_spin.AssistantPool([ScriptedTree(refs, [0.6, 0.6])], draft_length=6, ragged_attention=True, profile=profile_of(table(fn), [None], ["scripted"]))
     out = target.generate(prompts, max_new_tokens=30, do_sample=False, eos_token_id=EOS, custom_generate=hf_spin.generate, assistant_pool=pool)

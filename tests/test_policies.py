@@ -42,9 +42,9 @@ from hf_spin.policies import (
     make_draft_length,
     make_policy,
 )
-from hf_spin.policies.estimates import DecayedMean, geometric_tokens
+from hf_spin.planning.estimates import DecayedMean, geometric_tokens
 from hf_spin.policies.lbss import PLAIN, PRIOR_STEPS, Arm, RowState
-from hf_spin.vote_tree import heaviest_path
+from hf_spin.verify.vote_tree import heaviest_path
 
 from .sim import SimDrafter, Simulator, SimVerify
 
@@ -1089,7 +1089,7 @@ def test_plain_goodput_is_measured_where_the_fit_extrapolates_wrongly():
     """Concave verify cost (t = 0.2 s plain at N = 4, 0.5 s at N = 24, as at batch 4 on a CPU): the
     line through drafted steps alone overestimates a plain step; a measured plain step corrects it
     by the error the line cannot absorb when that exceeds PLAIN_FIT_TOLERANCE, and not otherwise."""
-    from hf_spin.policies.estimates import CostModel
+    from hf_spin.planning.estimates import CostModel
 
     concave = CostModel(1)
     for n in [16, 20, 24] * 10:
@@ -1111,7 +1111,7 @@ def test_plain_goodput_is_measured_where_the_fit_extrapolates_wrongly():
 def test_cached_estimates_follow_new_evidence():
     """The fits' coefficients and TokensModel's posteriors are read many times a step and cached:
     each read after new evidence must equal a fresh computation on it."""
-    from hf_spin.policies.estimates import DecayedLeastSquares, VerifyFit
+    from hf_spin.planning.estimates import DecayedLeastSquares, VerifyFit
     from hf_spin.policies.tokens_model import TokensModel
 
     fit, draft = VerifyFit(), DecayedLeastSquares(2)
@@ -1141,7 +1141,7 @@ def test_cached_estimates_follow_new_evidence():
 
 
 def test_cost_fits():
-    from hf_spin.policies.estimates import VERIFY_ELASTICITY_PRIOR, CostModel, DecayedLeastSquares, VerifyFit, bucket
+    from hf_spin.planning.estimates import VERIFY_ELASTICITY_PRIOR, CostModel, DecayedLeastSquares, VerifyFit, bucket
 
     fit = VerifyFit()
     for n in [10, 20, 30, 40] * 10:

@@ -16,8 +16,8 @@ from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 import hf_spin
-import hf_spin.verification
-from hf_spin.verification import Verdict, verify_sampling
+import hf_spin.verify.chains
+from hf_spin.verify.chains import Verdict, verify_sampling
 
 from .archs import tiny_model
 from .speculation import assert_speculated, multi_token
@@ -176,7 +176,7 @@ def test_engine_sampling_matches_target_distribution(drafter):
 def test_engine_sampling_check_rejects_a_lossy_verifier(drafter, monkeypatch):
     """The control: the same check, with a verifier exact at draft position 0 but not after, must fail,
     so the test above sees the positions past the first."""
-    monkeypatch.setattr(hf_spin.verification, "verify_sampling", accept_after_first)
+    monkeypatch.setattr(hf_spin.verify.chains, "verify_sampling", accept_after_first)
     target = peaky(0)
     counts, _ = _sampled_counts(target, DRAFTERS[drafter](target), PROMPT, LARGE_N, seed=LARGE_N)
     assert fits(counts, _exact_measured()) < 1e-6

@@ -429,7 +429,7 @@ def test_queue_limit_answers_503_with_retry_after(slow, target, tok):
 def test_prefill_budget_spreads_a_burst_of_long_prompts_over_steps():
     """TGI's max_batch_prefill_tokens: rows joining in one step x their longest prompt stay within the
     budget; a prompt longer than the budget joins alone; cancelled jobs leave without counting."""
-    from hf_spin.rows import Request
+    from hf_spin.step.rows import Request
     from hf_spin.serving.scheduler import Job, Scheduler
 
     loop = asyncio.new_event_loop()

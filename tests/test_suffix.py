@@ -14,7 +14,7 @@ import torch
 
 import hf_spin
 from hf_spin.drafters import DraftRequest
-from hf_spin.suffix_index import SuffixIndex
+from hf_spin.drafters.suffix_index import SuffixIndex
 
 from .archs import ARCHS, tiny_model
 from .speculation import assert_speculated, greedy_case, multi_token, perturbed, pool as spin_pool
@@ -241,8 +241,8 @@ def test_pool_reset_forgets_earlier_requests():
 
 def test_failed_rows_teach_nothing():
     """Rows that end teach the index their output; a row that failed teaches nothing."""
-    from hf_spin.engine import SpinEngine
-    from hf_spin.rows import Request
+    from hf_spin.step.engine import SpinEngine
+    from hf_spin.step.rows import Request
 
     target = tiny_model("llama", seed=0)
     pool = spin_pool(["suffix"])

@@ -1,4 +1,4 @@
-"""Token trees (hf_spin/token_tree.py) and their verification (hf_spin/tree_verification.py).
+"""Token trees (hf_spin/verify/token_tree.py) and their verification (hf_spin/verify/trees.py).
 
 Hand-built cases for the tree's bookkeeping and both walks; then the sampled walk against the exact
 distribution of the first two tokens, with branching >= 2 at both levels, for sampled (model
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hf_spin.drafters import DraftRequest
-from hf_spin.token_tree import TokenTree
-from hf_spin.tree_verification import verify_tree_greedy, verify_tree_sampling, walk_sampling
+from hf_spin.verify.token_tree import TokenTree
+from hf_spin.verify.trees import verify_tree_greedy, verify_tree_sampling, walk_sampling
 
 from .test_sampling import ALPHA, fits
 
@@ -174,7 +174,7 @@ def _first_two(verdict, tree, p1, g) -> tuple[int, int]:
 
 def _lossy(p: torch.Tensor, tree: TokenTree, g):
     """The control: each candidate tested against p itself, no residual, no q (accept x with p(x))."""
-    from hf_spin.tree_verification import TreeVerdict
+    from hf_spin.verify.trees import TreeVerdict
 
     path, node = [], -1
     while True:
@@ -288,7 +288,7 @@ CASE = {"lookup": (24, 40), "vote": (12, 20)}
 @pytest.fixture
 def verified_trees(monkeypatch):
     """Every tree the engine verifies, recorded."""
-    import hf_spin.tree_step as tree_step
+    import hf_spin.step.tree_step as tree_step
 
     seen: list[TokenTree] = []
     real = tree_step.verify
@@ -341,7 +341,7 @@ def test_model_drafter_trees_equal_plain_generate(arch, batch, verified_trees, o
     verifies it whole on the rectangular cache: greedy output as plain `generate`, trees branch, and
     some step accepts a branch that is not the drafter's heaviest path."""
     import hf_spin
-    import hf_spin.tree_step as tree_step
+    import hf_spin.step.tree_step as tree_step
 
     from .archs import tiny_model
     from .speculation import assert_speculated, greedy_case, multi_token, perturbed
@@ -413,8 +413,8 @@ def test_seeded_rows_give_the_same_tokens_with_trees_as_with_chains(verified_tre
     from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
     import hf_spin
-    from hf_spin.engine import SpinEngine
-    from hf_spin.rows import Request
+    from hf_spin.step.engine import SpinEngine
+    from hf_spin.step.rows import Request
 
     from .archs import tiny_model
     from .speculation import multi_token, perturbed

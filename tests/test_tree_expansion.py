@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_spin.drafters import DraftRequest, ModelDrafter
-from hf_spin.token_tree import TokenTree
+from hf_spin.verify.token_tree import TokenTree
 
 from .archs import tiny_model
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from hf_spin.verification import RowSampling, verify_greedy, verify_rows, verify_sampling
+from hf_spin.verify.chains import RowSampling, verify_greedy, verify_rows, verify_sampling
 
 V = 10
 

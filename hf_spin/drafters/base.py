@@ -52,7 +52,7 @@ class Draft:
     # per row, how many trailing tokens of the sequence the draft's source matched (prompt lookup: the
     # n-gram found earlier; a longer match is a more reliable draft); None: no such notion (model drafters)
     match_lengths: list[int | None] | None = None
-    # per row, a token tree of several candidates per position (hf_spin.token_tree) whose first path is
+    # per row, a token tree of several candidates per position (hf_spin.verify.token_tree) whose first path is
     # `tokens`; None: the chain only. Asked for by DraftRequest.trees.
     trees: list | None = None
 

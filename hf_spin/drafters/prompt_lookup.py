@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..token_tree import TokenTree
+from ..verify.token_tree import TokenTree
 from .base import Draft, Drafter, DraftRequest
 
 

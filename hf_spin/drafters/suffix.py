@@ -5,7 +5,7 @@ No model: a deterministic proposal (q one-hot, see verification.py), free to dra
 model drafting cannot (CPUs, large batches, a busy server) and wherever text repeats: multi-turn
 rewrites, agent loops with the same schemas, code edits, answers quoting their context.
 
-Two suffix indexes (hf_spin/suffix_index.py) serve each row: its own (prompt + committed tokens,
+Two suffix indexes (hf_spin/drafters/suffix_index.py) serve each row: its own (prompt + committed tokens,
 extended as tokens commit, dropped when the row ends) and the drafter's global one (the outputs of
 the rows that ended, kept across `generate` calls and server requests, the oldest evicted past
 `max_requests` or `max_tokens`; `reset()` empties it). For a row the drafter finds each index's
@@ -25,8 +25,8 @@ from __future__ import annotations
 import itertools
 import math
 
-from ..suffix_index import SuffixIndex
-from ..token_tree import TokenTree
+from .suffix_index import SuffixIndex
+from ..verify.token_tree import TokenTree
 from .base import Draft, Drafter, DraftRequest
 
 

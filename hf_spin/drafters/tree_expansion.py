@@ -29,7 +29,7 @@ import torch
 
 from ..cache import forward_masked
 from ..host_syncs import to_device
-from ..token_tree import TokenTree
+from ..verify.token_tree import TokenTree
 from .base import Draft, DraftRequest
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from .base import BatchView, DrafterInfo, DraftLength, Policy, StepFeedback
 from .checks import check_float, check_int
-from .estimates import CostModel, RunningMean
+from ..planning.estimates import CostModel, RunningMean
 
 
 @dataclass

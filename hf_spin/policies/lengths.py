@@ -22,7 +22,7 @@ from typing import Callable
 
 from .base import DEFAULT_DRAFT_LENGTH, BatchView, DrafterInfo, DraftLength, StepFeedback
 from .checks import check_float, check_int
-from .estimates import CostModel, DecayedMean, acceptance_with_prior, bucket, geometric_tokens
+from ..planning.estimates import CostModel, DecayedMean, acceptance_with_prior, bucket, geometric_tokens
 
 # Forgetting factor of the acceptance counts, per step: acceptance drifts slowly with the text
 # (a code block, a list), slower than costs do.

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-from .estimates import RunningMean
+from ..planning.estimates import RunningMean
 
 # Alternating least-squares sweeps for a and b: the fit starts from the last one, so a few suffice.
 SWEEPS = 4

@@ -1,5 +1,5 @@
 """Minions' majority vote: every usable drafter drafts for every row; the engine verifies the
-heaviest path of their vote tree (`hf_spin.vote_tree.heaviest_path`) under weights learned here.
+heaviest path of their vote tree (`hf_spin.verify.vote_tree.heaviest_path`) under weights learned here.
 
 Weight update, a two-sided weighted-majority (multiplicative weights) rule. After each step, per
 drafter d that proposed tokens:

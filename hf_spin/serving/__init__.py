@@ -11,7 +11,7 @@ app: errors, auth, health, info, metrics), `metrics`, `text` (stop sequences, in
 
 from __future__ import annotations
 
-from ..engine import SpinEngine
+from ..step.engine import SpinEngine
 from ..pool import AssistantPool
 from .metrics import Metrics
 from .requests import Limits
@@ -46,7 +46,7 @@ def build_app(
 
     def make_engine():
         if pipeline:
-            from ..pipeline import Pipeline
+            from ..step.pipeline import Pipeline
 
             fixed = None if pipeline is True else int(pipeline)
             return Pipeline(model, pool, tokenizer, micro_batches=fixed, isolate_faults=True, draft_threads=draft_threads)

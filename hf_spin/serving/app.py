@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
+from ..version import __version__
 from . import openai, tgi
 from .errors import describe, error_response
 from .metrics import CONTENT_TYPE

@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
-from .. import __version__
-from ..rows import CANCELLED, ERROR
+from ..version import __version__
+from ..step.rows import CANCELLED, ERROR
 from .errors import error_payload
 from .requests import InvalidRequest
 from .scheduler import Finished, Overloaded

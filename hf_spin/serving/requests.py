@@ -9,7 +9,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation import logits_process as lp
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
-from ..rows import Request
+from ..step.rows import Request
 from .schemas import DEFAULT_MAX_NEW_TOKENS, Sampling
 from .text import StopSequences
 

@@ -26,7 +26,7 @@ from time import perf_counter, time
 
 import torch
 
-from ..rows import CANCELLED, Request, Row
+from ..step.rows import CANCELLED, Request, Row
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from transformers import StoppingCriteria
 
-from ..rows import CANCELLED, ERROR, LENGTH, Row
+from ..step.rows import CANCELLED, ERROR, LENGTH, Row
 
 # Tokens decoded beyond the longest stop sequence's length in characters: a stop sequence can straddle
 # tokens that decode to nothing on their own (a split multi-byte character, a special token).

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
-from ..rows import CANCELLED, ERROR
+from ..step.rows import CANCELLED, ERROR
 from .errors import error_payload, error_response
 from .requests import InvalidRequest
 from .scheduler import Finished, Overloaded

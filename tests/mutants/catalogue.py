@@ -28,7 +28,7 @@ MUTANTS = (
     Mutant(
         "greedy_accepts_every_draft",
         "greedy verification accepts drafts the target would not have produced",
-        "hf_spin/verification.py",
+        "hf_spin/verify/chains.py",
         "ok = (drafts == target_tokens[:, :K]) & _draft_mask(draft_lengths, K)",
         "ok = _draft_mask(draft_lengths, K)",
         (
@@ -40,7 +40,7 @@ MUTANTS = (
     Mutant(
         "sampling_accepts_every_draft",
         "rejection sampling never rejects: the output follows q, not p",
-        "hf_spin/verification.py",
+        "hf_spin/verify/chains.py",
         "ok = (r * q_draft < p_draft) & valid",
         "ok = valid",
         (
@@ -51,7 +51,7 @@ MUTANTS = (
     Mutant(
         "engine_drops_every_draft",
         "every step decodes plainly: lossless, but no speculation at all",
-        "hf_spin/engine.py",
+        "hf_spin/step/engine.py",
         "return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows, match_lengths, trees if any(t is not None for t in trees) else None)",
         "return Proposal(plan, chosen, ks, [[] for _ in drafts], [None] * B, proposals, draft_seconds, shadows, match_lengths)",
         (
@@ -64,7 +64,7 @@ MUTANTS = (
     Mutant(
         "target_cache_keeps_the_first_rejected_draft",
         "after a rejection the target's cache keeps the rejected token's KV",
-        "hf_spin/engine.py",
+        "hf_spin/step/engine.py",
         "self.cache.rollback([len(r.sequence) - 1 for r in rows])",
         "self.cache.rollback([len(r.sequence) - 1 + (accepted[b] < len(proposal.drafts[b])) for b, r in enumerate(rows)])",
         (
@@ -84,7 +84,7 @@ MUTANTS = (
     Mutant(
         "sampling_uses_the_first_positions_q",
         "rejection sampling reads draft position 0's q at every position (lossy past the first draft token)",
-        "hf_spin/verification.py",
+        "hf_spin/verify/chains.py",
         "        q = torch.where(deterministic, one_hot, q)\n",
         "        q = torch.where(deterministic, one_hot, q)[:, :1].expand(-1, K, -1)\n",
         (
@@ -103,7 +103,7 @@ MUTANTS = (
     Mutant(
         "recovered_token_from_p",
         "after a rejection the recovered token is drawn from p instead of the residual max(0, p - q)",
-        "hf_spin/verification.py",
+        "hf_spin/verify/chains.py",
         "dist = torch.where(rejected[:, None] & residual_ok, residual, p_next)",
         "dist = p_next",
         (
@@ -114,7 +114,7 @@ MUTANTS = (
     Mutant(
         "planner_ignores_the_profile",
         "the planner takes every draft slot it is offered whatever the measured costs: slower than plain where verification is expensive",
-        "hf_spin/planner.py",
+        "hf_spin/planning/planner.py",
         "if value / seconds > best_rate:",
         "if True:",
         (
@@ -141,7 +141,7 @@ MUTANTS = (
     Mutant(
         "tree_keeps_the_first_nodes",
         "after a tree verification the target's cache keeps the tree's first nodes instead of the accepted path: later tokens see a branch that was rejected",
-        "hf_spin/tree_step.py",
+        "hf_spin/step/tree_step.py",
         "engine.cache.keep_paths(bases, paths)",
         "engine.cache.keep_paths(bases, [list(range(len(p))) for p in paths])",
         (
@@ -153,7 +153,7 @@ MUTANTS = (
     Mutant(
         "tree_slots_scored_as_a_chain",
         "processors that read token ids (repetition penalty) score a tree's slot after the tree's first tokens instead of the slot's own path",
-        "hf_spin/processors.py",
+        "hf_spin/step/processors.py",
         "before = paths[b][j] if paths is not None else drafts[b][:j]",
         "before = drafts[b][:j]",
         ("tests/test_token_trees.py::test_trees_under_processors_that_read_the_tokens[gpt2]",),
@@ -161,7 +161,7 @@ MUTANTS = (
     Mutant(
         "tree_noise_by_slot",
         "a seeded row's Gumbel noise on a token tree follows the slot index instead of the slot's depth: its tokens change with what was drafted",
-        "hf_spin/tree_step.py",
+        "hf_spin/step/tree_step.py",
         "+ noise[depths]  # [n, V]",
         "+ gumbel_noise(row.request.seed, len(row.generated), len(depths), scores.shape[-1], scores.device)  # [n, V]",
         ("tests/test_token_trees.py::test_seeded_rows_give_the_same_tokens_with_trees_as_with_chains",),
@@ -169,7 +169,7 @@ MUTANTS = (
     Mutant(
         "tree_sampling_skips_the_residual",
         "a token tree's later candidates are tested against p instead of what earlier rejections left: sampled output drifts from the target",
-        "hf_spin/tree_verification.py",
+        "hf_spin/verify/trees.py",
         "r = (r - q).clamp(min=0.0)",
         "r = r.clone()",
         (
@@ -180,7 +180,7 @@ MUTANTS = (
     Mutant(
         "suffix_removal_keeps_deep_counts",
         "evicting an earlier request takes back only its one-token substrings: the index grows past its bound and proposes what it forgot",
-        "hf_spin/suffix_index.py",
+        "hf_spin/drafters/suffix_index.py",
         "for token in sequence[start : start + self.max_depth]:",
         "for token in sequence[start : start + 1]:",
         (
@@ -191,7 +191,7 @@ MUTANTS = (
     Mutant(
         "suffix_learns_nothing_across_calls",
         "rows that end never reach the drafters' end_rows: the suffix index stays empty across requests",
-        "hf_spin/engine.py",
+        "hf_spin/step/engine.py",
         "ended = [b for b, r in enumerate(self.rows) if r.done and r.finish_reason != ERROR]",
         "ended = []",
         (
@@ -213,7 +213,7 @@ MUTANTS = (
     Mutant(
         "planner_values_siblings_as_the_chain",
         "the planner values every node of a token tree at its depth's survival, however unlikely the drafter made it: trees keep unlikely siblings",
-        "hf_spin/planner.py",
+        "hf_spin/planning/planner.py",
         "raw = [chain[d - 1] * w / top[d] if top[d] > 0 else 0.0 for d, w in zip(depths, tree.weights)]",
         "raw = [chain[d - 1] for d, w in zip(depths, tree.weights)]",
         ("tests/test_planning.py::test_trees_are_sized_node_by_node_by_estimated_acceptance",),
@@ -221,7 +221,7 @@ MUTANTS = (
     Mutant(
         "levels_count_their_own_evidence_twice",
         "a position's counts are shrunk toward the pooled acceptance, which already holds them: where one position holds the pool's evidence (a fresh pool), three rejections read as 0.14 and three acceptances as 0.91",
-        "hf_spin/planner.py",
+        "hf_spin/planning/planner.py",
         "prior = (acceptance_with_prior(max(above[0] - a, 0.0), max(above[1] - r, 0.0), *prior), LEVEL_WEIGHT)",
         "prior = (acceptance_with_prior(above[0], above[1], *prior), LEVEL_WEIGHT)",
         ("tests/test_planning.py::test_each_level_reads_its_own_counts_once",),
@@ -229,7 +229,7 @@ MUTANTS = (
     Mutant(
         "request_counted_twice",
         "a request's own acceptance scales the position's in full, though the pool's evidence it is built on may be the request's own: at batch 1 three early rejections read as 0.20 where the pool's levels say 0.34",
-        "hf_spin/planner.py",
+        "hf_spin/planning/planner.py",
         "/ pooled) ** (1.0 - share), 0.999)",
         "/ pooled), 0.999)",
         ("tests/test_planning.py::test_a_request_that_holds_the_pools_evidence_is_not_counted_twice",),
@@ -237,7 +237,7 @@ MUTANTS = (
     Mutant(
         "planner_spreads_catch_ups_on_optimism",
         "the planner spreads every row's catch-up over its steps left, whether or not the row's mean acceptance repays it: a pool made optimistic at batch 1 reads four new prompts at batch 4 for nothing",
-        "hf_spin/planner.py",
+        "hf_spin/planning/planner.py",
         "repaid = [p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)]",
         "repaid = [True for p, ds in zip(repaid, chosen)]",
         ("tests/test_planning.py::test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay",),
@@ -245,7 +245,7 @@ MUTANTS = (
     Mutant(
         "planner_never_explores_past_a_catch_up",
         "a pool still learning a drafter pays no catch-up its prior mean does not repay: on a machine where the prior is marginal, a fresh pool never tries its draft model on a new prompt, and never learns it",
-        "hf_spin/planner.py",
+        "hf_spin/planning/planner.py",
         "repaid = [p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)]",
         "repaid = [p for p, ds in zip(repaid, chosen)]",
         ("tests/test_planning.py::test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay",),

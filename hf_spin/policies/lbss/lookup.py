@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from ..base import BatchView, Plan, Preempt
-from ..estimates import acceptance_with_prior, geometric_tokens
+from ...planning.estimates import acceptance_with_prior, geometric_tokens
 from .pricing import Pricing, goodput
 from .state import PLAIN, Arm, RowState
 

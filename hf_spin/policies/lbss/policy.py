@@ -11,7 +11,7 @@ import numpy as np
 
 from ..base import BatchView, DrafterInfo, DraftLength, Plan, Policy, StepFeedback
 from ..checks import check_per_drafter
-from ..estimates import CostModel, DecayedMean, DraftObservation
+from ...planning.estimates import CostModel, DecayedMean, DraftObservation
 from ..tokens_model import TokensModel
 from .config import LBSSConfig
 from .lookup import Lookup

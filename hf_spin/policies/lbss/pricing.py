@@ -7,7 +7,7 @@ A switch's catch-up is priced apart, once, as a penalty in the matching (docs/lb
 
 from __future__ import annotations
 
-from ..estimates import longest_draft
+from ...planning.estimates import longest_draft
 from .state import PLAIN, LBSSState, RowState
 
 # d log(draft seconds) / d log(parameters): prices a drafter before its first draft from the one

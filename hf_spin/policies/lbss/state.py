@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..base import DrafterInfo, DraftLength
-from ..estimates import CostModel, DecayedMean, RunningMean
+from ...planning.estimates import CostModel, DecayedMean, RunningMean
 from ..tokens_model import TokensModel
 from .config import LBSSConfig
 

@@ -12,10 +12,10 @@ import inspect
 
 import torch
 
-from .cache import CACHE_ARG, CACHE_NAMES, PackedCache, RaggedCache, forward_ragged, needs_contiguous_slots
+from ..cache import CACHE_ARG, CACHE_NAMES, PackedCache, RaggedCache, forward_ragged, needs_contiguous_slots
 from .processors import GenerateBatch
 from .rows import Row
-from .verification import gumbel_noise
+from ..verify.chains import gumbel_noise
 
 # Token id that left-pads the prompts of rows prefilled together; masked, so any valid id works.
 JOIN_PAD_TOKEN = 0

@@ -34,8 +34,8 @@ import threading
 import warnings
 
 from .cost_profile import CostProfile
-from .policies import StepFeedback
-from .policies.estimates import acceptance_with_prior
+from .plan import StepFeedback
+from .estimates import acceptance_with_prior
 
 # Acceptance assumed before any evidence (typical of small same-family drafters and of prompt lookup
 # on text that repeats), and the pseudo-observations behind it.

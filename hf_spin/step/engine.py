@@ -34,21 +34,22 @@ from time import perf_counter
 
 import torch
 
-from . import admission, host_syncs, tree_step
-from .cache import PackedCache, RowCache, forward_ragged
-from .drafters import Drafter
-from .drafters.model import common_prefix_length
+from .. import host_syncs
+from . import admission, tree_step
+from ..cache import PackedCache, RowCache, forward_ragged
+from ..drafters import Drafter
+from ..drafters.model import common_prefix_length
 from .drafting import Drafting
 from .faults import Faults
-from .policies import BatchView, Plan, Policy, StepFeedback
-from .policies.base import shadow_lengths
-from .pool import AssistantPool
+from ..planning.plan import BatchView, Plan, StepFeedback, shadow_lengths
+from ..policies import Policy
+from ..pool import AssistantPool
 from .processors import GenerateBatch, first_scores, row_processors, target_scores
 from .rows import CANCELLED, ERROR, LENGTH, STOPPED, Request, Row
-from .stats import DrafterStats, GenerationStats
+from ..stats import DrafterStats, GenerationStats
 from .stopping import HostStop
-from .token_tree import TokenTree
-from .verification import RowSampling, verify_rows
+from ..verify.token_tree import TokenTree
+from ..verify.chains import RowSampling, verify_rows
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .rows import Row
-from .verification import Verdict
+from ..verify.chains import Verdict
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from .cost_profile import GRID_BUDGET, CostProfile, ForwardCost, measure
+from ..version import __version__
 from .machine import describe
 
 
@@ -30,8 +31,6 @@ def cache_dir() -> Path:
 
 def model_key(model, dtype: torch.dtype | None = None) -> dict:
     """What a model's forward cost depends on (`dtype`: in place of the model's own)."""
-    from . import __version__
-
     config = model.config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
         config.pop(volatile, None)

@@ -29,8 +29,8 @@ from typing import Callable
 
 import torch
 
-from .cache.forward import CACHE_ARG
-from .policies.estimates import DecayedMean, geometric_tokens
+from ..cache.forward import CACHE_ARG
+from .estimates import DecayedMean, geometric_tokens
 
 # Forgetting factor of the online correction per observation at a knot: ~50 observations of memory.
 CORRECTION_DECAY = 0.98

@@ -32,10 +32,10 @@ import torch
 
 from .engine import Proposal, SpinEngine
 from .faults import Faults
-from .micro_batches import MicroBatchCount
-from .pool import AssistantPool
+from ..policies.micro_batches import MicroBatchCount
+from ..pool import AssistantPool
 from .rows import Request, Row
-from .stats import DrafterStats, GenerationStats
+from ..stats import DrafterStats, GenerationStats
 
 # Most micro-batches the heuristic may try.
 MAX_MICRO_BATCHES = 8

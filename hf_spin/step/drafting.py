@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from .drafters import Draft, DraftRequest
-from .policies import Plan
+from ..drafters import Draft, DraftRequest
+from ..planning.plan import Plan
 from .processors import score_rows
-from .token_tree import TokenTree
-from .vote_tree import heaviest_path
+from ..verify.token_tree import TokenTree
+from ..verify.vote_tree import heaviest_path
 
 Proposals = list[dict[int, list[int]]]  # [B] drafter -> its draft for the row
 

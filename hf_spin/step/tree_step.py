@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from .cache import PackedCache, forward_tree, needs_contiguous_slots, takes_4d_masks
+from ..cache import PackedCache, forward_tree, needs_contiguous_slots, takes_4d_masks
 from .processors import ids_free, target_scores
-from .token_tree import TokenTree
-from .tree_verification import decide, walk_greedy, walk_sampling
-from .verification import gumbel_noise
+from ..verify.token_tree import TokenTree
+from ..verify.trees import decide, walk_greedy, walk_sampling
+from ..verify.chains import gumbel_noise
 
 
 def capability(model) -> tuple[bool, bool]:

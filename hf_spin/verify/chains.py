@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .host_syncs import to_device
+from ..host_syncs import to_device
 
 
 @dataclass

@@ -14,7 +14,7 @@ from time import perf_counter
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from .stats import RowStats
+from ..stats import RowStats
 
 # Why a row left the batch (Row.finish_reason).
 LENGTH = "length"  # reached its length limit (max_length / max_new_tokens)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import StepFeedback
+from .plan import StepFeedback
 
 # Forgetting factor of the decayed fits, per observation: costs drift (other work on the device,
 # cache growth) and an effective memory of ~1 / (1 - 0.98) = 50 observations follows that drift

@@ -13,7 +13,7 @@ import copy
 import torch
 from transformers.generation import logits_process as lp
 
-from .host_syncs import to_device
+from ..host_syncs import to_device
 from .rows import Row
 
 # Processors that read only the scores, never the token ids: a whole [B, K + 1, V] block goes through
