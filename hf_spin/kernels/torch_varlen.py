@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from .varlen_attention import _check_inputs
+from .varlen_inputs import check_inputs
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -95,7 +95,7 @@ def varlen_attention_torch(
     Raises NotImplementedError saying why where the installed torch cannot run the call
     (`torch_varlen_unsupported`). num_splits is passed where varlen_attn takes it (it changes only the
     rounding)."""
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, sliding_window)
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, sliding_window)
     reason = torch_varlen_unsupported(q, k, v, causal, tree_mask, seqused_k, sliding_window, softmax_scale)
     if reason is not None:
         raise NotImplementedError(f"varlen_attention_torch: {reason}; use varlen_attention")

@@ -46,48 +46,8 @@ from .varlen_triton import (
     _interpret_requested,
     _varlen_attention_triton,
 )
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, sliding_window=None) -> None:
-    """Shapes, dtypes and devices the kernel and the reference both rely on; errors say what was given."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 3:
-            raise ValueError(f"{name} must be [total, heads, head_dim] (flash-attention varlen layout), got shape {tuple(x.shape)}")
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {x.dtype}; supported: float16, bfloat16, float32")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q and k must share the head dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    if k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"k and v must have the same [total_k, H_kv], got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if cu.ndim != 1 or cu.dtype != torch.int32 or cu.numel() < 1:
-            raise ValueError(f"{name} must be a 1D int32 tensor [B + 1], got shape {tuple(cu.shape)}, dtype {cu.dtype}")
-        if cu.device != q.device:
-            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has {cu_seqlens_k.numel()}; both are [B + 1]")
-    B = cu_seqlens_q.numel() - 1
-    if seqused_k is not None and (seqused_k.shape != (B,) or seqused_k.dtype != torch.int32 or seqused_k.device != q.device):
-        raise ValueError(f"seqused_k must be int32 [B] = [{B}] on {q.device}, got shape {tuple(seqused_k.shape)}, dtype {seqused_k.dtype}, device {seqused_k.device}")
-    if tree_mask is not None and (tree_mask.ndim != 1 or tree_mask.dtype != torch.bool or tree_mask.device != q.device):
-        raise ValueError(
-            f"tree_mask must be a flat bool tensor [sum_b q_len_b ** 2] on {q.device} (see pack_tree_masks), "
-            f"got shape {tuple(tree_mask.shape)}, dtype {tree_mask.dtype}, device {tree_mask.device}"
-        )
-    if sliding_window is not None:
-        if sliding_window < 1:
-            raise ValueError(f"sliding_window must be a positive number of keys, got {sliding_window}")
-        if tree_mask is not None:
-            raise ValueError("sliding_window with a tree_mask is not supported: a tree's tokens are not at consecutive positions")
-
+from .torch_varlen import torch_varlen_unsupported, varlen_attention_torch
+from .varlen_inputs import check_inputs
 
 def cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     """[B] lengths -> [B + 1] int32 cumulative starts (flash-attention's cu_seqlens): [2, 3] -> [0, 2, 5]."""
@@ -141,7 +101,7 @@ def varlen_attention_ref(
     kernel's error is compared with. max_seqlen_q / max_seqlen_k are accepted for signature parity.
     Returns out `[total_q, H, D_v]` (and lse `[total_q, H]` float32 with return_lse).
     """
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, sliding_window)
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, sliding_window)
     total_q, H, D = q.shape
     H_kv, D_v = k.shape[1], v.shape[2]
     scale = softmax_scale if softmax_scale is not None else D**-0.5
@@ -216,7 +176,7 @@ def varlen_attention(
     3. otherwise the reference `varlen_attention_ref` (float32 math).
     Returns out `[total_q, H, D_v]` in q's dtype (and lse `[total_q, H]` float32 with return_lse).
     """
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, sliding_window)
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, sliding_window)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     # 1. the Triton kernel
     if use_triton(q.device):
@@ -231,8 +191,6 @@ def varlen_attention(
             _warn_once(f"{e}: varlen_attention runs the PyTorch reference instead (slower)")
     # 2. flash-attention through torch, without Triton
     elif q.device.type == "cuda":
-        from .torch_varlen import torch_varlen_unsupported, varlen_attention_torch
-
         if torch_varlen_unsupported(q, k, v, causal, tree_mask, seqused_k, sliding_window, softmax_scale) is None:
             return varlen_attention_torch(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
