@@ -1,12 +1,12 @@
 """Step 4 of a step: the drafters' calls for one plan (preempting drafts, served drafts, shadow drafts)
 and the merge of several drafters' drafts into the candidates each row verifies.
 
-    drafting = Drafting(scope, faults, usable, plan, draft_seconds, trees)
-    firsts = drafting.preempt(chosen, ks, proposals, q_of)         # 4a: a preempting drafter drafts first
-    drafting.serve(chosen, ks, proposals, q_of)                    # 4b: each drafter over the rows it serves
-    shadows = drafting.shadows(chosen, firsts)                     # 4c: unverified drafts, for measurement
-    drafts, qs, trees = drafting.merge(proposals, q_of, ks, trees)  # per row: its candidates (a vote's path or tree)
-    drafting.calls                                                 # what each drafter call did, for the engine
+    drafting = Drafting(scope, faults, usable, plan, draft_seconds, use_trees)
+    firsts = drafting.preempt(chosen, ks, proposals, q_of)             # 4a: a preempting drafter drafts first
+    drafting.serve(chosen, ks, proposals, q_of)                        # 4b: each drafter over the rows it serves
+    shadows = drafting.shadows(chosen, firsts)                         # 4c: unverified drafts, for measurement
+    drafts, qs, trees = drafting.merge(proposals, q_of, ks, use_trees)  # per row: candidates, q, a vote's tree
+    drafting.calls                                                     # what each drafter call did, for the engine
 
 Every drafter call goes through `Faults.drafter`, which times it and absorbs its faults; what it did
 (`DrafterCall`) is kept in `calls` for the engine to apply to its drafter stats and usable flags.
