@@ -23,7 +23,8 @@ Each row has its own parameters (`rows.Request`): processors (processors.py), st
 length limit, greedy or sampled, its own seed. `propose` (steps 3-4) and `verify` (steps 5-7) are
 separate so that a pipeline (pipeline.py) can draft one micro-batch while it verifies another. What
 a fault costs (a drafter, the target, one row) is faults.py's business: each guarded call there
-returns what the happy path needs.
+returns what the happy path needs. The helpers (drafting.py, faults.py, tree_step.py) get what they
+read as arguments and return what happened (`DrafterCall`s); the engine alone updates its own state.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..cache import PackedCache, RowCache, forward_ragged
 from ..drafters import Drafter
 from ..drafters.model import common_prefix_length
 from .drafting import Drafting
-from .faults import Faults
+from .faults import DrafterCall, DrafterScope, Faults
 from ..planning.plan import BatchView, Plan, StepFeedback, shadow_lengths
 from ..policies import Policy
 from ..pool import AssistantPool
@@ -81,6 +82,8 @@ class SpinEngine:
         the policy can tell a new request from one it has seen).
     defer_idle_prefill: run step 7 (idle drafters catching up) at the start of the next `propose`
         instead of at the end of `verify`, so that in a pipeline only the drafting thread runs drafters.
+    faults: the fault policy (default `Faults(isolate_faults)`; a pipeline's lanes call drafters on
+        its drafting stream).
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class SpinEngine:
         policy: Policy | None = None,
         row_ids=None,
         defer_idle_prefill: bool = False,
+        faults: Faults | None = None,
     ):
         self.model = model
         self.pool = pool
@@ -109,7 +113,7 @@ class SpinEngine:
         self.tree_capability = tree_step.capability(model) if self.tree is not False else (False, False)
         self.planner = pool.planner if pool is not None else None  # sizes drafts from measured costs; None: profile "off"
         self.isolate_faults = isolate_faults
-        self.faults = Faults(self, isolate_faults)
+        self.faults = faults if faults is not None else Faults(isolate_faults)
         self.defer_idle_prefill = defer_idle_prefill
         self.usable = [True] * len(self.drafters)  # False: dropped after a failure (generate's contract)
         self.drafter_stats = {name: DrafterStats() for name in self.names}
@@ -219,10 +223,12 @@ class SpinEngine:
             if not self.usable[d_idx]:
                 continue
             if self.drafters_started:
-                self.faults.drafter(d_idx, lambda: drafter.add_rows(sequences), new_positions)
+                self._call_drafter(d_idx, lambda: drafter.add_rows(sequences), new_positions)
             else:
                 # the target's cache right after its prefill: a self-speculating drafter copies its exact KV
-                self.faults.drafter(d_idx, lambda: drafter.start(self.model, sequences, target_cache=self.cache), new_positions)
+                self._call_drafter(
+                    d_idx, lambda: drafter.start(self.model, sequences, target_cache=self.cache), new_positions
+                )
         self.drafters_started = True
         if self.policy is not None:
             self.policy.start_rows(self._view(), new_positions)
@@ -245,7 +251,7 @@ class SpinEngine:
             outputs = [self.rows[b].generated for b in ended]
             for d_idx, d in enumerate(self.drafters):
                 if self.usable[d_idx]:
-                    self.faults.drafter(d_idx, lambda: d.end_rows(ended, outputs), [])
+                    self._call_drafter(d_idx, lambda: d.end_rows(ended, outputs), [])
         kept = [b for b, r in enumerate(self.rows) if not r.done]
         self.rows = [self.rows[b] for b in kept]
         if not kept:  # an empty batch starts afresh: caches dropped, drafters restarted by the next admission
@@ -258,7 +264,7 @@ class SpinEngine:
         self.cache.select_rows(index)
         for d_idx, d in enumerate(self.drafters):
             if self.usable[d_idx]:
-                self.faults.drafter(d_idx, lambda: d.select_rows(index), [])
+                self._call_drafter(d_idx, lambda: d.select_rows(index), [])
 
 
     # -- 3-4. Plan and draft ----------------------------------------------------------------------------
@@ -285,8 +291,8 @@ class SpinEngine:
         # 4. Draft: a preempting drafter first (4a), then each drafter over the rows it serves (4b), shadow
         #    drafts for measurement (4c); rows with several drafters take their vote tree: whole where trees are usable
         #    (tree_step.usable), else its heaviest path.
-        use_trees = tree_step.usable(self)
-        drafting = Drafting(self, plan, draft_seconds, use_trees)
+        use_trees = tree_step.usable(self.tree, self.tree_capability, self.cache)
+        drafting = Drafting(self._drafter_scope(), self.faults, self.usable, plan, draft_seconds, use_trees)
         proposals: list[dict[int, list[int]]] = [{} for _ in range(B)]  # [B] drafter -> its draft
         q_of: list[dict[int, torch.Tensor | None]] = [{} for _ in range(B)]  # [B] drafter -> its q
         firsts = drafting.preempt(chosen, ks, proposals, q_of)
@@ -294,6 +300,7 @@ class SpinEngine:
         shadows = drafting.shadows(chosen, firsts)
         drafts, qs, trees = drafting.merge(proposals, q_of, ks, use_trees, None if self.tree == "auto" else self.tree)
         match_lengths = drafting.match_lengths
+        self._apply(drafting.calls)
         if self.planner is not None:  # verify what pays of each draft, a tree node by node (drafting is paid for)
             keep, values = self.planner.trim([r.id for r in rows], drafts, chosen, match_lengths, self._padded, trees)
             trees = [t.pruned(k, by=v) if t is not None else None for t, k, v in zip(trees, keep, values)]
@@ -309,7 +316,8 @@ class SpinEngine:
         start = perf_counter()
         if proposal.trees is not None:
             trees = [t if t is not None else TokenTree.chain(d) for t, d in zip(proposal.trees, proposal.drafts)]
-            verified = tree_step.verify(self, trees)
+            target = tree_step.TargetStep(rows, self.model, self.cache, self.faults, self._running_batch())
+            verified = tree_step.verify(target, trees)
             if verified is None:
                 return
             paths, next_tokens, tree_scores = verified
@@ -318,12 +326,15 @@ class SpinEngine:
             row_scores = [tree_step.path_scores(tree_scores[b], p) for b, p in enumerate(paths)]  # [B] [len + 1, V]
         else:
             chunks = [[r.sequence[-1]] + proposal.drafts[b] for b, r in enumerate(rows)]
-            target_logits = self.faults.target_forward(self._forward_target, chunks)  # [B, K + 1, V], or None when every row failed
+            # [B, K + 1, V], or None when every row failed
+            target_logits = self.faults.target_forward(self.cache, rows, self._forward_target, chunks)
             if target_logits is None:
                 return
             scores = target_scores(rows, self._running_batch(), target_logits, proposal.drafts, self.faults.row)  # [B, K + 1, V]
             sampling = [RowSampling(r.request.do_sample, r.request.seed, len(r.generated)) for r in rows]
-            verdict = self.faults.verdict(lambda idx: verify_rows(idx, sampling, scores, proposal.drafts, proposal.qs), scores.device)
+            verdict = self.faults.verdict(
+                rows, lambda idx: verify_rows(idx, sampling, scores, proposal.drafts, proposal.qs), scores.device
+            )
             accepted, next_tokens = torch.stack([verdict.accepted, verdict.next_token]).tolist()  # the step's one read of the device
             kept = [d[:a] for d, a in zip(proposal.drafts, accepted)]
             row_scores = list(scores)
@@ -423,11 +434,36 @@ class SpinEngine:
         return stops if stops is not None else bool(criteria(row.as_tensor(), scores).any())
 
     def _prefill_idle(self, prefill: dict[int, list[int]], draft_seconds: list[float]) -> None:
+        """Drafter -> batch rows (indices) it catches up on; its time added to `draft_seconds`."""
         sequences = [r.sequence for r in self.rows]
-        for d_idx, rows in prefill.items():
-            rows = [b for b in rows if d_idx not in self.rows[b].banned]
-            if self.usable[d_idx] and rows:
-                self.faults.drafter(d_idx, lambda: self.drafters[d_idx].prefill(rows, sequences), rows, draft_seconds)
+        for d_idx, wanted in prefill.items():
+            bs = [b for b in wanted if d_idx not in self.rows[b].banned]
+            if self.usable[d_idx] and bs:
+                call = self._call_drafter(d_idx, lambda: self.drafters[d_idx].prefill(bs, sequences), bs)
+                if call.ok:
+                    draft_seconds[d_idx] += call.seconds
+
+    # -- drafter calls: guarded by the fault policy, what they did applied here ---------------------------
+    def _drafter_scope(self) -> DrafterScope:
+        return DrafterScope(self.drafters, self.names, self.rows, self.model, self.drafters_started)
+
+    def _call_drafter(self, d_idx: int, fn, served: list[int]) -> DrafterCall:
+        """fn(), a call of drafter d_idx over the batch rows `served`, guarded (`Faults.drafter`) and applied."""
+        call = self.faults.drafter(self._drafter_scope(), d_idx, fn, served)
+        self._apply([(d_idx, call)])
+        return call
+
+    def _apply(self, calls: list[tuple[int, DrafterCall]]) -> None:
+        """What drafter calls did: their time or failure in the drafter's stats; a dropped drafter is
+        unusable for the rest of the call."""
+        for d_idx, call in calls:
+            stats = self.drafter_stats[self.names[d_idx]]
+            if call.ok:
+                stats.draft_seconds += call.seconds
+            else:
+                stats.failures += 1
+            if call.dropped:
+                self.usable[d_idx] = False
 
     # -- what the policy sees --------------------------------------------------------------------------
     def _view(self) -> BatchView:

@@ -143,15 +143,15 @@ class _Streams:
 class _LaneFaults(Faults):
     """A lane's fault policy with every drafter call on the drafting stream (`_Streams.run`)."""
 
-    def __init__(self, engine, isolate: bool, streams: _Streams):
-        super().__init__(engine, isolate)
+    def __init__(self, isolate: bool, streams: _Streams):
+        super().__init__(isolate)
         self.streams = streams
 
-    def drafter(self, d_idx, fn, *args, **kwargs):
-        return super().drafter(d_idx, lambda: self.streams.run(fn), *args, **kwargs)
+    def drafter(self, scope, d_idx, fn, *args, **kwargs):
+        return super().drafter(scope, d_idx, lambda: self.streams.run(fn), *args, **kwargs)
 
-    def _rebuild(self, d_idx: int) -> None:
-        self.streams.run(lambda: super(_LaneFaults, self)._rebuild(d_idx))
+    def rebuild(self, scope, d_idx: int) -> bool:
+        return self.streams.run(lambda: super(_LaneFaults, self).rebuild(scope, d_idx))
 
 
 class Pipeline:
@@ -284,8 +284,8 @@ class Pipeline:
             drafters=drafters,
             policy=self.policy,
             defer_idle_prefill=True,
+            faults=_LaneFaults(self.isolate_faults, self.streams),
         )
-        lane.faults = _LaneFaults(lane, self.isolate_faults, self.streams)
         return lane
 
     def _between_steps(self, lane: SpinEngine) -> None:

@@ -10,10 +10,15 @@ tree with one child per node, so such a step has one way to verify every row.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from ..cache import PackedCache, forward_tree, needs_contiguous_slots, takes_4d_masks
-from .processors import ids_free, target_scores
+from ..cache import PackedCache, RowCache, forward_tree, needs_contiguous_slots, takes_4d_masks
+from .faults import Faults
+from .processors import GenerateBatch, ids_free, target_scores
+from .rows import Row
 from ..verify.token_tree import TokenTree
 from ..verify.trees import decide, walk_greedy, walk_sampling
 from ..verify.chains import gumbel_noise
@@ -26,28 +31,44 @@ def capability(model) -> tuple[bool, bool]:
     return slots_free, slots_free and takes_4d_masks(model)
 
 
-def usable(engine) -> bool:
-    """Whether this step may verify trees (module docstring)."""
-    return engine.tree is not False and engine.tree_capability[0 if isinstance(engine.cache, PackedCache) else 1]
+def usable(tree, capability: tuple[bool, bool], cache: RowCache | None) -> bool:
+    """Whether this step may verify trees (module docstring): the pool's `tree` setting, the model's
+    `capability` and the target's cache."""
+    return tree is not False and capability[0 if isinstance(cache, PackedCache) else 1]
 
 
-def verify(engine, trees: list[TokenTree]) -> tuple[list[list[int]], list[int], torch.Tensor] | None:
+@dataclass
+class TargetStep:
+    """What a tree verification reads and touches: the active rows (a row that fails is failed in
+    place, `Row.fail`), the target, its cache (the trees appended, then each row's accepted path kept),
+    the fault policy of the forward and of each row's scoring, and the `generate` batch when every row
+    belongs to it (the processors' whole-batch fast path), else None."""
+
+    rows: list[Row]
+    model: Any
+    cache: RowCache
+    faults: Faults
+    batch: GenerateBatch | None
+
+
+def verify(target: TargetStep, trees: list[TokenTree]) -> tuple[list[list[int]], list[int], torch.Tensor] | None:
     """One forward over [last committed token] + tree per row; returns (accepted path per row, next
     token per row, processed scores `[B, 1 + N_max, V]`), the target's cache holding the root and the
     accepted path of every row; None when every row failed in the forward."""
-    rows = engine.rows
+    rows = target.rows
     bases = [len(r.sequence) - 1 for r in rows]  # tokens in the target's cache: all committed but the last
     chunks = [[r.sequence[-1]] + tree.tokens for r, tree in zip(rows, trees)]
 
     def forward(fed: list[list[int]]) -> torch.Tensor:
-        return forward_tree(engine.model, engine.cache, [c[0] if c else None for c in fed], trees).to(dtype=torch.float32)
+        roots = [c[0] if c else None for c in fed]
+        return forward_tree(target.model, target.cache, roots, trees).to(dtype=torch.float32)
 
-    logits = engine.faults.target_forward(forward, chunks)  # [B, 1 + N_max, V]
+    logits = target.faults.target_forward(target.cache, rows, forward, chunks)  # [B, 1 + N_max, V]
     if logits is None:
         return None
     reads_ids = any(len(r.request.processors) and not ids_free(r.request.processors) for r in rows)
     before = [[[]] + [[tree.tokens[n] for n in tree.path(i)] for i in range(len(tree))] for tree in trees] if reads_ids else None  # [B] draft tokens before each slot
-    scores = target_scores(rows, engine._running_batch(), logits, [t.tokens for t in trees], engine.faults.row, before)
+    scores = target_scores(rows, target.batch, logits, [t.tokens for t in trees], target.faults.row, before)
     sampled = [b for b, r in enumerate(rows) if r.request.do_sample and r.request.seed is None and not r.done]
     parts = [_argmax(rows, trees, scores).reshape(-1)]  # [B * T] every slot's argmax (perturbed for seeded rows)
     for b in sampled:
@@ -67,7 +88,7 @@ def verify(engine, trees: list[TokenTree]) -> tuple[list[list[int]], list[int], 
             verdict = walk_greedy(best[b], tree)
         paths.append([] if row.done else verdict.path)
         next_tokens.append(verdict.next_token)
-    engine.cache.keep_paths(bases, paths)
+    target.cache.keep_paths(bases, paths)
     return paths, next_tokens, scores
 
 

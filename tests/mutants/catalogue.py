@@ -142,8 +142,8 @@ MUTANTS = (
         "tree_keeps_the_first_nodes",
         "after a tree verification the target's cache keeps the tree's first nodes instead of the accepted path: later tokens see a branch that was rejected",
         "hf_spin/step/tree_step.py",
-        "engine.cache.keep_paths(bases, paths)",
-        "engine.cache.keep_paths(bases, [list(range(len(p))) for p in paths])",
+        "target.cache.keep_paths(bases, paths)",
+        "target.cache.keep_paths(bases, [list(range(len(p))) for p in paths])",
         (
             "tests/test_token_trees.py::test_trees_equal_plain_generate[glm4-4-vote-packed]",
             "tests/test_token_trees.py::test_trees_equal_plain_generate[phi3-4-lookup-packed]",
