@@ -8,7 +8,9 @@ take the row when their draft is long enough (preempt)). After the step the poli
 happened (`StepFeedback`). A policy never touches a model or a cache, so policies are tested on simulated drafters (tests/sim.py).
 
 A policy is two decisions composed: *selection* (`Policy.select`: who drafts for which row) and
-*draft length* (a `DraftLength` rule: how many tokens that drafter proposes).
+*draft length* (a `DraftLength` rule: the most tokens that drafter proposes). A plan's k is a cap:
+`planning.planner.plan_k` decides each row's k within it and the row's room (the planner sizing it
+from measured costs where a profile exists).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ DEFAULT_MIN_CONFIDENCE = 0.4
 
 
 class DraftLength(ABC):
-    """How many tokens a drafter proposes for a row (and how confident each must be)."""
+    """The most tokens a drafter proposes for a row (the cap `plan_k` sizes within), and how
+    confident each must be."""
 
     min_confidence: float = 0.0  # see Plan.min_confidence
 
@@ -38,7 +41,7 @@ class DraftLength(ABC):
 
     @abstractmethod
     def k(self, drafter: int, row: int, view: BatchView) -> int:
-        """Draft length for `drafter` serving batch row `row`."""
+        """Draft length cap for `drafter` serving batch row `row`."""
 
     def update(self, feedback: StepFeedback) -> None:
         """Learn from a step; fixed lengths do not."""
