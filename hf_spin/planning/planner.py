@@ -71,14 +71,14 @@ class Acceptance:
     Three levels, each the prior of the next: the drafter's pooled acceptance (prior PRIOR_ACCEPTANCE),
     per position (LEVEL_WEIGHT pseudo-observations of the pooled value), per position and match-length
     bucket for drafters that report matches (prompt lookup). A level's prior is read from the level
-    above without the level's own counts, which it holds too: where one position holds all the
-    evidence (a fresh pool's first drafts), its counts are read once. Then the request: its own pooled
-    acceptance with the drafter (LEVEL_WEIGHT pseudo-observations of the drafter's), as a factor on
-    the position's (code copies well, open chat does not), raised to the part of the pool's evidence
-    that is not the request's: the levels above already hold the request's own observations, and at
-    batch 1 the pool's recent evidence is mostly the running request's, so a full factor would count
-    them twice (three early rejections would read as 0.20 where the levels above say 0.34). Counts decay by
-    SURVIVAL_DECAY per step; a request's are dropped once decayed to nothing (it ended)."""
+    above without the level's own counts, which the level above holds too: so every observation is
+    read once, also where one position holds all the evidence (a fresh pool's first drafts). Then the
+    request: its own pooled acceptance with the drafter (LEVEL_WEIGHT pseudo-observations of the
+    drafter's), as a factor on the position's (code copies well, open chat does not), raised to the
+    part of the pool's evidence that is not the request's: the levels above already hold the
+    request's own observations (at batch 1 the pool's recent evidence is mostly the running
+    request's), and a full factor would count them twice. Counts decay by SURVIVAL_DECAY per step;
+    a request's are dropped once decayed to nothing (it ended)."""
 
     def __init__(self, num_drafters: int):
         self.pooled = [[0.0, 0.0] for _ in range(num_drafters)]  # [accepted, rejected]
