@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 from .cost_profile import CostProfile
 from .plan import StepFeedback
