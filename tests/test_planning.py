@@ -19,7 +19,7 @@ import torch
 import hf_spin
 from hf_spin.planning.cost_profile import CostProfile, ForwardCost, measure
 from hf_spin.drafters import Draft, Drafter
-from hf_spin.planning.planner import LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance, Planner
+from hf_spin.planning.planner import LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance, Planner, plan_k
 from hf_spin.planning.estimates import acceptance_with_prior
 from hf_spin.planning.profiling import build_profile
 from hf_spin.verify.token_tree import TokenTree
@@ -371,6 +371,51 @@ def test_trees_are_sized_node_by_node_by_estimated_acceptance():
         wide.add(-1, token, weight=w)
     _, values = flat_planner.trim([0], [wide.tokens], [(0,)], [{}], padded=False, trees=[wide])
     assert values[0] == pytest.approx([0.4, 0.35, 0.25]) and sum(values[0]) <= 1.0
+
+
+class Varying(hf_spin.policies.DraftLength):
+    """A cap that changes with the step and the row: 1..6."""
+
+    def k(self, drafter, row, view):
+        return 1 + (view.step + 2 * row) % 6
+
+
+@pytest.mark.parametrize("profile", ["flat", "off"])
+def test_no_step_drafts_past_the_policys_cap_or_the_rows_room(profile, monkeypatch):
+    """`plan_k` owns k: whatever the planner, every draft a step verifies (a tree: its depth) is at
+    most the policy's k for the row and the draft tokens the row has room for before its length limit."""
+    target, prompts, plain, refs = case(batch=3, new_tokens=15)
+    clock = CostClock()
+    clock.hook(target, table(flat))
+    costs = profile_of(table(flat), [None], ["scripted"]) if profile == "flat" else "off"
+    pool = hf_spin.AssistantPool([Scripted(refs, [0.9, 0.6, 0.3])], draft_length=Varying(), profile=costs)
+    seen = []  # (draft length, policy's cap, row's room, planned length) per row and step
+    propose = hf_spin.step.engine.SpinEngine.propose
+
+    def checked(engine):
+        rooms = [r.draft_room for r in engine.rows]
+        proposal = propose(engine)
+        trees = proposal.trees or [None] * len(rooms)
+        for b, (draft, tree) in enumerate(zip(proposal.drafts, trees)):
+            length = max(tree.depths(), default=0) if tree is not None else len(draft)
+            seen.append((length, proposal.plan.k[b], rooms[b], proposal.ks[b]))
+        return proposal
+
+    monkeypatch.setattr(hf_spin.step.engine.SpinEngine, "propose", checked)
+    out = run(target, prompts, pool, clock, monkeypatch, new_tokens=15)
+    assert torch.equal(out, plain)
+    assert all(length <= k <= min(cap, room) for length, cap, room, k in seen), seen
+    assert any(length == cap < room for length, cap, room, _ in seen)  # the policy's cap binds
+    assert any(length == room < cap for length, cap, room, _ in seen)  # the row's room binds
+
+
+def test_plan_k_caps_by_the_policy_and_the_room_with_or_without_a_planner():
+    caps, rooms, chosen = [8, 8, 3, 5], [2, 9, 9, 9], [(0,), (0,), (0,), ()]
+    assert plan_k(caps, rooms, chosen) == [2, 8, 3, 0]
+    flat_planner = Planner(profile_of(table(flat), [None], ["lookup"]))
+    assert plan_k(caps, rooms, chosen, flat_planner, [0, 1, 2, 3], lambda: [{}] * 4, padded=False) == [2, 8, 3, 0]
+    linear_planner = Planner(profile_of(table(linear), [None], ["lookup"]))
+    assert plan_k(caps, rooms, chosen, linear_planner, [0, 1, 2, 3], lambda: [{}] * 4, padded=False) == [0, 0, 0, 0]
 
 
 def test_profile_argument_is_checked():

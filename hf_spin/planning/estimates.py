@@ -187,8 +187,11 @@ def longest_draft(k: int, fill: float, rows: float) -> float:
 
 
 class CostModel:
-    """Step costs learned from `StepFeedback`; once the pool's `CostProfile` is attached
-    (`Policy.attach_profile`), its measured costs answer instead of the fits below.
+    """The step costs every policy reads (`Policy.costs`), one interface whether or not a cost
+    profile exists: once the pool's `CostProfile` is attached (`attach`, from `Policy.attach_profile`)
+    it answers verify, plain and model-drafter costs; without one (profile "off"), and for what it does
+    not measure (model-free drafters' costs, catch-ups, plain-step ages), the fits below, learned from
+    every step's `StepFeedback`.
 
     verify: per batch-size bucket and overall, t_verify(N) (see `VerifyFit`; N = the token positions
     the forward ran, `StepFeedback.verified_tokens`); and, per bucket, how far steps that drafted
@@ -212,6 +215,11 @@ class CostModel:
         self.draft = [DecayedLeastSquares(2) for _ in range(num_drafters)]  # f, t
         self.catch_up = [DecayedMean() for _ in range(num_drafters)]  # c
         self.profile = None  # the pool's CostProfile, once attached: it answers for the fits below
+
+    def attach(self, profile) -> None:
+        """Answer from `profile` (a `CostProfile`: measured, refined online) where it measures, from
+        the fits elsewhere. The fits keep learning meanwhile."""
+        self.profile = profile
 
     def update(self, feedback: StepFeedback, switch_tokens: list[float] | None = None) -> None:
         B = feedback.batch_size

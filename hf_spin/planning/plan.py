@@ -60,7 +60,7 @@ class Plan:
     """
 
     drafters: list[tuple[int, ...]]  # [B] drafter indices per row: () plain, (d,) one, several: vote
-    k: list[int]  # [B] draft length per row (an upper bound: a drafter may propose fewer)
+    k: list[int]  # [B] the most draft tokens per row: a cap (`planner.plan_k` sizes within it)
     min_confidence: float = 0.0  # a model drafter stops a row once q(proposed token) < this
     vote_weights: list[float] | None = None  # [num_drafters] weights of the vote tree, when voting
     prefill: dict[int, list[int]] = field(default_factory=dict)  # idle drafter -> batch rows to catch up

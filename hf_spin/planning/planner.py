@@ -1,8 +1,8 @@
 """The planner: how many tokens each row drafts and verifies, from measured costs and learned survival.
 
-Policies choose drafters; the planner sizes. Every step, twice (docs/planning.md):
+Policies choose drafters and cap k; the planner sizes within the cap. Every step, twice (docs/planning.md):
 
-    ks = planner.size(row_ids, lags, rooms, chosen, caps, padded)     # before drafting: k per row, 0 allowed
+    ks = plan_k(caps, rooms, chosen, planner, row_ids, lags, padded)  # before drafting: k per row, 0 allowed
     keep, _ = planner.trim(row_ids, drafts, chosen, matches, padded, trees)  # after: how much of each draft (or tree) to verify
 
 Both maximise the step's expected committed tokens per second,
@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+from collections.abc import Callable
 
 from .cost_profile import CostProfile
 from .plan import StepFeedback
@@ -70,14 +71,14 @@ class Acceptance:
     Three levels, each the prior of the next: the drafter's pooled acceptance (prior PRIOR_ACCEPTANCE),
     per position (LEVEL_WEIGHT pseudo-observations of the pooled value), per position and match-length
     bucket for drafters that report matches (prompt lookup). A level's prior is read from the level
-    above without the level's own counts, which it holds too: where one position holds all the
-    evidence (a fresh pool's first drafts), its counts are read once. Then the request: its own pooled
-    acceptance with the drafter (LEVEL_WEIGHT pseudo-observations of the drafter's), as a factor on
-    the position's (code copies well, open chat does not), raised to the part of the pool's evidence
-    that is not the request's: the levels above already hold the request's own observations, and at
-    batch 1 the pool's recent evidence is mostly the running request's, so a full factor would count
-    them twice (three early rejections would read as 0.20 where the levels above say 0.34). Counts decay by
-    SURVIVAL_DECAY per step; a request's are dropped once decayed to nothing (it ended)."""
+    above without the level's own counts, which the level above holds too: so every observation is
+    read once, also where one position holds all the evidence (a fresh pool's first drafts). Then the
+    request: its own pooled acceptance with the drafter (LEVEL_WEIGHT pseudo-observations of the
+    drafter's), as a factor on the position's (code copies well, open chat does not), raised to the
+    part of the pool's evidence that is not the request's: the levels above already hold the
+    request's own observations (at batch 1 the pool's recent evidence is mostly the running
+    request's), and a full factor would count them twice. Counts decay by SURVIVAL_DECAY per step;
+    a request's are dropped once decayed to nothing (it ended)."""
 
     def __init__(self, num_drafters: int):
         self.pooled = [[0.0, 0.0] for _ in range(num_drafters)]  # [accepted, rejected]
@@ -201,7 +202,8 @@ class Planner:
         return ks
 
     def size(self, row_ids: list[int], lags: list[dict[int, int]], rooms: list[int | None], chosen: list[tuple[int, ...]], caps: list[int], padded: bool) -> list[int]:
-        """[B] draft length per row before drafting, at most `caps` ([B], the policy's k), 0 allowed.
+        """[B] draft length per row before drafting, at most `caps` ([B], the policy's k already
+        capped by the row's room: `plan_k`, which calls this), 0 allowed.
         lags: [B] drafter -> committed tokens its state lacks (`Drafter.synced`); rooms: [B] tokens
         each row may still generate (None: unknown)."""
         with self.lock:
@@ -304,3 +306,33 @@ class Planner:
         self.steps += 1
         if self.steps % 64 == 0:  # the profile has been refined: judge the drafters again
             self.judge()
+
+
+def plan_k(
+    caps: list[int],
+    rooms: list[int],
+    chosen: list[tuple[int, ...]],
+    planner: Planner | None = None,
+    row_ids: list[int] | None = None,
+    lags: Callable[[], list[dict[int, int]]] | None = None,
+    padded: bool = True,
+) -> list[int]:
+    """[B] how many tokens each row drafts this step: the one place a step's k is decided, with a
+    cost profile or without one (profile "off": no planner).
+
+    The rule: row b drafts at most min(caps[b], rooms[b]) tokens, and the planner sizes within that.
+    - caps ([B], `Plan.k`): the policy's k is an upper bound, never a demand;
+    - rooms ([B], `Row.draft_room`): the draft tokens a row may still verify before its length limit
+      (the recovered or bonus token must fit too), so no step generates past it;
+    - planner: picks each row's k in [0, cap] from measured costs and learned survival (`Planner.size`:
+      0 where a plain step pays more); without one the cap is the k.
+    A row no drafter serves (chosen[b] empty) drafts 0. row_ids, lags (called only with a planner:
+    [B] drafter -> committed tokens its state lacks) and padded are what `Planner.size` reads. After
+    drafting, `Planner.trim` may only shorten a draft.
+    """
+    ks = [max(0, min(cap, room)) if ds else 0 for cap, room, ds in zip(caps, rooms, chosen)]
+    if planner is None:
+        return ks
+    sized = planner.size(row_ids, lags(), [room + 1 for room in rooms], chosen, ks, padded)
+    assert all(0 <= k <= cap for k, cap in zip(sized, ks)), f"the planner sized {sized} past the caps {ks}"
+    return sized

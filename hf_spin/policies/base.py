@@ -8,13 +8,16 @@ take the row when their draft is long enough (preempt)). After the step the poli
 happened (`StepFeedback`). A policy never touches a model or a cache, so policies are tested on simulated drafters (tests/sim.py).
 
 A policy is two decisions composed: *selection* (`Policy.select`: who drafts for which row) and
-*draft length* (a `DraftLength` rule: how many tokens that drafter proposes).
+*draft length* (a `DraftLength` rule: the most tokens that drafter proposes). A plan's k is a cap:
+`planning.planner.plan_k` decides each row's k within it and the row's room (the planner sizing it
+from measured costs where a profile exists).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from ..planning.cost_profile import CostProfile
 from ..planning.estimates import CostModel
 from ..planning.plan import BatchView, DrafterInfo, Plan, Preempt, StepFeedback, shadow_lengths
 
@@ -29,16 +32,21 @@ DEFAULT_MIN_CONFIDENCE = 0.4
 
 
 class DraftLength(ABC):
-    """How many tokens a drafter proposes for a row (and how confident each must be)."""
+    """The most tokens a drafter proposes for a row (the cap `plan_k` sizes within), and how
+    confident each must be."""
 
     min_confidence: float = 0.0  # see Plan.min_confidence
 
     def bind(self, drafters: list[DrafterInfo]) -> None:
         """Called once by the pool with its drafters."""
 
+    def use_costs(self, costs: CostModel) -> None:
+        """The step costs to read: the policy's `CostModel` (called by `Policy.bind`). Rules that
+        read no costs ignore it."""
+
     @abstractmethod
     def k(self, drafter: int, row: int, view: BatchView) -> int:
-        """Draft length for `drafter` serving batch row `row`."""
+        """Draft length cap for `drafter` serving batch row `row`."""
 
     def update(self, feedback: StepFeedback) -> None:
         """Learn from a step; fixed lengths do not."""
@@ -59,23 +67,28 @@ class FixedLength(DraftLength):
 
 
 class Policy(ABC):
-    """Selection (subclasses) plus a `DraftLength` rule; `plan` composes them."""
+    """Selection (subclasses) plus a `DraftLength` rule; `plan` composes them.
+
+    `costs`: the one `CostModel` the policy and its draft length rule read (what a step, a draft, a
+    catch-up costs), learned from every step by `update`; it answers from the pool's `CostProfile`
+    once `attach_profile` gives it one, so no policy asks whether a profile exists."""
 
     def __init__(self, draft_length: DraftLength | None = None):
         self.draft_length = draft_length or FixedLength()
         self.drafters: list[DrafterInfo] = []
+        self.costs = CostModel(0)
 
     def bind(self, drafters: list[DrafterInfo]) -> None:
         """Called once by the pool with its drafters, before any call."""
         self.drafters = list(drafters)
+        self.costs = CostModel(len(self.drafters))
         self.draft_length.bind(self.drafters)
+        self.draft_length.use_costs(self.costs)
 
-    def attach_profile(self, profile) -> None:
-        """Read step costs from the pool's `CostProfile` (measured, refined online) instead of fits
-        of the policy's own: every `CostModel` it or its draft length rule keeps."""
-        for costs in (getattr(self, "costs", None), getattr(self.draft_length, "costs", None)):
-            if isinstance(costs, CostModel):
-                costs.profile = profile
+    def attach_profile(self, profile: CostProfile) -> None:
+        """Step costs from the pool's `CostProfile` (measured, refined online) from now on
+        (`CostModel.attach`); without this call (profile "off") they come from online fits."""
+        self.costs.attach(profile)
 
     def start_rows(self, view: BatchView, rows: list[int]) -> None:
         """Batch rows `rows` of `view` are new requests (the start of a call, or rows joining)."""
@@ -92,8 +105,15 @@ class Policy(ABC):
         k = [max((self.draft_length.k(d, b, view) for d in ds), default=0) for b, ds in enumerate(chosen)]
         return Plan(drafters=chosen, k=k, min_confidence=self.draft_length.min_confidence)
 
+    def catch_up_tokens(self, feedback: StepFeedback) -> list[float] | None:
+        """[num_drafters] tokens each drafter caught up on in the step (a switch, a pre-fill), for
+        `costs` to price a catch-up; None: not tracked (called once a step, by `update`)."""
+        return None
+
     def update(self, feedback: StepFeedback) -> None:
-        """Learn from a step. Subclasses that learn call super().update(feedback) too."""
+        """Learn from a step: the step costs, the draft length rule. Subclasses that learn call
+        super().update(feedback) too."""
+        self.costs.update(feedback, self.catch_up_tokens(feedback))
         self.draft_length.update(feedback)
 
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import BatchView, DrafterInfo, DraftLength, Policy, StepFeedback
+from .base import BatchView, DraftLength, Policy, StepFeedback
 from .checks import check_float, check_int
-from ..planning.estimates import CostModel, RunningMean
+from ..planning.estimates import RunningMean
 
 
 @dataclass
@@ -37,12 +37,7 @@ class EpsilonGreedyPolicy(Policy):
         self.config = config or EpsilonGreedyConfig()
         self.rng = np.random.default_rng(self.config.seed)
         self.means: dict[int, list[RunningMean]] = {}  # row id -> [num_drafters] goodput means
-        self.costs = CostModel(0)
         self.explored: list[bool] = []  # [B] rows that explored in the latest step (for inspection)
-
-    def bind(self, drafters: list[DrafterInfo]) -> None:
-        super().bind(drafters)
-        self.costs = CostModel(len(drafters))
 
     def start_rows(self, view: BatchView, rows: list[int]) -> None:
         for b in rows:
@@ -82,7 +77,6 @@ class EpsilonGreedyPolicy(Policy):
 
     def update(self, feedback: StepFeedback) -> None:
         super().update(feedback)
-        self.costs.update(feedback)
         for b, rid in enumerate(feedback.row_ids):
             ds = feedback.plan.drafters[b]
             t = feedback.measured_row_seconds(b)

@@ -264,7 +264,8 @@ class GoodputLength(DraftLength):
     def __init__(self, config: GoodputLengthConfig | None = None):
         self.config = config or GoodputLengthConfig()
         self.min_confidence = self.config.min_confidence
-        self.costs = CostModel(num_drafters=0)  # verify fits only
+        self.costs = CostModel(num_drafters=0)  # read for the verify cost: the policy's (`use_costs`), else its own
+        self.own_costs = True  # it learns `costs` itself (a rule used without a policy)
         self.successes: list[float] = []  # [num_drafters] decayed accepted draft tokens
         self.failures: list[float] = []  # [num_drafters] decayed rejections
         self.draft_cost: dict[tuple[int, int], DecayedMean] = {}  # (drafter, bucket) -> seconds per row-token
@@ -276,6 +277,9 @@ class GoodputLength(DraftLength):
         n = len(drafters)
         self.successes, self.failures = [0.0] * n, [0.0] * n
         self.draft_cost_all = [DecayedMean() for _ in range(n)]
+
+    def use_costs(self, costs: CostModel) -> None:
+        self.costs, self.own_costs = costs, False  # the policy learns them
 
     def acceptance(self, drafter: int) -> float:
         c = self.config
@@ -312,7 +316,8 @@ class GoodputLength(DraftLength):
         return min(max(k, c.min_k), c.max_k)
 
     def update(self, feedback: StepFeedback) -> None:
-        self.costs.update(feedback)
+        if self.own_costs:
+            self.costs.update(feedback)
         b_key = bucket(feedback.batch_size)
         for d in range(len(self.successes)):
             self.successes[d] *= ACCEPTANCE_DECAY

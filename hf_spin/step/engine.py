@@ -13,7 +13,7 @@ as in docs/design.md:
 
     1. admit     prefill joining rows, their first token                       (admission.py)
     2. retire    rows that stopped, were cancelled or failed leave the batch
-    3. plan      the policy picks drafters and k per row                        (policies/)
+    3. plan      the policy picks drafters and caps k; plan_k sizes k per row   (policies/, planning/)
     4. draft     each drafter drafts for the rows it serves                     (drafters/)
     5. verify    one target forward over [last token] + draft per row; accept   (verification.py)
     6. commit    accepted + recovered/bonus tokens, stops, cache rollback
@@ -43,6 +43,7 @@ from ..drafters.model import common_prefix_length
 from .drafting import Drafting
 from .faults import DrafterCall, DrafterScope, Faults
 from ..planning.plan import BatchView, Plan, StepFeedback, shadow_lengths
+from ..planning.planner import plan_k
 from ..policies import Policy
 from ..pool import AssistantPool
 from .processors import GenerateBatch, first_scores, row_processors, target_scores
@@ -59,7 +60,7 @@ class Proposal:
 
     plan: Plan | None  # None without a pool
     chosen: list[tuple[int, ...]]  # [B] drafters that drafted for each row (usable, not banned)
-    ks: list[int]  # [B] draft length per row, capped by the room before its length limit
+    ks: list[int]  # [B] draft length per row (`plan_k`: within the policy's cap and the row's room)
     drafts: list[list[int]]  # [B] the candidates verified per row (a vote's heaviest path when voting)
     qs: list[torch.Tensor | None]  # [B] q [k_b, V] of a single model drafter when sampling, else None (one-hot)
     proposals: list[dict[int, list[int]]]  # [B] drafter -> its own draft
@@ -278,16 +279,21 @@ class SpinEngine:
             deferred = {d: [by_id[i] for i in ids if i in by_id] for d, ids in self._deferred_prefill.items()}
             self._deferred_prefill = {}
             self._prefill_idle(deferred, draft_seconds)
-        # 3. Plan, capped by the room left before each row's length limit.
+        # 3. Plan: the policy picks drafters and caps k; `plan_k` sizes k within the cap and each row's room.
         plan = self.policy.plan(self._view()) if self.policy is not None else None
         if plan is None:
             chosen, ks = [()] * B, [0] * B
         else:
             chosen = [tuple(d for d in plan.drafters[b] if self.usable[d] and d not in rows[b].banned) for b in range(B)]
-            ks = [max(0, min(plan.k[b], rows[b].draft_room)) if chosen[b] else 0 for b in range(B)]
-            if self.planner is not None:  # the policy's k is the cap; the planner sizes within it (0: plain)
-                lags = [{d: len(r.sequence) - n for d in chosen[b] if (n := self.drafters[d].synced(b)) is not None} for b, r in enumerate(rows)]
-                ks = self.planner.size([r.id for r in rows], lags, [r.draft_room + 1 for r in rows], chosen, ks, self._padded)
+
+            def lags() -> list[dict[int, int]]:  # [B] drafter -> committed tokens its state lacks (read by the planner)
+                return [
+                    {d: len(r.sequence) - n for d in chosen[b] if (n := self.drafters[d].synced(b)) is not None}
+                    for b, r in enumerate(rows)
+                ]
+
+            rooms, row_ids = [r.draft_room for r in rows], [r.id for r in rows]
+            ks = plan_k(plan.k, rooms, chosen, self.planner, row_ids, lags, self._padded)
         # 4. Draft: a preempting drafter first (4a), then each drafter over the rows it serves (4b), shadow
         #    drafts for measurement (4c); rows with several drafters take their vote tree: whole where trees are usable
         #    (tree_step.usable), else its heaviest path.

@@ -87,7 +87,8 @@ class Row:
     @property
     def draft_room(self) -> int:
         """Draft tokens this row may still verify: one more token (recovered or bonus) must fit too
-        (`BatchView.room`, the tokens it may still generate, is one more)."""
+        (`BatchView.room`, the tokens it may still generate, is one more). A step's k is capped by
+        it in `planning.planner.plan_k`."""
         return self.request.max_length - len(self.request.padding) - len(self.sequence) - 1
 
     def as_tensor(self, extra: list[int] = ()) -> torch.Tensor:

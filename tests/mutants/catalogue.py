@@ -211,6 +211,18 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "k_ignores_the_room",
+        "a step drafts the policy's k whatever room a row has left before its length limit: drafts verified past max_length, forwards paid for tokens never kept",
+        "hf_spin/planning/planner.py",
+        "ks = [max(0, min(cap, room)) if ds else 0 for cap, room, ds in zip(caps, rooms, chosen)]",
+        "ks = [max(0, cap) if ds else 0 for cap, room, ds in zip(caps, rooms, chosen)]",
+        (
+            "tests/test_planning.py::test_no_step_drafts_past_the_policys_cap_or_the_rows_room[flat]",
+            "tests/test_planning.py::test_no_step_drafts_past_the_policys_cap_or_the_rows_room[off]",
+            "tests/test_planning.py::test_plan_k_caps_by_the_policy_and_the_room_with_or_without_a_planner",
+        ),
+    ),
+    Mutant(
         "planner_values_siblings_as_the_chain",
         "the planner values every node of a token tree at its depth's survival, however unlikely the drafter made it: trees keep unlikely siblings",
         "hf_spin/planning/planner.py",

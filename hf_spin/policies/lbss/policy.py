@@ -11,7 +11,7 @@ import numpy as np
 
 from ..base import BatchView, DrafterInfo, DraftLength, Plan, Policy, StepFeedback
 from ..checks import check_per_drafter
-from ...planning.estimates import CostModel, DecayedMean, DraftObservation
+from ...planning.estimates import DecayedMean, DraftObservation
 from ..tokens_model import TokensModel
 from .config import LBSSConfig
 from .lookup import Lookup
@@ -32,7 +32,6 @@ class LBSSPolicy(Matching, Lookup, Policy):
         self.rng = np.random.default_rng(self.config.seed)
         self.rows = {}
         self.tokens_model = self._new_model(0)
-        self.costs = CostModel(0)
         self.shadowed = []
         self.tokens_per_step = DecayedMean()
         self.fill = []
@@ -54,7 +53,6 @@ class LBSSPolicy(Matching, Lookup, Policy):
         self.served = [DecayedMean() for _ in range(n)]
         self.by_match = [Arm() for _ in range(n)]
         self.tokens_model = self._new_model(n)
-        self.costs = CostModel(n)
         self.shadowed = [self.config.shadow and info.num_parameters == 0 for info in drafters]
         self.alpha = self.config.alpha or self.config.beta * max(1, n - sum(self.shadowed))
 
@@ -165,13 +163,12 @@ class LBSSPolicy(Matching, Lookup, Policy):
 
     # --- learning ------------------------------------------------------------------------------
 
-    def update(self, feedback: StepFeedback) -> None:
-        """Learn from a step: catch-up and draft costs, each row's tokens, shadow drafts' would-be tokens."""
-        super().update(feedback)
+    def catch_up_tokens(self, feedback: StepFeedback) -> list[float]:
+        """[num_drafters] catch-up tokens per drafter in the step (a switch or a pre-fill), which the
+        catch-up cost is learned from; records what each drafter now holds of each row."""
         plan, n = feedback.plan, len(self.drafters)
         rows = [self.rows.get(rid) for rid in feedback.row_ids]
         new_length = [r.length + a + 1 if r else 0 for r, a in zip(rows, feedback.accepted)]
-        # 1. Catch-up tokens per drafter (a switch or a pre-fill), and what each drafter now holds.
         switch = [0.0] * n
         for b, r in enumerate(rows):
             if r is not None and plan.k[b] > 0:
@@ -184,7 +181,15 @@ class LBSSPolicy(Matching, Lookup, Policy):
                 if r is not None and d < n:
                     switch[d] += max(0, new_length[b] - 1 - r.arms[d].synced)
                     r.arms[d].synced = new_length[b] - 1
-        self.costs.update(feedback, switch)
+        return switch
+
+    def update(self, feedback: StepFeedback) -> None:
+        """Learn from a step: catch-up and draft costs (`Policy.update`, with `catch_up_tokens`), each
+        row's tokens, shadow drafts' would-be tokens."""
+        super().update(feedback)
+        plan, n = feedback.plan, len(self.drafters)
+        rows = [self.rows.get(rid) for rid in feedback.row_ids]
+        # 1. Catch-up tokens and step costs: learned by super().update (`catch_up_tokens`).
         for d in range(n):
             if work := DraftObservation.of(feedback, d):
                 self.served[d].add(work.rows)

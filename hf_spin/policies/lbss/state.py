@@ -66,7 +66,7 @@ class LBSSState:
     rng: np.random.Generator
     rows: dict[int, RowState]  # row id -> its state
     tokens_model: TokensModel  # tokens a step commits, per request and drafter (the learned part of goodput)
-    costs: CostModel  # step-cost fits (the seconds of goodput)
+    costs: CostModel  # step costs (the seconds of goodput): `Policy.costs`, the profile where attached, else fits
     shadowed: list[bool]  # [num_drafters] measured by shadow drafts, never explored
     tokens_per_step: DecayedMean  # over all rows: a new row's steps_left until it has its own
     fill: list[DecayedMean]  # [num_drafters] tokens drafted / k (a confidence stop, a prompt lookup without a match end drafts early)
