@@ -90,7 +90,7 @@ def test_a_planted_read_per_row_breaks_the_budget(models, monkeypatch):
         return verdict
 
     monkeypatch.setattr(hf_spin.step.engine, "verify_rows", reading)
-    per_step, syncs, _ = generate_counted(models, 16, False, tree=False, do_sample=False)  # chains: verify_rows verifies
+    per_step, syncs, _ = generate_counted(models, 16, "rectangular", tree=False, do_sample=False)  # chains: verify_rows verifies
     assert per_step > BUDGET and syncs.kinds["item"] > syncs.entries["step"]  # a row per step, and rows retire
 
 
