@@ -43,7 +43,7 @@ import hf_spin
 from hf_spin import models
 
 from benchmarks.common import DEFAULT_QUESTIONS, load_questions, new_tokens, timed
-from hf_spin.cache import RaggedCache, forward_ragged
+from hf_spin.cache import RectangularCache, forward_ragged
 from hf_spin.drafters.fuzzy import LayerParallelForward
 from hf_spin.drafters.streaming import StreamingCache
 
@@ -191,7 +191,7 @@ def summarize_runs(records: list[dict], key_fields=("config",)) -> dict:
     return table
 
 
-def random_cache(model, batch: int, length: int, budget: int | None = None, sink: int = 4) -> RaggedCache:
+def random_cache(model, batch: int, length: int, budget: int | None = None, sink: int = 4) -> RectangularCache:
     """A cache of `length` tokens per row filled with random KV (timing only); with `budget`, a
     StreamingCache holding sink + window = budget of those tokens at their true positions."""
     c = model.config.get_text_config()
@@ -203,7 +203,7 @@ def random_cache(model, batch: int, length: int, budget: int | None = None, sink
         cache = StreamingCache(mask, sink, budget - sink)
         cache.evicted += length - held
     else:
-        cache = RaggedCache(mask)
+        cache = RectangularCache(mask)
     for i in range(c.num_hidden_layers):
         kv = torch.randn(batch, heads, held, head_dim, dtype=model.dtype, device=model.device)
         cache.update(kv, kv.clone(), i)

@@ -182,7 +182,7 @@ def plain(check: Check, ids, mask, tokens: int, dtype=None) -> torch.Tensor:
 def spin(check: Check, ids, mask, tokens: int, drafter, ragged: bool, dtype=None, profile: str = "off"):
     """hf_spin's greedy generate with one drafter drafting k tokens a step (profile "off": the planner
     would cut drafts it does not expect to pay, and the check wants the k it asked for)."""
-    pool = hf_spin.AssistantPool([drafter], draft_length=FixedLength(check.cfg["k"], min_confidence=0.0), ragged_attention=ragged, profile=profile)
+    pool = hf_spin.AssistantPool([drafter], draft_length=FixedLength(check.cfg["k"], min_confidence=0.0), cache="packed" if ragged else "rectangular", profile=profile)
     out = check.model("target", dtype).generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False, custom_generate=hf_spin.generate, assistant_pool=pool
     )

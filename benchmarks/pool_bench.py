@@ -33,6 +33,7 @@ from tqdm import tqdm
 import hf_spin
 from hf_spin import models
 from hf_spin.policies import POLICIES, make_draft_length
+from hf_spin.pool import CACHE_LAYOUTS
 
 from benchmarks.common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens, save_partial, timed, write_results
 
@@ -62,7 +63,10 @@ def parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentPars
     ap.add_argument("--singles", nargs="*", default=None, choices=list(DRAFTERS), help="drafters run alone too (hf_spin's default pool of one, and transformers' assisted generation); default: every --drafters")
     ap.add_argument("--summarize", type=Path, default=None, help="only rebuild the tables from a partial .jsonl (no models loaded)")
     ap.add_argument("--resume", type=Path, default=None, help="a partial .jsonl of an interrupted run: its questions are not run again")
-    ap.add_argument("--ragged-attention", action="store_true", help="hf_spin on packed rows (AssistantPool(ragged_attention=True))")
+    ap.add_argument(
+        "--cache", default="rectangular", choices=CACHE_LAYOUTS,
+        help="hf_spin's KV cache layout (AssistantPool(cache=...)): rectangular, or packed rows",
+    )
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation runs")
     ap.add_argument(
         "--policy-warmup", type=int, default=0,
@@ -101,7 +105,7 @@ class Bench:
             self.assist[label] = {"assistant_model": model} if same else {"assistant_model": model, "tokenizer": self.tok, "assistant_tokenizer": tok}
         draft_length = int(args.draft_length) if args.draft_length.isdigit() else args.draft_length
         policies = args.policies or sorted(p for p in POLICIES if p != "fixed")
-        options = dict(tokenizer=self.tok, ragged_attention=args.ragged_attention)
+        options = dict(tokenizer=self.tok, cache=args.cache)
         singles = args.drafters if args.singles is None else args.singles
         self.assist = {label: kwargs for label, kwargs in self.assist.items() if label in singles}
         self.pools = {f"spin:{label}": hf_spin.AssistantPool([entry], draft_length=make_draft_length(draft_length), **options) for label, entry in self.entries.items() if label in singles}
@@ -233,7 +237,7 @@ def markdown(summary: dict, env: dict) -> str:
 
     lines = [
         f"Spec-Bench pool benchmark: greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, draft_length={env['draft_length']}, "
-        f"ragged_attention={env['ragged_attention']}, "
+        f"cache={env['cache']}, "
         f"pools warmed on {env.get('policy_warmup', 0)} held-out question(s) per task before each batch size; "
         f"target {TARGET}; {env['machine']}, {env['processes']} process(es); "
         f"torch {env['torch']}, transformers {env['transformers']}, hf_spin {env['hf_spin']}.",
@@ -273,7 +277,7 @@ def report(args, records: list[dict], num_processes: int) -> None:
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "draft_length": args.draft_length,
-        "ragged_attention": args.ragged_attention,
+        "cache": args.cache,
         "policy_warmup": args.policy_warmup,
     }
     summary = summarize(records)

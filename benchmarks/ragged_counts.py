@@ -9,7 +9,7 @@ tokens per step and accepts a number drawn from a seeded distribution (per row a
 rate alpha ~ U[alpha_low, alpha_high]; accepted = leading successes of k Bernoulli(alpha) draws, as for a
 drafter whose tokens are accepted independently), plus one recovered / bonus token; each row stops at
 its own length, drawn U[max_new_tokens / 4, max_new_tokens]. The caches themselves are the real classes
-(`RaggedCache`, `PackedCache`) driven without a model: only their bookkeeping runs.
+(`RectangularCache`, `PackedCache`) driven without a model: only their bookkeeping runs.
 
 Counted per verification forward and summed over the run (prefill reported apart):
   query tokens   tokens that go through the whole model (right-padded chunks: B x T; packed: sum_b q_b)
@@ -19,9 +19,9 @@ Counted per verification forward and summed over the run (prefill reported apart
                  bytes of the tokens the rows hold (the rest is padding, holes or spare capacity)
 
 Rows: `padded` = a rectangular left-padded cache compacted every step (the best any [B, S] layout does);
-`holes` = hf_spin's `RaggedCache` (rejected drafts stay as holes until compaction; the default path);
+`holes` = hf_spin's `RectangularCache` (rejected drafts stay as holes until compaction; the default path);
 `decomposed` = Spin's request decomposition without the kernel (planner's block width over the same
-lengths; cache as `padded`); `packed` = `PackedCache` + `hf_spin_varlen` (`ragged_attention=True`).
+lengths; cache as `padded`); `packed` = `PackedCache` + `hf_spin_varlen` (`AssistantPool(cache="packed")`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from hf_spin import models
-from hf_spin.cache import PackedCache, RaggedCache
+from hf_spin.cache import PackedCache, RectangularCache
 from hf_spin.kernels.decomposition import plan_decomposition
 from hf_spin.policies import DEFAULT_DRAFT_LENGTH
 
@@ -104,7 +104,7 @@ def simulate_batch(lengths: list[int], args, rng: random.Random, counts: _Counts
     budget = [rng.randint(max(1, args.max_new_tokens // 4), args.max_new_tokens) for _ in range(B)]
     P = max(lengths)
     mask = torch.tensor([[i >= P - n for i in range(P)] for n in lengths])  # left padding
-    holes = RaggedCache(mask)
+    holes = RectangularCache(mask)
     packed = PackedCache(B)
     packed.begin(lengths)
     packed.commit()

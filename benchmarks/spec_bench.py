@@ -84,7 +84,7 @@ def run_batch1(target, drafter, tok, questions, args) -> list[dict]:
 
 
 # hf_spin variants at batch > 1: the rectangular cache with holes, and packed rows (no padding at all)
-BATCHED_VARIANTS = {"hf_spin": {}, "hf_spin_packed": {"ragged_attention": True}}
+BATCHED_VARIANTS = {"hf_spin": {}, "hf_spin_packed": {"cache": "packed"}}
 
 
 def run_batched(target, drafter, tok, questions, batch_size, args) -> list[dict]:
@@ -190,7 +190,7 @@ def markdown(summary: dict, env: dict) -> str:
         lines += [
             "",
             "Batch > 1: plain batched `generate` vs hf_spin on the rectangular cache (`hf_spin`) and on packed rows "
-            "(`hf_spin_packed`, `ragged_attention=True`); seconds summed over the batches (prefill = until the first token).",
+            "(`hf_spin_packed`, `cache='packed'`); seconds summed over the batches (prefill = until the first token).",
             "",
             "| batch | batches | padded prompt share | plain tok/s | variant | tok/s | ratio | acceptance | mean accepted len | steps | prefill s | draft s | verify s | identical rows |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 import hf_spin
 from hf_spin import models
+from hf_spin.pool import CACHE_LAYOUTS
 
 from . import workloads
 from .common import DEFAULT_QUESTIONS, machine, new_tokens, save_partial, timed, write_results
@@ -50,7 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="plain always runs (the reference)")
     ap.add_argument("--profile", default="auto", choices=["auto", "off"], help="hf_spin pools: the planner's cost profile (auto) or the k given every step (off)")
     ap.add_argument("--policy", default="lbss", help="hf_spin_pool's policy")
-    ap.add_argument("--ragged-attention", action="store_true", help="hf_spin on packed rows (the varlen kernel) instead of the rectangular cache")
+    ap.add_argument(
+        "--cache", default="rectangular", choices=CACHE_LAYOUTS,
+        help="hf_spin's KV cache layout: rectangular, or packed rows (the varlen kernel)",
+    )
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", choices=models.NAMES)
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", choices=models.NAMES, help="hf_spin_pool's draft model")
@@ -79,7 +83,7 @@ class Bench:
 
     def pool(self, method: str) -> hf_spin.AssistantPool:
         """A fresh pool for an hf_spin method."""
-        options = dict(draft_length=self.args.k, tokenizer=self.tok, profile=self.args.profile, ragged_attention=self.args.ragged_attention)
+        options = dict(draft_length=self.args.k, tokenizer=self.tok, profile=self.args.profile, cache=self.args.cache)
         if method == "hf_spin_lookup":
             return hf_spin.AssistantPool(["prompt_lookup"], **options)
         if method == "hf_spin_suffix":
@@ -215,7 +219,7 @@ def markdown(summary: dict, env: dict) -> str:
 
     lines = [
         f"Suffix drafting benchmark: greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, k={env['k']}, profile {env['profile']}, "
-        f"ragged_attention={env['ragged_attention']}; target {env['target']}, pool = {env['draft']} + suffix ({env['policy']}); "
+        f"cache={env['cache']}; target {env['target']}, pool = {env['draft']} + suffix ({env['policy']}); "
         f"{env['machine']}; torch {env['torch']}, transformers {env['transformers']}, hf_spin {env['hf_spin']}. "
         "Speed-up: summed plain seconds over summed method seconds, same prompts, same run.",
     ]

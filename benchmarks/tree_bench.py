@@ -35,7 +35,7 @@ from .common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_toke
 METHODS = ("plain", "transformers_lookup", "transformers_assisted", "hf_spin_chain", "hf_spin_tree")
 
 
-def run_method(method: str, model, batch: dict, k: int, max_new_tokens: int, ragged_attention: bool = True, drafter=None, profile: str = "off"):
+def run_method(method: str, model, batch: dict, k: int, max_new_tokens: int, cache: str = "packed", drafter=None, profile: str = "off"):
     """(output ids, seconds, tokens per target forward or None). drafter: a draft model, or None for
     prompt lookup; profile "off": k verified tokens a step (the tree cut to k nodes), else the planner's."""
     kwargs = dict(**batch, max_new_tokens=max_new_tokens, do_sample=False)
@@ -51,7 +51,7 @@ def run_method(method: str, model, batch: dict, k: int, max_new_tokens: int, rag
     tree = False if method == "hf_spin_chain" else (k if profile == "off" else "auto")
     pool = hf_spin.AssistantPool(
         [drafter if drafter is not None else "prompt_lookup"], draft_length=FixedLength(k, min_confidence=0.0),
-        ragged_attention=ragged_attention, profile=profile, tree=tree,
+        cache=cache, profile=profile, tree=tree,
     )
     out, seconds = timed(lambda: model.generate(**kwargs, custom_generate=hf_spin.generate, assistant_pool=pool))
     return out, seconds, pool.last_stats.mean_accepted_length
@@ -98,7 +98,7 @@ def run(model, tok, drafter, questions: list[dict], args) -> list[dict]:
             for method in METHODS:
                 if method.startswith("transformers") and bs > 1 or method == "transformers_assisted" and drafter is None:
                     continue  # transformers' assisted generation runs at batch 1 only, with a draft model
-                out, seconds, per_forward = run_method(method, model, batch, args.k, args.max_new_tokens, args.cache == "packed", drafter, args.profile)
+                out, seconds, per_forward = run_method(method, model, batch, args.k, args.max_new_tokens, args.cache, drafter, args.profile)
                 texts = new_tokens(out, L, tok.pad_token_id)
                 if method == "plain":
                     reference = texts

@@ -94,7 +94,7 @@ def main() -> None:
     print(
         f"\n{len(prompts)} prompts on {describe(target.device)}, {args.dtype}: hf_spin {plain_s / spin_s:.2f}x plain generate "
         f"({plain_s:.1f}s -> {spin_s:.1f}s, {verdict}), identical outputs {identical}/{len(prompts)}\n"
-        f"profile: {pool.cost_profile.verdict()}\n"
+        f"profile: {pool.cost_profile.outlook()}\n"
         f"drafters: {drafted or 'none drafted: every step was plain'}"
     )
 

@@ -38,7 +38,7 @@ UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "o
 @dataclass
 class SpinGenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus what the call did (`stats`). `past_key_values` is None: the
-    ragged cache has holes a caller could not use."""
+    pool's cache has holes or packed rows a caller could not use."""
 
     stats: GenerationStats | None = None
 
@@ -62,7 +62,8 @@ def _validate(model, input_ids, config, pool, model_kwargs, processors) -> None:
     if config.cache_implementation not in (None, "dynamic"):
         raise ValueError(
             f"cache_implementation={config.cache_implementation!r} is not supported with assistant_pool; "
-            "hf_spin manages its own ragged dynamic cache (leave cache_implementation unset)"
+            "hf_spin manages its own KV cache (leave cache_implementation unset; "
+            "AssistantPool(cache=...) picks its layout)"
         )
     unknown = set(model_kwargs) - KNOWN_MODEL_KWARGS
     if unknown:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import warnings
 
 from .cache import check_packed_support
 from .planning.cost_profile import CostProfile
@@ -28,6 +29,29 @@ ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attenti
 # `profile=` when none is given: "auto" unless $HF_SPIN_PROFILE says otherwise (the test suite sets
 # "off": its tiny models' timings are noise, and its lossless tests must draft whatever the machine).
 PROFILE_ENV = "HF_SPIN_PROFILE"
+# `cache=`: the KV cache layout of every model forward (docs/design.md, "Ragged rows").
+CACHE_LAYOUTS = ("rectangular", "packed")
+
+
+def _cache_layout(cache: str | None, ragged_attention: bool | None) -> str:
+    """The layout `AssistantPool(cache=..., ragged_attention=...)` asks for; `ragged_attention` is the old spelling."""
+    if ragged_attention is not None:
+        warnings.warn(
+            "AssistantPool(ragged_attention=...) is deprecated; use cache=\"packed\" (packed rows) "
+            "or cache=\"rectangular\" (the default)",
+            FutureWarning,
+            stacklevel=3,
+        )
+        implied = "packed" if ragged_attention else "rectangular"
+        if cache is not None and cache != implied:
+            raise ValueError(f"cache={cache!r} and ragged_attention={ragged_attention!r} conflict; give only cache=")
+        cache = implied
+    if cache is None:
+        return "rectangular"
+    if cache not in CACHE_LAYOUTS:
+        later = " (the static layout is not built yet)" if cache == "static" else ""
+        raise ValueError(f"cache={cache!r} is not supported{later}; give one of {', '.join(map(repr, CACHE_LAYOUTS))}")
+    return cache
 
 
 def _is_model(obj) -> bool:
@@ -60,9 +84,12 @@ class AssistantPool:
         `hf_spin.policies.DRAFT_LENGTHS`, or a `DraftLength` object.
     tokenizer: the target's tokenizer; needed by drafters with another tokenizer (it may also come
         from `generate(tokenizer=...)`).
-    ragged_attention: verify (and draft, for model drafters) on packed rows: a `PackedCache` per model
-        and `attn_implementation="hf_spin_varlen"` for those forwards, so no compute or memory goes to
-        padding or holes. Needs models whose attention goes through transformers' AttentionInterface.
+    cache: the KV cache layout (docs/design.md, "Ragged rows"): "rectangular" (default) a
+        `RectangularCache` per model, rejected slots left as holes; "packed" verifies (and drafts, for
+        model drafters) on packed rows: a `PackedCache` per model and `attn_implementation="hf_spin_varlen"`
+        for those forwards, so no compute or memory goes to padding or holes. Needs models whose
+        attention goes through transformers' AttentionInterface. (`ragged_attention=True` / `False`, the
+        old spelling of "packed" / "rectangular", still works with a FutureWarning.)
     tree: token trees (docs/design.md, "token tree"): "auto" (default) verifies a vote's whole merged
         tree, prompt lookup's several continuations, suffix drafting's likeliest ones and a model
         drafter's grown tree (on a rectangular cache) in one forward, False chains only (a vote's
@@ -85,9 +112,11 @@ class AssistantPool:
         policy: str | Policy = "fixed",
         draft_length: int | str | DraftLength = DEFAULT_DRAFT_LENGTH,
         tokenizer=None,
-        ragged_attention: bool = False,
+        cache: str | None = None,
         profile: str | os.PathLike | CostProfile | None = None,
         tree: str | bool | int = "auto",
+        *,
+        ragged_attention: bool | None = None,
     ):
         if not isinstance(drafters, (list, tuple)) or not drafters:
             raise ValueError(f"AssistantPool needs a non-empty list of drafters, got {drafters!r}")
@@ -96,7 +125,7 @@ class AssistantPool:
         self.policy = make_policy(policy, draft_length)
         self.policy.bind(self.infos)
         self.tokenizer = tokenizer
-        self.ragged_attention = bool(ragged_attention)
+        self.cache_layout = _cache_layout(cache, ragged_attention)  # one of CACHE_LAYOUTS
         if not (tree in ("auto", False) or (type(tree) is int and tree >= 1)):
             raise ValueError(f"tree={tree!r} is not supported; give 'auto', False (chains) or a positive number of nodes")
         self.tree = tree
@@ -149,7 +178,7 @@ class AssistantPool:
     def bind(self, target, tokenizer=None) -> list[Drafter]:
         """Check every drafter against the target; returns the drafters to use for this call."""
         _check_model(target, "target model")
-        if self.ragged_attention:
+        if self.cache_layout == "packed":
             check_packed_support(target, "target model")
         tokenizer = tokenizer or self.tokenizer
         target_vocab = target.config.get_text_config().vocab_size
@@ -175,13 +204,13 @@ class AssistantPool:
                     )
         for drafter in self.drafters:
             if isinstance(drafter, ModelDrafter):
-                if self.ragged_attention:
+                if self.cache_layout == "packed":
                     check_packed_support(drafter.model, f"drafter {drafter.name!r}")
-                drafter.ragged_attention = self.ragged_attention
-        self._plan_for(target)
+                drafter.cache_layout = self.cache_layout
+        self._build_planner(target)
         return self.drafters
 
-    def _plan_for(self, target) -> None:
+    def _build_planner(self, target) -> None:
         """The cost profile and planner for this target: built on first meeting it (or injected)."""
         if self.profile == "off":
             return

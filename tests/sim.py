@@ -1,7 +1,7 @@
 """A simulated engine for policy tests: drafters with known acceptance and costs, no models.
 
 It runs generation.py's steps 3-7 on made-up numbers: plan -> drafts (and shadow drafts) -> verify
--> commit -> pre-fill -> `StepFeedback` (built as the engine builds it, so `measured_row_seconds` is the engine's).
+-> commit -> catch-up -> `StepFeedback` (built as the engine builds it, so `measured_row_seconds` is the engine's).
 
 - Tokens: the target's next token at sequence position j is `truth(j) = 1000 + j`. A drafter with
   per-token acceptance alpha on a row's type proposes truth with probability alpha at each position,
@@ -233,14 +233,14 @@ class Simulator:
             self.generated[b] += len(new_tokens[b])
             for d, p in proposals[b].items():
                 self.covered[b][d] = old + min(matched[b][d], max(len(p) - 1, 0))
-        # 7. Pre-fill idle drafters named by the plan.
-        for d, rows in plan.prefill.items():
+        # 7. Idle drafters named by the plan catch up.
+        for d, rows in plan.catch_up.items():
             if self.usable[d] and rows:
                 fed = sum(max(0, self.lengths[b] - self.covered[b][d]) for b in rows)
                 draft_seconds[d] += self._noisy(self.drafters[d].catch_up_seconds * fed)
                 for b in rows:
                     self.covered[b][d] = self.lengths[b]
-        executed = Plan(list(chosen), ks, plan.min_confidence, plan.vote_weights, plan.prefill, shadow_lengths(plan, shadows))
+        executed = Plan(list(chosen), ks, plan.min_confidence, plan.vote_weights, plan.catch_up, shadow_lengths(plan, shadows))
         feedback = StepFeedback(
             row_ids=list(self.row_ids),
             plan=executed,

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_spin
-from hf_spin.cache import PackedCache, RaggedCache, RowCache, needs_contiguous_slots
+from hf_spin.cache import PackedCache, RectangularCache, RowCache, needs_contiguous_slots
 
 from .archs import COMMON, ragged_batch, tiny_model
 from .speculation import assert_speculated, perturb, pool as spin_pool
@@ -47,7 +47,7 @@ def test_full_attention_qwen2_does_not_force_compaction():
 def test_rollback_and_compact_keep_each_rows_valid_slots():
     # [B=2, S=6] keys hold their own slot index, so a gather is visible in the values.
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 1]], dtype=torch.bool)
-    cache = RaggedCache(mask.clone())
+    cache = RectangularCache(mask.clone())
     keys = torch.arange(6.0).view(1, 1, 6, 1).repeat(2, 1, 1, 1)
     cache.update(keys, keys.clone(), 0)
     cache.rollback(torch.tensor([2, 3]))  # row 0 keeps slots 0,1; row 1 keeps 1,2,3
@@ -71,7 +71,7 @@ def test_a_cache_without_holes_forwards_without_a_mask():
         masks.append(kwargs["attention_mask"])
         return model(**kwargs)
 
-    cache = RaggedCache(torch.zeros(2, 0, dtype=torch.bool))
+    cache = RectangularCache(torch.zeros(2, 0, dtype=torch.bool))
     forward_ragged(model, cache, [[5, 6, 7], [8, 9, 10]], forward=spy)
     logits = forward_ragged(model, cache, [[11], [12, 13]], forward=spy)  # row 0 gets a hole
     assert masks[0] is None and masks[1] is not None and cache.has_holes()
@@ -83,7 +83,7 @@ def test_rows_leave_and_join_a_cache_rolled_back_to_no_slot():
     """A drafter whose cache every row rolled back to nothing (a full re-feed next time) keeps its
     layers' batch in step with the slot mask when rows leave or join (transformers' own row
     selection skips layers that hold no token)."""
-    cache = RaggedCache(torch.ones(3, 2, dtype=torch.bool))
+    cache = RectangularCache(torch.ones(3, 2, dtype=torch.bool))
     keys = torch.randn(3, 1, 2, 4)  # [B, H, S, D]
     cache.update(keys, keys.clone(), 0)
     cache.rollback(torch.tensor([0, 0, 0]))
@@ -106,7 +106,7 @@ def test_both_caches_provide_the_row_cache_protocol():
     protocol's parameter names (runtime_checkable's isinstance checks names only, not signatures)."""
     members = [name for name in vars(RowCache) if not name.startswith("_")]
     assert set(members) == {"device", "rollback", "select_rows", "add_empty_rows", "checkpoint", "restore"}
-    for cache in (RaggedCache(torch.zeros(2, 0, dtype=torch.bool)), PackedCache(2)):
+    for cache in (RectangularCache(torch.zeros(2, 0, dtype=torch.bool)), PackedCache(2)):
         assert isinstance(cache, RowCache)
         assert cache.device == torch.device("cpu")
         for name in members:

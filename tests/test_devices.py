@@ -151,7 +151,7 @@ def _kv(B: int, S: int, device, start: float = 0.0) -> torch.Tensor:
 def test_ragged_cache_indexes_each_layer_on_its_device():
     """Layer 0 on the CPU, layer 1 on another device: compaction and retirement index each where it is."""
     mask = torch.tensor([[1, 0, 1, 1], [0, 0, 1, 0]], dtype=torch.bool)
-    cache = hf_spin.cache.RaggedCache(mask)
+    cache = hf_spin.cache.RectangularCache(mask)
     for i, device in enumerate(["cpu", OTHER]):
         cache.update(_kv(2, 4, device), _kv(2, 4, device, start=0.5), i)
     with StrictDevices():
@@ -357,7 +357,7 @@ def _packed(model, chunk):
 
 
 def _ragged(model, chunk):
-    cache = hf_spin.cache.RaggedCache(torch.zeros(1, 0, dtype=torch.bool))
+    cache = hf_spin.cache.RectangularCache(torch.zeros(1, 0, dtype=torch.bool))
     return hf_spin.cache.forward_ragged(model, cache, [chunk])
 
 
@@ -583,8 +583,8 @@ def split_over_devices(model, main: str = "cuda"):
 
 
 @needs_cuda
-@pytest.mark.parametrize("ragged_attention", [False, True], ids=["ragged_cache", "packed_cache"])
-def test_cuda_pipeline_greedy_equals_plain_generate(ragged_attention):
+@pytest.mark.parametrize("cache", ["rectangular", "packed"])
+def test_cuda_pipeline_greedy_equals_plain_generate(cache):
     """Drafting on a side stream of the GPU while the target verifies on the default one."""
     from hf_spin.step.pipeline import Pipeline
 
@@ -593,7 +593,7 @@ def test_cuda_pipeline_greedy_equals_plain_generate(ragged_attention):
     from .test_engine import prompts, request, run
 
     target, draft = tiny_model("llama", seed=0).cuda(), perturbed("llama").cuda()
-    pipe = Pipeline(target, spin_pool([draft, "prompt_lookup"], policy="round_robin", ragged_attention=ragged_attention), micro_batches=2)
+    pipe = Pipeline(target, spin_pool([draft, "prompt_lookup"], policy="round_robin", cache=cache), micro_batches=2)
     assert pipe.streams.stream is not None
     ps, lengths = prompts(6, seed=11), [18, 6, 14, 20, 9, 3]
     rows = run(pipe, {0: [request(ps[i], lengths[i]) for i in range(4)], 3: [request(ps[4], lengths[4]), request(ps[5], lengths[5])]})
@@ -617,8 +617,8 @@ def test_cuda_target_with_a_cpu_drafter_under_processors():
 
 
 @needs_cuda
-@pytest.mark.parametrize("ragged_attention", [False, True], ids=["ragged_cache", "packed_cache"])
-def test_cuda_model_split_over_devices_keeps_its_caches_exact(ragged_attention):
+@pytest.mark.parametrize("cache", ["rectangular", "packed"])
+def test_cuda_model_split_over_devices_keeps_its_caches_exact(cache):
     """Layers on two devices: compaction, rows leaving the batch and packed relayouts index each
     layer's KV where it lives; the packed path reads the metadata on each layer's device."""
     from .archs import EOS, tiny_model
@@ -631,7 +631,7 @@ def test_cuda_model_split_over_devices_keeps_its_caches_exact(ragged_attention):
     ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False)
     eos = [EOS, int(ref[0, 14]), int(ref[2, 18])]  # rows stop at different steps: retirement
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False, eos_token_id=eos, pad_token_id=0)
-    pool = spin_pool([draft], ragged_attention=ragged_attention)
+    pool = spin_pool([draft], cache=cache)
     out = spin(target, pool, **kwargs)
     assert target.model.layers[-1].self_attn.q_proj.weight.device.type == "cpu"
     assert torch.equal(out, target.generate(**kwargs))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import hf_spin
-from hf_spin.cache import CACHE_ARG, RaggedCache, forward_ragged
+from hf_spin.cache import CACHE_ARG, RectangularCache, forward_ragged
 from hf_spin.drafters import DraftRequest
 from hf_spin.drafters.fuzzy import SUPPORTED_MODEL_TYPES, LayerParallelForward, fuzzy_device_map, layer_sets
 from hf_spin.drafters.streaming import StreamingCache
@@ -155,7 +155,7 @@ def test_layer_sets():
 def _two_forwards(model, forward) -> list[torch.Tensor]:
     """Logits of a ragged prefill (batch 3) then one ragged step, through `forward` (None: the model)."""
     ids, mask = ragged_batch(3, 10)
-    cache = RaggedCache(torch.zeros(3, 0, dtype=torch.bool))
+    cache = RectangularCache(torch.zeros(3, 0, dtype=torch.bool))
     prompts = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
     return [forward_ragged(model, cache, prompts, forward=forward), forward_ragged(model, cache, [[5], [6, 7], [8]], forward=forward)]
 
@@ -308,7 +308,7 @@ def test_streaming_cache_evicts_the_middle_and_keeps_true_positions():
 
 def test_streaming_cache_from_target_cache_copies():
     mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
-    source = RaggedCache(mask.clone())
+    source = RectangularCache(mask.clone())
     keys = torch.randn(1, 2, 8, 4)
     source.update(keys, keys + 1, 0)
     copied = StreamingCache.from_cache(source, sink_tokens=1, window_tokens=2)
@@ -327,7 +327,7 @@ def test_first_streaming_draft_attends_to_sinks_and_window(arch, seeded):
     sink, window = 2, 5
     seq = _prompts(1)[0]  # L tokens; the drafter is fed seq[-1] over seq[:-1]
     L = len(seq)
-    target_cache = RaggedCache(torch.ones(1, L - 1, dtype=torch.bool))
+    target_cache = RectangularCache(torch.ones(1, L - 1, dtype=torch.bool))
     target(input_ids=torch.tensor([seq[:-1]]), use_cache=True, **{CACHE_ARG: target_cache})
     model = target if seeded else copy.deepcopy(target)  # equal weights, another object: prefills itself
     drafter = hf_spin.StreamingDrafter(model, sink_tokens=sink, window_tokens=window)

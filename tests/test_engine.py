@@ -65,9 +65,9 @@ def run(engine: SpinEngine, schedule: dict[int, list[Request]]) -> list:
     return rows
 
 
-@pytest.mark.parametrize("ragged_attention", [False, True], ids=["ragged_cache", "packed_cache"])
-def test_rows_joining_at_different_steps_match_plain_generate_alone(target, drafter, ragged_attention):
-    pool = spin_pool([drafter, "prompt_lookup"], policy="round_robin", ragged_attention=ragged_attention)
+@pytest.mark.parametrize("cache", ["rectangular", "packed"])
+def test_rows_joining_at_different_steps_match_plain_generate_alone(target, drafter, cache):
+    pool = spin_pool([drafter, "prompt_lookup"], policy="round_robin", cache=cache)
     engine = SpinEngine(target, pool)
     ps = prompts(6)
     lengths = [20, 7, 16, 1, 12, 18]  # rows stop at different steps too
@@ -238,11 +238,11 @@ class PoisonProposer(Drafter):
         return Draft(tokens=tokens, q=[None] * len(request.rows))
 
 
-@pytest.mark.parametrize("ragged_attention", [False, True], ids=["ragged_cache", "packed_cache"])
-def test_isolated_target_fault_fails_only_its_row(target, ragged_attention):
+@pytest.mark.parametrize("cache", ["rectangular", "packed"])
+def test_isolated_target_fault_fails_only_its_row(target, cache):
     """One row's prompt poisons the target's prefill, another's draft poisons a verification forward:
     those two rows fail with the error, the others finish exactly."""
-    engine = SpinEngine(PoisonTarget(target), spin_pool([PoisonProposer()], ragged_attention=ragged_attention), isolate_faults=True)
+    engine = SpinEngine(PoisonTarget(target), spin_pool([PoisonProposer()], cache=cache), isolate_faults=True)
     ps = prompts(4, seed=8)
     ps[1] = ps[1] + [POISON]  # fails at prefill (joining with another row)
     ps[3] = [PoisonProposer.MARK] + ps[3]  # fails at its first verification

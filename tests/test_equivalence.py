@@ -33,7 +33,7 @@ import pytest
 import torch
 
 import hf_spin
-import hf_spin.cache.ragged
+import hf_spin.cache.rectangular
 import hf_spin.step.engine
 import hf_spin.step.faults
 
@@ -158,10 +158,10 @@ def test_policy_equivalence(arch, batch, policy, draft_length, monkeypatch):
 def test_compaction_equivalence(arch, monkeypatch):
     """Compact the target's and the drafter's caches after every step that leaves a hole (rows of
     different lengths always do at batch 4): the KV gather must not change a single token."""
-    monkeypatch.setattr(hf_spin.cache.ragged, "COMPACT_HOLE_FRACTION", 0.0)  # where RaggedCache.rollback reads it
+    monkeypatch.setattr(hf_spin.cache.rectangular, "COMPACT_HOLE_FRACTION", 0.0)  # RectangularCache.rollback reads it
     compactions = []
-    real_compact = hf_spin.cache.ragged.RaggedCache.compact
-    monkeypatch.setattr(hf_spin.cache.ragged.RaggedCache, "compact", lambda self: compactions.append(1) or real_compact(self))
+    real_compact = hf_spin.cache.rectangular.RectangularCache.compact
+    monkeypatch.setattr(hf_spin.cache.rectangular.RectangularCache, "compact", lambda self: compactions.append(1) or real_compact(self))
     target, other = _models(arch)
     pool = spin_pool([other, "prompt_lookup"], policy="round_robin")
     _assert_lossless(target, *_case(arch, 4), pool)

@@ -32,23 +32,23 @@ def models():
     return tiny_model("llama"), perturbed("llama")
 
 
-def generate_counted(models, batch: int, ragged_attention: bool, tree="auto", **kwargs):
+def generate_counted(models, batch: int, cache: str, tree="auto", **kwargs):
     """(syncs per step, the counter, the pool) of a generate call over `batch` ragged prompts (the model
     drafter grows token trees on the rectangular cache unless tree=False)."""
     target, drafter = models
     ids, mask = ragged_batch(batch, 14, seed=0)
-    spin = pool([drafter], ragged_attention=ragged_attention, tree=tree)
+    spin = pool([drafter], cache=cache, tree=tree)
     with count_syncs("instrumented") as syncs:
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, custom_generate=hf_spin.generate, assistant_pool=spin, **kwargs)
     assert syncs.entries["step"] > 3, f"too few steps to count: {syncs.entries}"
     return syncs.per_step(exclude=KERNEL_REFERENCE), syncs, spin
 
 
-@pytest.mark.parametrize("ragged_attention", [False, True], ids=["rectangular", "packed"])
-def test_greedy_step_within_budget_whatever_the_batch(models, ragged_attention):
+@pytest.mark.parametrize("cache", ["rectangular", "packed"])
+def test_greedy_step_within_budget_whatever_the_batch(models, cache):
     per_step = {}
     for batch in (1, 16):
-        per_step[batch], syncs, spin = generate_counted(models, batch, ragged_attention, do_sample=False)
+        per_step[batch], syncs, spin = generate_counted(models, batch, cache, do_sample=False)
         assert_speculated(spin.last_stats)
         assert per_step[batch] <= BUDGET, f"batch {batch}: {per_step[batch]:.2f} syncs a step > {BUDGET}; sites {syncs.step_sites.most_common(8)}"
     # a catch-up wider than one token (a tree's accepted branch the drafter did not keep) reads the 2D
@@ -56,11 +56,11 @@ def test_greedy_step_within_budget_whatever_the_batch(models, ragged_attention):
     assert per_step[16] <= per_step[1] + 0.5, f"syncs a step grow with the batch: {per_step}"
 
 
-@pytest.mark.parametrize("ragged_attention", [False, True], ids=["rectangular", "packed"])
-def test_sampled_step_within_budget(models, ragged_attention):
+@pytest.mark.parametrize("cache", ["rectangular", "packed"])
+def test_sampled_step_within_budget(models, cache):
     """do_sample with generate's default warpers (top-k): the draws stay on the device too."""
     torch.manual_seed(0)
-    per_step, syncs, spin = generate_counted(models, 16, ragged_attention, do_sample=True)
+    per_step, syncs, spin = generate_counted(models, 16, cache, do_sample=True)
     assert_speculated(spin.last_stats, rejected=False)
     assert per_step <= BUDGET, f"{per_step:.2f} syncs a step > {BUDGET}; sites {syncs.step_sites.most_common(8)}"
 
@@ -90,7 +90,7 @@ def test_a_planted_read_per_row_breaks_the_budget(models, monkeypatch):
         return verdict
 
     monkeypatch.setattr(hf_spin.step.engine, "verify_rows", reading)
-    per_step, syncs, _ = generate_counted(models, 16, False, tree=False, do_sample=False)  # chains: verify_rows verifies
+    per_step, syncs, _ = generate_counted(models, 16, "rectangular", tree=False, do_sample=False)  # chains: verify_rows verifies
     assert per_step > BUDGET and syncs.kinds["item"] > syncs.entries["step"]  # a row per step, and rows retire
 
 
@@ -125,12 +125,12 @@ def test_counter_is_silent_outside_its_block():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts the CUDA runtime's own sync warnings")
-@pytest.mark.parametrize("ragged_attention", [False, True], ids=["rectangular", "packed"])
-def test_cuda_step_within_budget(ragged_attention):
+@pytest.mark.parametrize("cache", ["rectangular", "packed"])
+def test_cuda_step_within_budget(cache):
     target, drafter = tiny_model("llama").cuda(), perturbed("llama").cuda()
     for batch in (1, 16):
         ids, mask = ragged_batch(batch, 14, seed=0)
-        spin = pool([drafter], ragged_attention=ragged_attention)
+        spin = pool([drafter], cache=cache)
         with count_syncs("cuda") as syncs:
             target.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=24, do_sample=False, custom_generate=hf_spin.generate, assistant_pool=spin)
         assert syncs.per_step() <= BUDGET, f"batch {batch}: {syncs.per_step():.2f} syncs a step; sites {syncs.step_sites.most_common(8)}"

@@ -1,6 +1,6 @@
-"""The packed per-row cache and the ragged_attention engine path.
+"""The packed per-row cache and the engine path on it (`AssistantPool(cache="packed")`).
 
-Greedy output with `AssistantPool(..., ragged_attention=True)` must equal plain `generate` (float32,
+Greedy output with `AssistantPool(..., cache="packed")` must equal plain `generate` (float32,
 ragged left-padded batches of 4 and 8) on llama, qwen2, mistral and gpt2 with drafts mostly rejected
 (another seed: rollback), all accepted (the target itself), prompt lookup, and a round robin of a model
 drafter and prompt lookup (catch-up forwards). Plus hand-built cache cases and memory accounting.
@@ -17,7 +17,9 @@ from transformers import DynamicCache
 
 import hf_spin
 import hf_spin.kernels.attention as varlen_attention_module
-from hf_spin.cache import CACHE_ARG, PackedCache, forward_ragged, grow_capacity
+from hf_spin.cache import CACHE_ARG, PackedCache, RectangularCache, forward_ragged, grow_capacity
+from hf_spin.step.engine import SpinEngine
+from hf_spin.step.rows import Request
 
 from .archs import ragged_batch, tiny_model
 from .speculation import assert_speculated, greedy_case, multi_token, perturbed, pool as spin_pool
@@ -60,7 +62,7 @@ def test_greedy_output_equals_plain_generate(arch, batch, drafter, packed_calls)
     target, other = _models(arch)
     inputs, reference = _case(arch, batch)
     drafters = {"other": [other], "self": [target], "prompt_lookup": ["prompt_lookup"], "round_robin": [other, "prompt_lookup"]}[drafter]
-    pool = spin_pool(drafters, policy="round_robin" if drafter == "round_robin" else "fixed", ragged_attention=True)
+    pool = spin_pool(drafters, policy="round_robin" if drafter == "round_robin" else "fixed", cache="packed")
     implementation = target.config._attn_implementation
     out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
     assert torch.equal(out, reference)
@@ -77,7 +79,7 @@ def test_sliding_windows_shorter_than_the_rows(arch, packed_calls):
     ids, mask = ragged_batch(4, PROMPT_LENGTH, seed=0)
     inputs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
     reference = target.generate(**inputs)
-    pool = spin_pool([other, "prompt_lookup"], policy="round_robin", ragged_attention=True)
+    pool = spin_pool([other, "prompt_lookup"], policy="round_robin", cache="packed")
     assert torch.equal(target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool), reference)
     assert len(packed_calls) > 0
     assert_speculated(pool.last_stats)
@@ -90,7 +92,7 @@ def test_refuses_models_without_attention_interface():
             input_ids=torch.tensor([[3, 4, 5]]),
             max_new_tokens=2,
             custom_generate=hf_spin.generate,
-            assistant_pool=spin_pool(["prompt_lookup"], ragged_attention=True),
+            assistant_pool=spin_pool(["prompt_lookup"], cache="packed"),
         )
 
 
@@ -158,7 +160,7 @@ def test_engine_with_the_triton_kernel_under_the_interpreter(monkeypatch):
     ids, mask = ragged_batch(3, 8, seed=5)
     inputs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     reference = target.generate(**inputs)
-    pool = spin_pool([target], ragged_attention=True, draft_length=multi_token(3))
+    pool = spin_pool([target], cache="packed", draft_length=multi_token(3))
     assert torch.equal(target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool), reference)
     assert_speculated(pool.last_stats, rejected=False)
 
@@ -169,8 +171,53 @@ def test_sampling_runs_on_the_packed_path(packed_calls):
     target, other = _models("llama")
     inputs, _ = _case("llama", 4)
     torch.manual_seed(0)
-    pool = spin_pool([other], ragged_attention=True)
+    pool = spin_pool([other], cache="packed")
     out = target.generate(**{**inputs, "do_sample": True, "temperature": 0.8}, custom_generate=hf_spin.generate, assistant_pool=pool)
     assert torch.equal(out[:, :PROMPT_LENGTH], inputs["input_ids"]) and out.shape[1] <= PROMPT_LENGTH + MAX_NEW_TOKENS
     assert len(packed_calls) > 0
     assert_speculated(pool.last_stats)
+
+
+@pytest.mark.parametrize(
+    "cache, layout", [(None, RectangularCache), ("rectangular", RectangularCache), ("packed", PackedCache)]
+)
+def test_cache_parameter_picks_the_layout(cache, layout):
+    """`AssistantPool(cache=...)` picks the KV layout of the target and of the model drafters
+    (rectangular by default)."""
+    target, other = _models("llama")
+    pool = spin_pool([other]) if cache is None else spin_pool([other], cache=cache)
+    assert pool.cache_layout == (cache or "rectangular")
+    engine = SpinEngine(target, pool)
+    assert engine.cache_layout == pool.cache_layout
+    engine.add(Request(prompt=list(range(3, 3 + PROMPT_LENGTH)), max_new_tokens=8))
+    engine.step()  # admission
+    engine.step()  # a draft and a verification
+    assert type(engine.cache) is layout and type(pool.drafters[0].cache) is layout
+    assert pool.drafters[0].cache_layout == pool.cache_layout
+    engine.close()
+
+
+@pytest.mark.parametrize("ragged_attention, layout", [(True, "packed"), (False, "rectangular")])
+def test_ragged_attention_keyword_warns_and_still_picks_the_layout(ragged_attention, layout):
+    target, other = _models("llama")
+    with pytest.warns(FutureWarning, match=r'ragged_attention=\.\.\.\) is deprecated; use cache="packed"'):
+        pool = spin_pool([other], ragged_attention=ragged_attention)
+    assert pool.cache_layout == layout
+    with pytest.warns(FutureWarning):  # both, agreeing: no conflict
+        assert spin_pool([other], cache=layout, ragged_attention=ragged_attention).cache_layout == layout
+    batch = {"input_ids": torch.tensor([list(range(3, 3 + PROMPT_LENGTH))]), "max_new_tokens": 6, "do_sample": False}
+    out = target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, target.generate(**batch))
+
+
+def test_conflicting_or_unknown_cache_layouts_are_refused():
+    for cache, ragged_attention in (("rectangular", True), ("packed", False)):
+        conflict = f"cache={cache!r} and ragged_attention={ragged_attention} conflict"
+        with pytest.warns(FutureWarning), pytest.raises(ValueError, match=conflict):
+            hf_spin.AssistantPool(["prompt_lookup"], cache=cache, ragged_attention=ragged_attention)
+    with pytest.raises(ValueError, match=r"^cache='ragged' is not supported; give one of 'rectangular', 'packed'$"):
+        hf_spin.AssistantPool(["prompt_lookup"], cache="ragged")
+    with pytest.raises(ValueError, match=r"cache='static' is not supported \(the static layout is not built yet\)"):
+        hf_spin.AssistantPool(["prompt_lookup"], cache="static")
+    with pytest.raises(ValueError, match="cache=True is not supported"):
+        hf_spin.AssistantPool(["prompt_lookup"], cache=True)

@@ -26,10 +26,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.mark.parametrize("policy", ["round_robin", "lbss"])
 @pytest.mark.parametrize("micro_batches", [2, 3])
-@pytest.mark.parametrize("ragged_attention", [False, True], ids=["ragged_cache", "packed_cache"])
-def test_pipelined_greedy_equals_plain_generate(target, drafter, micro_batches, ragged_attention, policy):
+@pytest.mark.parametrize("cache", ["rectangular", "packed"])
+def test_pipelined_greedy_equals_plain_generate(target, drafter, micro_batches, cache, policy):
     """Lanes share one policy (LBSS: its per-request state and what ended requests taught it)."""
-    pool = spin_pool([drafter, "prompt_lookup"], policy=policy, ragged_attention=ragged_attention)
+    pool = spin_pool([drafter, "prompt_lookup"], policy=policy, cache=cache)
     pipe = Pipeline(target, pool, micro_batches=micro_batches)
     ps = prompts(7, seed=11)
     lengths = [18, 6, 14, 20, 9, 3, 16]

@@ -161,16 +161,16 @@ def test_profile_is_cached_per_model_and_threads(tmp_path, monkeypatch):
     assert build_profile(target, [drafter], ["drafter"], path).source.startswith("cached")
 
 
-def test_profile_prints_as_a_table_with_a_verdict():
+def test_profile_prints_as_a_table_with_its_outlook():
     profile = profile_of(table(linear), [table(lambda n: 0.02 * n), None], ["draft-model", "prompt_lookup"])
     text = str(profile)
     assert "| target |" in text and "| draft-model |" in text and "model-free" in text
-    assert profile.verdict().startswith("speculate") and "prompt_lookup" in profile.verdict()
+    assert profile.outlook().startswith("speculate") and "prompt_lookup" in profile.outlook()
     assert not profile.pays(0)  # a model drafter costing 20% of the target per token cannot pay on linear costs
     hopeless = profile_of(table(lambda n: 0.1 * n), [table(lambda n: 0.02 * n)], ["draft-model"])
     hopeless.dtype, hopeless.other_dtypes = "bfloat16", {"float32": table(flat)}
-    assert hopeless.verdict().startswith("plain: speculation cannot pay here in bfloat16")
-    assert "it would in float32" in hopeless.verdict()
+    assert hopeless.outlook().startswith("plain: speculation cannot pay here in bfloat16")
+    assert "it would in float32" in hopeless.outlook()
 
 
 # --- the planner's decisions ---------------------------------------------------------------------
@@ -226,7 +226,7 @@ def test_batch_budget_goes_to_the_rows_most_likely_to_survive(monkeypatch):
     budget = table(lambda n: 0.1 if n <= 24 else 0.1 * (1 + (n - 24) / 4), knots=(1, 2, 4, 8, 16, 24, 32, 64))
     clock.hook(target, budget)
     acceptance = [0.95] * 4 + [0.2] * 4
-    pool = hf_spin.AssistantPool([Scripted(refs, acceptance)], draft_length=8, ragged_attention=True, profile=profile_of(budget, [None], ["scripted"]))
+    pool = hf_spin.AssistantPool([Scripted(refs, acceptance)], draft_length=8, cache="packed", profile=profile_of(budget, [None], ["scripted"]))
     trims = []
     trim = Planner.trim
     monkeypatch.setattr(Planner, "trim", lambda self, *a, **kw: trims.append(trim(self, *a, **kw)[0]) or (trims[-1], [None] * len(trims[-1])))
@@ -473,7 +473,7 @@ def test_trees_cost_what_the_planner_lets_a_chain_cost(costs, monkeypatch):
     monkeypatch.setattr(tree_step, "verify", lambda engine, trees: seen.extend(trees) or real(engine, trees))
     for module in (hf_spin.step.engine, hf_spin.step.faults):
         monkeypatch.setattr(module, "perf_counter", clock)
-    pool = hf_spin.AssistantPool([ScriptedTree(refs, [0.6, 0.6])], draft_length=6, ragged_attention=True, profile=profile_of(table(fn), [None], ["scripted"]))
+    pool = hf_spin.AssistantPool([ScriptedTree(refs, [0.6, 0.6])], draft_length=6, cache="packed", profile=profile_of(table(fn), [None], ["scripted"]))
     out = target.generate(prompts, max_new_tokens=30, do_sample=False, eos_token_id=EOS, custom_generate=hf_spin.generate, assistant_pool=pool)
     assert torch.equal(out, plain)
     stats = pool.last_stats

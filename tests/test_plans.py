@@ -1,5 +1,5 @@
 """The engine carries out every part of a Plan, still lossless: several drafters voting on a row,
-the confidence stop, pre-filling idle drafters, and the row start/end notices a policy relies on."""
+the confidence stop, idle drafters catching up, and the row start/end notices a policy relies on."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ def other():
 class Scripted(Policy):
     """Returns the same plan every step and records what the engine told it."""
 
-    def __init__(self, drafters, k=4, weights=None, prefill=None, min_confidence=0.0):
+    def __init__(self, drafters, k=4, weights=None, catch_up=None, min_confidence=0.0):
         super().__init__()
-        self.choice, self.k, self.weights, self.prefill, self.min_confidence = drafters, k, weights, prefill or {}, min_confidence
+        self.choice, self.k, self.weights, self.catch_up, self.min_confidence = drafters, k, weights, catch_up or {}, min_confidence
         self.started: list[int] = []
         self.ended: list[int] = []
         self.feedback: list[StepFeedback] = []
@@ -45,8 +45,8 @@ class Scripted(Policy):
 
     def plan(self, view: BatchView) -> Plan:
         B = view.batch_size
-        prefill = {d: list(range(B)) for d in self.prefill}
-        return Plan(self.select(view), [self.k] * B, self.min_confidence, self.weights, prefill)
+        catch_up = {d: list(range(B)) for d in self.catch_up}
+        return Plan(self.select(view), [self.k] * B, self.min_confidence, self.weights, catch_up)
 
     def update(self, feedback: StepFeedback) -> None:
         self.feedback.append(feedback)
@@ -90,24 +90,24 @@ def test_confidence_stop_shortens_drafts(target, other):
 
 
 class Spy(hf_spin.ModelDrafter):
-    """Checks that after a prefill its cache covers each pre-filled row's committed tokens."""
+    """Checks that after a catch-up its cache covers each caught-up row's committed tokens."""
 
-    prefilled = 0
+    caught_up = 0
 
-    def prefill(self, rows, sequences):
-        super().prefill(rows, sequences)
+    def catch_up(self, rows, sequences):
+        super().catch_up(rows, sequences)
         for row in rows:
             assert self.cached[row] == sequences[row]
             assert int(self.cache.lengths[row]) == len(sequences[row])  # the last token too (fed for its logits)
-        Spy.prefilled += len(rows)
+        Spy.caught_up += len(rows)
 
 
-def test_prefill_keeps_an_idle_drafter_current(target, other):
+def test_catch_up_keeps_an_idle_drafter_current(target, other):
     spy = Spy(target, name="spy")
-    pool = hf_spin.AssistantPool([other, spy], policy=Scripted((0,), prefill=[1]))
+    pool = hf_spin.AssistantPool([other, spy], policy=Scripted((0,), catch_up=[1]))
     out, ref = run(target, pool)
     assert torch.equal(out, ref)
-    assert Spy.prefilled > 0 and pool.last_stats.drafters["spy"].draft_seconds > 0
+    assert Spy.caught_up > 0 and pool.last_stats.drafters["spy"].draft_seconds > 0
 
 
 def test_policy_hears_rows_start_and_end(target, other):

@@ -596,9 +596,9 @@ def test_lbss_leaves_plain_decoding_for_a_shadowed_drafter_only_when_it_leads_by
     assert ahead >= 0.85 and ahead_control >= 0.85, (ahead, ahead_control)
 
 
-def test_lbss_learns_the_catch_up_cost_and_prefills_idle_model_drafters():
+def test_lbss_learns_the_catch_up_cost_and_catches_up_idle_model_drafters():
     """Two row types with their own best drafter; a third model drafter and prompt lookup sit idle
-    while exploiting, and are drawn for exploration chunks: those get pre-filled a step ahead."""
+    while exploiting, and are drawn for exploration chunks: those catch up a step ahead."""
     drafters = [
         SimDrafter("small", {"A": 0.85, "C": 0.30}, token_seconds=0.5e-3, catch_up_seconds=2e-5),
         SimDrafter("medium", {"A": 0.55, "C": 0.55}, token_seconds=1e-3, catch_up_seconds=4e-5),
@@ -610,15 +610,15 @@ def test_lbss_learns_the_catch_up_cost_and_prefills_idle_model_drafters():
     s.run(policy, 300)
     for d in (0, 1, 2):  # the catch-up cost per token is learned from draft times
         assert policy.catch_up_seconds(d) == pytest.approx(drafters[d].catch_up_seconds, rel=0.3)
-    prefills = useful = 0
+    catch_ups = useful = 0
     for step, plan in enumerate(s.trace.plans[:-1]):
         busy = {d for ds in plan.drafters for d in ds}
-        for d, rows in plan.prefill.items():
+        for d, rows in plan.catch_up.items():
             assert d not in busy and drafters[d].kind == "model", (step, d, plan)
             for b in rows:
-                prefills += 1
+                catch_ups += 1
                 useful += s.trace.plans[step + 1].drafters[b] == (d,)  # it serves the row next step
-    assert prefills >= 10 and useful >= 10, (prefills, useful)
+    assert catch_ups >= 10 and useful >= 10, (catch_ups, useful)
 
 
 def test_lbss_warm_rows_skip_explorations_they_cannot_amortise():
@@ -806,7 +806,7 @@ def test_lbss_steps_left_shrinks_a_row_s_first_steps_toward_all_rows():
     assert policy.steps_left(row) == float("inf")
 
 
-def test_lbss_prefills_a_runner_up_only_when_cheap():
+def test_lbss_catches_up_a_runner_up_only_when_cheap():
     policy = LBSSPolicy(FixedLength(K), LBSSConfig(switch_cost=1e-3))
     policy.bind([DrafterInfo("a", "model", 1, True), DrafterInfo("b", "model", 2, True)])
     view = BatchView([0], [4000], [0], [True, True], 0)
@@ -814,18 +814,18 @@ def test_lbss_prefills_a_runner_up_only_when_cheap():
     row = policy.rows[0]
     policy.row_seconds = lambda *args: 0.01  # a step of the row takes 10 ms: a runner-up within 10% gains at most 1 ms a step
     row.arms[1].synced = 4000 - 2  # 1 token behind: 1 ms to catch up
-    assert policy._cheap_prefill(row, 1, K)
+    assert policy._cheap_catch_up(row, 1, K)
     row.arms[1].synced = 4000 - 6  # 5 tokens behind: 5 ms, half a step
-    assert not policy._cheap_prefill(row, 1, K)
+    assert not policy._cheap_catch_up(row, 1, K)
     row.arms[1].synced = 0  # 3999 tokens behind: 4 s
-    assert not policy._cheap_prefill(row, 1, K)
+    assert not policy._cheap_catch_up(row, 1, K)
 
 
 def test_lbss_drops_a_pending_chunk_the_row_no_longer_explores():
     """A drafter drawn a step ahead for a row's next exploration chunk (`RowState.pending`) is
-    pre-filled only for that step: a row that does not explore then (here: exploiting, drafter 1
+    caught up only for that step: a row that does not explore then (here: exploiting, drafter 1
     4000 tokens behind) drops it, and drafter 1 is not caught up for nothing. The bench's first
-    cold batch-4 batch pre-filled such a drafter for 0.35 s, then explored it on the strength of
+    cold batch-4 batch caught up such a drafter for 0.35 s, then explored it on the strength of
     the now-empty lag that `pays_off` had refused."""
     policy = LBSSPolicy(FixedLength(K), LBSSConfig(switch_cost=1e-3, never_slower=False))
     policy.bind([DrafterInfo("a", "model", 1, True), DrafterInfo("b", "model", 2, True)])
@@ -838,7 +838,7 @@ def test_lbss_drops_a_pending_chunk_the_row_no_longer_explores():
     row.pending = 1  # left over from a draw for a chunk the row did not run
     plan = policy.plan(view)
     assert plan.drafters == [(0,)]
-    assert row.pending is None and plan.prefill == {}, plan.prefill
+    assert row.pending is None and plan.catch_up == {}, plan.catch_up
 
 
 def test_lbss_switching_cost_keeps_a_row_on_its_drafter():
@@ -872,7 +872,7 @@ def test_a_dropped_drafter_is_never_planned_again(make):
     s.run(policy, 60)
     late = s.trace.plans[40:]
     assert not any(2 in ds for plan in late for ds in plan.drafters)
-    assert not any(2 in plan.prefill for plan in late)
+    assert not any(2 in plan.catch_up for plan in late)
     assert sum(bool(ds) for plan in late for ds in plan.drafters) > 0.5 * 60 * 6  # the others keep drafting
 
 

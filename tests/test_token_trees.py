@@ -241,7 +241,7 @@ def test_every_tree_slot_scores_its_own_path_and_the_kept_path_decodes_on(arch, 
     """Two rows with random trees after ragged prompts: the logits at each slot equal a plain forward
     over prompt + the slot's path; after keep_paths the cache continues exactly like a fresh forward
     (packed rows: the kernel's tree masks; the rectangular cache: a 4D mask, rejected nodes left as holes)."""
-    from hf_spin.cache import PackedCache, RaggedCache, forward_ragged, forward_tree
+    from hf_spin.cache import PackedCache, RectangularCache, forward_ragged, forward_tree
 
     from .archs import VOCAB, tiny_model
 
@@ -249,7 +249,7 @@ def test_every_tree_slot_scores_its_own_path_and_the_kept_path_decodes_on(arch, 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 5)]
     trees = [_random_tree(g, 7, VOCAB), _random_tree(g, 4, VOCAB)]
-    cache = PackedCache(2) if cache_kind == "packed" else RaggedCache(torch.zeros(2, 0, dtype=torch.bool))
+    cache = PackedCache(2) if cache_kind == "packed" else RectangularCache(torch.zeros(2, 0, dtype=torch.bool))
     with torch.no_grad():
         forward_ragged(model, cache, [p[:-1] for p in prompts])
         bases = [len(p) - 1 for p in prompts]
@@ -301,7 +301,7 @@ def verified_trees(monkeypatch):
     return seen
 
 
-def _pool(arch: str, kind: str, ragged_attention: bool = True):
+def _pool(arch: str, kind: str, cache: str = "packed"):
     """"lookup": prompt lookup alone, every distinct continuation of its matches a branch; "vote": two
     noisy copies of the target and prompt lookup, their drafts merged into one tree (branching where
     they disagree)."""
@@ -310,7 +310,7 @@ def _pool(arch: str, kind: str, ragged_attention: bool = True):
     from .speculation import multi_token, perturbed
 
     drafters = ["prompt_lookup"] if kind == "lookup" else [perturbed(arch, seed=1), perturbed(arch, seed=2, scale=0.4), "prompt_lookup"]
-    return hf_spin.AssistantPool(drafters, policy="vote" if kind == "vote" else "fixed", draft_length=multi_token(), ragged_attention=ragged_attention)
+    return hf_spin.AssistantPool(drafters, policy="vote" if kind == "vote" else "fixed", draft_length=multi_token(), cache=cache)
 
 
 @pytest.mark.parametrize("cache_kind", ["packed", "rectangular"])
@@ -327,7 +327,7 @@ def test_trees_equal_plain_generate(arch, batch, kind, cache_kind, verified_tree
 
     target = tiny_model(arch)
     inputs, reference = greedy_case(target, batch, *CASE[kind])
-    pool = _pool(arch, kind, ragged_attention=cache_kind == "packed")
+    pool = _pool(arch, kind, cache=cache_kind)
     out = target.generate(custom_generate=hf_spin.generate, assistant_pool=pool, **inputs)
     assert torch.equal(out, reference)
     assert_speculated(pool.last_stats)
@@ -380,7 +380,7 @@ def test_sampled_vote_trees_run_in_the_engine(verified_trees):
 
     target = tiny_model("llama")
     ids, mask = ragged_batch(3, 10)
-    pool = hf_spin.AssistantPool([perturbed("llama", seed=1), perturbed("llama", seed=2, scale=0.4), "prompt_lookup"], policy="vote", draft_length=multi_token(), ragged_attention=True)
+    pool = hf_spin.AssistantPool([perturbed("llama", seed=1), perturbed("llama", seed=2, scale=0.4), "prompt_lookup"], policy="vote", draft_length=multi_token(), cache="packed")
     out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=True, top_k=0, custom_generate=hf_spin.generate, assistant_pool=pool)
     assert out.shape[0] == 3 and 10 < out.shape[1] <= 26
     stats = pool.last_stats
@@ -425,7 +425,7 @@ def test_seeded_rows_give_the_same_tokens_with_trees_as_with_chains(verified_tre
     prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (9, 6, 11)]
 
     def generated(tree):
-        pool = hf_spin.AssistantPool(drafters, policy="vote", draft_length=multi_token(), ragged_attention=True, tree=tree)
+        pool = hf_spin.AssistantPool(drafters, policy="vote", draft_length=multi_token(), cache="packed", tree=tree)
         engine = SpinEngine(target, pool)
         sharp = LogitsProcessorList([TemperatureLogitsWarper(0.3)])  # drafts accepted often, off the first branch too
         rows = [engine.add(Request(prompt=p, max_new_tokens=24, do_sample=True, seed=s, processors=sharp)) for s, p in enumerate(prompts)]
@@ -458,7 +458,7 @@ def test_suffix_trees_equal_plain_generate(arch, batch, verified_trees, one_thre
         suffix.learn(row)
         for j in range(len(row)):
             suffix.learn(row[:j] + [(row[j] + 1) % VOCAB])
-    pool = hf_spin.AssistantPool([suffix], draft_length=multi_token(), ragged_attention=True)
+    pool = hf_spin.AssistantPool([suffix], draft_length=multi_token(), cache="packed")
     out = target.generate(custom_generate=hf_spin.generate, assistant_pool=pool, **inputs)
     assert torch.equal(out, reference)
     assert pool.last_stats.drafters["suffix"].failures == 0

@@ -109,7 +109,7 @@ def test_only_drafters_that_can_grow_trees_do():
     drafter.tree_width = 1
     assert not drafter.grows_trees()
     packed = ModelDrafter(tiny_model("llama"), tree_width=3)
-    packed.ragged_attention = True
+    packed.cache_layout = "packed"
     packed.start(packed.model, SEQUENCES)
     assert not packed.grows_trees()
     draft = packed.draft(_request(SEQUENCES, [0], [3]))

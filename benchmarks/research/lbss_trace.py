@@ -56,8 +56,8 @@ class TracedLBSS(LBSSPolicy):
                 estimates[info.name] = {"tokens": self.expected_tokens(row, d, k), "seconds": self.row_seconds(d, k, B), "lag": self.lag(row, d)}
             stage = self.stage(row.age - 1)
             rows.append({"row_id": rid, "age": row.age - 1, "epoch": stage.epoch, "explore": stage.explore, **before.get(b, {}), "choice": list(choice[b]), "pending": row.pending, "runner_up": row.runner_up, "estimates": estimates})
-        prefill = {self.drafters[d].name: batch_rows for d, batch_rows in self._prefill.items()}
-        self.trace.append({"batch_size": B, "plain_seconds": self.costs.plain_seconds(B), "prefill": prefill, "rows": rows})
+        catch_up = {self.drafters[d].name: batch_rows for d, batch_rows in self._catch_up.items()}
+        self.trace.append({"batch_size": B, "plain_seconds": self.costs.plain_seconds(B), "catch_up": catch_up, "rows": rows})
         return choice
 
     def update(self, feedback):
@@ -133,7 +133,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     bench = Bench(args)
     policy = TracedLBSS(make_draft_length(int(args.draft_length) if args.draft_length.isdigit() else args.draft_length))
-    pool = hf_spin.AssistantPool(list(bench.entries.values()), policy=policy, tokenizer=bench.tok, ragged_attention=args.ragged_attention)
+    pool = hf_spin.AssistantPool(list(bench.entries.values()), policy=policy, tokenizer=bench.tok, cache=args.cache)
     bench.pools = {"policy:lbss": pool}
     bs = args.batch_sizes[0]
     questions, held_out = workload(args)

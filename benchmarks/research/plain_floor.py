@@ -55,7 +55,7 @@ def main() -> None:
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     pools = {
         "never drafting": hf_spin.AssistantPool(["prompt_lookup"], policy=NeverDraft(), tokenizer=tok),
-        "never drafting, packed rows": hf_spin.AssistantPool(["prompt_lookup"], policy=NeverDraft(), tokenizer=tok, ragged_attention=True),
+        "never drafting, packed rows": hf_spin.AssistantPool(["prompt_lookup"], policy=NeverDraft(), tokenizer=tok, cache="packed"),
         "prompt lookup, k = 5": hf_spin.AssistantPool(["prompt_lookup"], tokenizer=tok, draft_length=5),
     }
 

@@ -394,7 +394,7 @@ def main() -> None:
         per_seed[seed] = {bs: {m: v["speedup"] for m, v in t["ALL"].items() if isinstance(v, dict) and "speedup" in v} for bs, t in summarize(seed_records).items()}
         records += seed_records
     tasks = {r["task"] for r in rec["requests"]}
-    env = {**rec["env"], "ragged_attention": False, "policy_warmup": sum(r["held_out"] for r in rec["requests"]) // len(tasks)}
+    env = {**rec["env"], "cache": "rectangular", "policy_warmup": sum(r["held_out"] for r in rec["requests"]) // len(tasks)}
     costs = f"verify ({verify.base:.4f} + {verify.per_token:.4f} n^{verify.power:.2f}) s, x {verify.sustained:.3f} without a draft model; " + "; ".join(
         f"{d.name} {d.forward_seconds * 1e3:.1f} ms/forward, {d.catch_up_seconds * 1e3:.2f} ms/token caught up" for d in drafters
     )

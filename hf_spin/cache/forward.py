@@ -1,7 +1,7 @@
-"""Running a model on one chunk of new tokens per row, appending them to a `RaggedCache` or a `PackedCache`.
+"""Running a model on one chunk of new tokens per row, appending them to a `RectangularCache` or a `PackedCache`.
 
 `forward_ragged` runs a model on per-row chunks of new tokens of different lengths (right-padded
-with holes on a `RaggedCache`, packed back to back on a `PackedCache`) and returns the logits of every
+with holes on a `RectangularCache`, packed back to back on a `PackedCache`) and returns the logits of every
 chunk slot. `CACHE_ARG` is the keyword the installed `transformers` takes the cache under.
 """
 
@@ -21,7 +21,7 @@ from ..host_syncs import to_device
 from ..kernels.attention import ATTENTION_NAME
 from ..kernels.varlen_attention import pack_tree_masks
 from .packed import PackedCache
-from .ragged import RaggedCache
+from .rectangular import RectangularCache
 
 # Token fed into hole slots of a right-padded chunk; masked, so any valid id works.
 FILLER_TOKEN = 0
@@ -31,7 +31,7 @@ CACHE_NAMES = ("cache", "past_key_values")  # what `generate` may hand a custom 
 CACHE_ARG = CACHE_NAMES[0] if CACHE_NAMES[0] in inspect.signature(create_causal_mask).parameters else CACHE_NAMES[1]
 
 
-def forward_ragged(model, cache: RaggedCache | PackedCache, chunks: list[list[int]], all_logits: bool = True, forward=None) -> torch.Tensor:
+def forward_ragged(model, cache: RectangularCache | PackedCache, chunks: list[list[int]], all_logits: bool = True, forward=None) -> torch.Tensor:
     """Run `model` on one chunk of new tokens per row, appending them to `cache`.
 
     chunks: B lists of token ids, any lengths (an empty chunk adds only holes).
@@ -60,7 +60,7 @@ def forward_ragged(model, cache: RaggedCache | PackedCache, chunks: list[list[in
         position = {j: u for u, j in enumerate(keep)}
         last = [position[j] for j in last]  # [B] index into keep
         extra["logits_to_keep"] = to_device(keep, device, torch.long)
-    cache.single_token_forward = width == 1 and attention_mask is not None  # no host read of the mask for a one-token query (RaggedCache.is_compileable)
+    cache.single_token_forward = width == 1 and attention_mask is not None  # no host read of the mask for a one-token query (RectangularCache.is_compileable)
     try:
         with _attention(model):  # the model's own attention, never a packed forward's (another thread's)
             out = (forward or model)(
@@ -142,14 +142,15 @@ def check_packed_support(model, role: str = "model") -> None:
     """Refuse, with the reason, a model the packed path cannot run."""
     if not model._can_set_attn_implementation() or not getattr(model, "_supports_attention_backend", False):
         raise ValueError(
-            f"ragged_attention=True needs a model whose attention goes through transformers' AttentionInterface; "
-            f"{role} {model.config.model_type!r} ({type(model).__name__}) has its own attention code. Use ragged_attention=False."
+            f"cache='packed' needs a model whose attention goes through transformers' AttentionInterface; "
+            f"{role} {model.config.model_type!r} ({type(model).__name__}) has its own attention code. "
+            "Use cache='rectangular'."
         )
 
 
 def takes_4d_masks(model) -> bool:
     """Whether the model reads a 4D attention mask as given (`forward_masked`: token trees on a
-    `RaggedCache`): eager or SDPA attention, masks made by transformers' `create_causal_mask` (which
+    `RectangularCache`): eager or SDPA attention, masks made by transformers' `create_causal_mask` (which
     passes a 4D mask through), and no ALiBi built from the 2D mask (bloom's)."""
     module = sys.modules.get(type(model).__module__)
     return (
@@ -159,10 +160,10 @@ def takes_4d_masks(model) -> bool:
     )
 
 
-def forward_tree(model, cache: RaggedCache | PackedCache, roots: list[int], trees: list) -> torch.Tensor:
+def forward_tree(model, cache: RectangularCache | PackedCache, roots: list[int], trees: list) -> torch.Tensor:
     """Verify token trees: one forward over [root] + the tree's nodes per row, each slot seeing the
     row's cache and its own path (`TokenTree.ancestor_mask`), at position length + depth. On packed
-    rows the kernel's tree masks; on a `RaggedCache` a 4D mask (`_forward_tree_ragged`).
+    rows the kernel's tree masks; on a `RectangularCache` a 4D mask (`_forward_tree_ragged`).
 
     roots: [B] each row's last committed token (not yet in the cache), None for a row left out of this
     forward (fault isolation); trees: [B] `TokenTree`s. Returns logits `[B, 1 + N_max, V]`: slot 0
@@ -173,13 +174,13 @@ def forward_tree(model, cache: RaggedCache | PackedCache, roots: list[int], tree
     chunks = [[root] + tree.tokens if f else [] for root, tree, f in zip(roots, trees, fed)]
     depths = [[0] + tree.depths() if f else [] for tree, f in zip(trees, fed)]
     masks = [tree.ancestor_mask() if f else torch.zeros(0, 0, dtype=torch.bool) for tree, f in zip(trees, fed)]
-    if isinstance(cache, RaggedCache):
+    if isinstance(cache, RectangularCache):
         return _forward_tree_ragged(model, cache, chunks, depths, masks)
     return forward_packed(model, cache, chunks, depths=depths, tree_masks=masks)
 
 
-def _forward_tree_ragged(model, cache: RaggedCache, chunks: list[list[int]], depths: list[list[int]], masks: list[torch.Tensor]) -> torch.Tensor:
-    """`forward_tree` on a `RaggedCache`: the chunks right-padded as `forward_ragged` pads them; a new
+def _forward_tree_ragged(model, cache: RectangularCache, chunks: list[list[int]], depths: list[list[int]], masks: list[torch.Tensor]) -> torch.Tensor:
+    """`forward_tree` on a `RectangularCache`: the chunks right-padded as `forward_ragged` pads them; a new
     slot sees the row's valid slots and its own path, a pad slot the row and itself (its logits are unused)."""
     (B, S), T = cache.host_mask.shape, max(len(c) for c in chunks)
     positions = cache.host_mask.sum(dim=1)[:, None].repeat(1, T)  # [B, T] each row's length; + depth below
@@ -192,8 +193,8 @@ def _forward_tree_ragged(model, cache: RaggedCache, chunks: list[list[int]], dep
     return forward_masked(model, cache, chunks, positions, allowed)
 
 
-def forward_masked(model, cache: RaggedCache, chunks: list[list[int]], positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Run `model` on one chunk of new tokens per row (right-padded), appended to a `RaggedCache`, each new
+def forward_masked(model, cache: RectangularCache, chunks: list[list[int]], positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Run `model` on one chunk of new tokens per row (right-padded), appended to a `RectangularCache`, each new
     slot at its own position and seeing what `allowed` says, through a 4D additive mask (transformers
     takes one as given). Token trees use it: the target verifying one (`forward_tree`), a model drafter
     growing one depth at a time (drafters/tree_expansion.py).

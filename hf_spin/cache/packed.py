@@ -1,4 +1,4 @@
-"""Packed per-row KV cache: no padding, no holes (the `ragged_attention=True` path).
+"""Packed per-row KV cache: no padding, no holes (the `AssistantPool(cache="packed")` path).
 
 Each row's tokens lie back to back in flash-attention's varlen layout; the model runs on it through
 `hf_spin.cache.forward.forward_packed` and the `hf_spin_varlen` attention implementation
@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache
 
 from ..host_syncs import to_device
 from ..kernels.attention import VarlenMetadata
-from .ragged import per_device
+from .rectangular import per_device
 
 # Spare slots a row gets when it outgrows its capacity: at least RESERVE_TOKENS, or GROWTH of its length
 # (geometric growth: a row of length L is re-laid out O(log L) times, each copy amortised over L / 8 tokens).
@@ -233,6 +233,6 @@ class PackedCache(Cache):
 
     def padded_bytes(self) -> int:
         """Bytes a rectangular cache `[B, H_kv, max_b length, D]` of the same rows would hold (a lower
-        bound for `RaggedCache`, which also keeps holes)."""
+        bound for `RectangularCache`, which also keeps holes)."""
         return len(self.lengths) * max(self.lengths, default=0) * self.bytes_per_token()
 

@@ -1,9 +1,9 @@
 """`RowCache`: what the engine and the drafters call on a target or drafter KV cache, whichever layout.
 
-Both `RaggedCache` (rectangular, with holes) and `PackedCache` (rows back to back) provide it; the model
+Both `RectangularCache` (rectangular, with holes) and `PackedCache` (rows back to back) provide it; the model
 itself runs on either through `forward_ragged`. Layout-specific calls stay on the concrete classes:
-`RaggedCache.append_rows` (rows prefilled apart, on the rectangular path only) and `RaggedCache.slot_mask`
-/ `lengths` (`StreamingDrafter`, which copies from the target's `RaggedCache`).
+`RectangularCache.append_rows` (rows prefilled apart, on the rectangular path only) and `RectangularCache.slot_mask`
+/ `lengths` (`StreamingDrafter`, which copies from the target's `RectangularCache`).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class Drafter(ABC):
     def start(self, target, sequences: list[list[int]], target_cache=None) -> None:
         """Begin a `generate` call over B rows with these prompts (the rows' initial sequences).
 
-        target_cache: the target's `RaggedCache` right after its prefill (every committed token but the
+        target_cache: the target's `RectangularCache` right after its prefill (every committed token but the
         last). A drafter that runs the target's own weights may copy from it (streaming.py does), never
         change it.
         """
@@ -82,8 +82,9 @@ class Drafter(ABC):
         rest before drafting); None for a drafter without per-row state (nothing to catch up)."""
         return None
 
-    def prefill(self, rows: list[int], sequences: list[list[int]]) -> None:
-        """Bring per-row state up to date for `rows` without drafting (fast switching); no-op by default."""
+    def catch_up(self, rows: list[int], sequences: list[list[int]]) -> None:
+        """Feed `rows`' committed tokens this drafter has not seen, without drafting (fast switching);
+        no-op by default."""
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these rows (others finished); indices into the current batch, a CPU tensor."""

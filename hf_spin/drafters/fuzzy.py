@@ -176,7 +176,7 @@ class LayerParallelForward:
         use_cache: bool = True,
         return_dict: bool = True,
         logits_to_keep: int | torch.Tensor = 0,
-        **cache_arg,  # {CACHE_ARG: the RaggedCache}, named as the installed transformers names it
+        **cache_arg,  # {CACHE_ARG: the RectangularCache}, named as the installed transformers names it
     ) -> CausalLMOutputWithPast:
         inner, cache = self.model.model, cache_arg[CACHE_ARG]
         h = inner.embed_tokens(input_ids)  # [B, T, C]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import PackedCache, RaggedCache, forward_ragged, needs_contiguous_slots, takes_4d_masks
+from ..cache import PackedCache, RectangularCache, forward_ragged, needs_contiguous_slots, takes_4d_masks
 from ..host_syncs import to_device
 from .base import Draft, Drafter, DraftRequest
 from .tree_expansion import grow_trees
@@ -46,7 +46,7 @@ class ModelDrafter(Drafter):
     shares_vocab = True  # the target's logits processors and q apply to this drafter's ids
     kind = "model"
     gives_q = True
-    ragged_attention = False  # set by AssistantPool(ragged_attention=True): a PackedCache and varlen attention
+    cache_layout = "rectangular"  # set by AssistantPool(cache=...): "packed" is a PackedCache and varlen attention
 
     def __init__(self, model, name: str | None = None, tree_width: int = 3):
         if tree_width < 1:
@@ -54,7 +54,7 @@ class ModelDrafter(Drafter):
         self.model = model
         self.tree_width = tree_width
         self.name = name or getattr(model.config, "name_or_path", "") or model.config.model_type
-        self.cache: RaggedCache | PackedCache | None = None
+        self.cache: RectangularCache | PackedCache | None = None
         self.cached: list[list[int]] = []  # per row: the draft-space ids whose KV the cache holds
         self.exact: list[int] | None = None  # per row: leading cached tokens with exact KV (None: all of them)
         self.target_vocab_size = model.config.get_text_config().vocab_size
@@ -78,15 +78,15 @@ class ModelDrafter(Drafter):
         forwards (not a subclass's fuzzy or sparse ones) over a rectangular cache, and a model that takes
         4D masks at consecutive-or-not slots."""
         return (
-            self.tree_width > 1 and self.shares_vocab and type(self)._forward is ModelDrafter._forward and isinstance(self.cache, RaggedCache)
+            self.tree_width > 1 and self.shares_vocab and type(self)._forward is ModelDrafter._forward and isinstance(self.cache, RectangularCache)
             and takes_4d_masks(self.model) and not needs_contiguous_slots(self.model.config)
         )
 
-    def _new_cache(self, batch: int) -> RaggedCache | PackedCache:
-        if self.ragged_attention:
+    def _new_cache(self, batch: int) -> RectangularCache | PackedCache:
+        if self.cache_layout == "packed":
             return PackedCache(batch, device=self.model.device)
         empty = torch.zeros(batch, 0, dtype=torch.bool, device=self.model.device)  # [B, 0]
-        return RaggedCache(empty, contiguous=needs_contiguous_slots(self.model.config))
+        return RectangularCache(empty, contiguous=needs_contiguous_slots(self.model.config))
 
     def _keep(self, row: int, common: int) -> int:
         """Cached tokens of `row` to keep, given that its first `common` cached tokens are still committed."""
@@ -107,7 +107,7 @@ class ModelDrafter(Drafter):
             self.exact = [self.exact[i] for i in rows.tolist()]
 
     def add_rows(self, sequences: list[list[int]]) -> None:
-        self.cache.add_empty_rows(len(sequences))  # their first draft or prefill feeds each whole sequence
+        self.cache.add_empty_rows(len(sequences))  # their first draft or catch-up feeds each whole sequence
         self.cached += [[] for _ in sequences]
         if self.exact is not None:
             self.exact += [0 for _ in sequences]
@@ -148,7 +148,7 @@ class ModelDrafter(Drafter):
         return self._forward(chunks, keep), draft_seqs
 
     @torch.no_grad()
-    def prefill(self, rows: list[int], sequences: list[list[int]]) -> None:
+    def catch_up(self, rows: list[int], sequences: list[list[int]]) -> None:
         if rows:
             self._catch_up(rows, sequences)
 

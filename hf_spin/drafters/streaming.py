@@ -4,7 +4,7 @@ The drafter attends only to each row's first `sink_tokens` tokens (attention sin
 `window_tokens` tokens, so a draft forward loads a fixed KV budget however long the row grows; the
 verifying target keeps its full, exact cache. With the target itself as the drafter this is
 MagicDec's self-speculation: the same weights, a KV budget of sink + window, and a cache of the
-drafter's own (the target's `RaggedCache` is never shared or changed). The same budget applies to a
+drafter's own (the target's `RectangularCache` is never shared or changed). The same budget applies to a
 separate small drafter just as well.
 
     hf_spin.StreamingDrafter(target, sink_tokens=4, window_tokens=508)      # self-speculation, 512 budget
@@ -30,19 +30,19 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import RaggedCache, compaction_index, forward_ragged, gather_slots, needs_contiguous_slots, per_device
+from ..cache import RectangularCache, compaction_index, forward_ragged, gather_slots, needs_contiguous_slots, per_device
 from .model import ModelDrafter
 
 DEFAULT_SINK_TOKENS = 4  # StreamingLLM: four initial tokens hold most of the "attention sink" mass
 DEFAULT_WINDOW_TOKENS = 508  # 512-token budget with the sinks, one of MagicDec's settings
 
 
-class StreamingCache(RaggedCache):
-    """A `RaggedCache` that keeps only sinks + a recent window of each row's tokens.
+class StreamingCache(RectangularCache):
+    """A `RectangularCache` that keeps only sinks + a recent window of each row's tokens.
 
     evicted: [B] tokens dropped from the middle of each row; a row's tokens are its valid slots in
         order, and token j of the row (0-based) sits at true position j + evicted for j >= sink_tokens.
-    `rollback(keep)` keeps the first keep[b] *tokens* (true positions) of row b, as `RaggedCache` does.
+    `rollback(keep)` keeps the first keep[b] *tokens* (true positions) of row b, as `RectangularCache` does.
     """
 
     def __init__(self, slot_mask: torch.Tensor, sink_tokens: int, window_tokens: int, contiguous: bool = False):
@@ -89,7 +89,7 @@ class StreamingCache(RaggedCache):
         super().select_rows(rows)
         self.evicted = self.evicted[rows]
 
-    def append_from(self, source: RaggedCache, counts: torch.Tensor) -> None:
+    def append_from(self, source: RectangularCache, counts: torch.Tensor) -> None:
         """Append copies of the KV of each row's last counts[b] tokens in `source` (same rows and layers)."""
         width = int(counts.max())
         rank = source.slot_mask.long().cumsum(dim=1)  # [B, S]
@@ -102,7 +102,7 @@ class StreamingCache(RaggedCache):
             self.update(gather_slots(layer.keys, src_on(layer.keys.device)), gather_slots(layer.values, src_on(layer.keys.device)), i)
 
     @classmethod
-    def from_cache(cls, cache: RaggedCache, sink_tokens: int, window_tokens: int) -> StreamingCache:
+    def from_cache(cls, cache: RectangularCache, sink_tokens: int, window_tokens: int) -> StreamingCache:
         """A packed copy of the sinks + last window of every row of `cache` (which is left unchanged)."""
         new = cls(cache.slot_mask.clone(), sink_tokens, window_tokens, contiguous=cache.contiguous)
         drop = new.eviction_mask()
@@ -137,7 +137,7 @@ class StreamingDrafter(ModelDrafter):
         if name is None:
             self.name += f"-streaming{sink_tokens}+{window_tokens}"
         self.seeded = False  # whether the last start() got the target's own cache to copy exact KV from
-        self.target_cache: RaggedCache | None = None  # read only, never changed
+        self.target_cache: RectangularCache | None = None  # read only, never changed
         self.rebuilds = 0  # rows rebuilt from nothing since this drafter was made (a rollback into evicted tokens)
 
     @property
@@ -148,7 +148,7 @@ class StreamingDrafter(ModelDrafter):
         empty = torch.zeros(batch, 0, dtype=torch.bool, device=self.model.device)  # [B, 0]
         return StreamingCache(empty, self.sink_tokens, self.window_tokens, contiguous=needs_contiguous_slots(self.model.config))
 
-    def start(self, target, sequences: list[list[int]], target_cache: RaggedCache | None = None) -> None:
+    def start(self, target, sequences: list[list[int]], target_cache: RectangularCache | None = None) -> None:
         super().start(target, sequences, target_cache)
         self.seeded = target is self.model and target_cache is not None and _filled(target_cache, sequences)
         self.target_cache = target_cache if self.seeded else None
@@ -194,7 +194,7 @@ class StreamingDrafter(ModelDrafter):
         return [chunk[n:] for chunk, n in zip(chunks, counts)]
 
 
-def _filled(cache: RaggedCache, sequences: list[list[int]]) -> bool:
+def _filled(cache: RectangularCache, sequences: list[list[int]]) -> bool:
     """The cache holds every row's committed tokens but the last, in every layer."""
     layers_ok = len(cache.layers) > 0 and all(layer.is_initialized and layer.keys.numel() for layer in cache.layers)
     return layers_ok and cache.lengths.tolist() == [len(s) - 1 for s in sequences]

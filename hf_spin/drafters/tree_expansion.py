@@ -6,7 +6,7 @@ At each depth, the drafter's distribution at every frontier node gives that node
 likeliest children. A child weighs its path probability: the product of the draft probabilities
 along its path. The depth's `width` heaviest children are the next frontier, counting only those
 whose own probability is at least `min_confidence` (with width 1 this is the chain's confidence
-stop). The frontier of every row is fed in one forward over the drafter's own `RaggedCache`, with a
+stop). The frontier of every row is fed in one forward over the drafter's own `RectangularCache`, with a
 4D mask (`forward_masked`): a node sees the row's committed tokens and its ancestors, at position
 L - 1 + depth (L committed tokens, the last of them the root). A row stops at its k levels.
 

@@ -73,7 +73,7 @@ def _refuse(module, what: str) -> None:
     name = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
     raise NotImplementedError(
         f"attn_implementation={ATTENTION_NAME!r} does not support {what} (model {name!r}); "
-        "load the model with attn_implementation='sdpa' or 'eager' and use hf_spin without ragged_attention"
+        "load the model with attn_implementation='sdpa' or 'eager' and use hf_spin with cache='rectangular'"
     )
 
 

@@ -283,16 +283,16 @@ class CostProfile:
         even = self.break_even(drafter)
         return even is not None and even[0] <= CANNOT_PAY
 
-    def verdict(self) -> str:
+    def outlook(self) -> str:
         """One line: speculate or plain, and why, from the measured costs."""
         t = self.target
         costs = f"target {t.predict(1) * 1e3:.0f} ms / {t.predict(8) * 1e3:.0f} ms for 1 / 8 tokens ({t.flatness(8):.1f}x)"
         paying = [f"{n} above acceptance {e[0]:.2f} (k = {e[1]})" for d, n in enumerate(self.names) if (e := self.break_even(d)) is not None and e[0] <= CANNOT_PAY]
         if paying:
             return f"speculate: {costs}; pays with " + ", ".join(paying)
-        verdict = f"plain: speculation cannot pay here in {self.dtype or 'this dtype'} ({costs})"
+        plain = f"plain: speculation cannot pay here in {self.dtype or 'this dtype'} ({costs})"
         better = [dt for dt, cost in self.other_dtypes.items() if any((e := self.break_even(d, cost)) is not None and e[0] <= CANNOT_PAY for d in range(len(self.drafters)))]
-        return verdict + (f"; it would in {', '.join(better)} (measured here)" if better else "")
+        return plain + (f"; it would in {', '.join(better)} (measured here)" if better else "")
 
     def __str__(self) -> str:
         t = self.target
@@ -306,7 +306,7 @@ class CostProfile:
                 continue
             cells = [f"{cost.predict(n) * 1e3:.1f} ms" for n in t.knots]
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {cost.per_row * 1e3:.2f} ms | {cost.flatness(8):.2f} | {cost.observations} |")
-        lines.append(self.verdict())
+        lines.append(self.outlook())
         return "\n".join(lines)
 
     __repr__ = __str__

@@ -171,7 +171,7 @@ class DraftObservation:
 
     @classmethod
     def of(cls, feedback: StepFeedback, drafter: int) -> DraftObservation | None:
-        """The drafter's work in the step; None when it served no row (it only pre-filled or shadowed)."""
+        """The drafter's work in the step; None when it served no row (it only caught up or shadowed)."""
         plan = feedback.plan
         drafted = [feedback.proposed[b].get(drafter, 0) for b, (ds, k) in enumerate(zip(plan.drafters, plan.k)) if drafter in ds and k > 0]
         if not drafted:

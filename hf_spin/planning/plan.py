@@ -63,7 +63,7 @@ class Plan:
     k: list[int]  # [B] the most draft tokens per row: a cap (`planner.plan_k` sizes within it)
     min_confidence: float = 0.0  # a model drafter stops a row once q(proposed token) < this
     vote_weights: list[float] | None = None  # [num_drafters] weights of the vote tree, when voting
-    prefill: dict[int, list[int]] = field(default_factory=dict)  # idle drafter -> batch rows to catch up
+    catch_up: dict[int, list[int]] = field(default_factory=dict)  # idle drafter -> batch rows to catch up
     shadow: dict[int, dict[int, int]] = field(default_factory=dict)  # drafter -> {batch row: k}: draft, not verified (see StepFeedback)
     preempt: dict[int, dict[int, Preempt]] = field(default_factory=dict)  # drafter -> {batch row: Preempt}
 

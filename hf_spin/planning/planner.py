@@ -168,7 +168,7 @@ class Planner:
         self.paying = [self.profile.pays(d) for d in range(len(self.profile.drafters))]
         if not self.can_win and not self.warned:
             self.warned = True
-            warnings.warn(f"hf_spin: {self.profile.verdict()}. Decoding plainly.", stacklevel=2)
+            warnings.warn(f"hf_spin: {self.profile.outlook()}. Decoding plainly.", stacklevel=2)
 
     def _curve(self, row: int, drafters: tuple[int, ...], k: int, match: dict[int, int] | None, optimism: float) -> list[float]:
         """[k] survival of request `row` drafted by `drafters` (several: the best of them at each position)."""

@@ -2,8 +2,8 @@
 
 Every step the engine shows the policy a `BatchView` and gets back a `Plan`: per row, which
 drafters draft (none: plain decoding; one; several: their drafts are merged by vote), how many
-tokens (k), and a few knobs of the mechanism (confidence stop, vote weights, which idle drafter
-caches to pre-fill, which drafters draft unverified for measurement (shadow) or draft first and
+tokens (k), and a few knobs of the mechanism (confidence stop, vote weights, which idle drafters
+catch up, which drafters draft unverified for measurement (shadow) or draft first and
 take the row when their draft is long enough (preempt)). After the step the policy is told what
 happened (`StepFeedback`). A policy never touches a model or a cache, so policies are tested on simulated drafters (tests/sim.py).
 

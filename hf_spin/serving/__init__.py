@@ -65,7 +65,7 @@ def build_app(
         "speculation": pool is not None,
         "drafters": [{"name": i.name, "kind": i.kind, "num_parameters": i.num_parameters} for i in pool.infos] if pool else [],
         "policy": type(pool.policy).__name__ if pool else None,
-        "ragged_attention": bool(pool and pool.ragged_attention),
+        "cache": pool.cache_layout if pool else None,
         "pipeline": "auto" if pipeline is True else (int(pipeline) if pipeline else False),
         "eos_token_ids": [eos] if isinstance(eos, int) else list(eos or []),
         **(info or {}),

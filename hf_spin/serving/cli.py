@@ -27,7 +27,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .. import models
-    from ..pool import NAMED_DRAFTERS
+    from ..pool import CACHE_LAYOUTS, NAMED_DRAFTERS
 
     names = ", ".join(models.NAMES)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 to listen on every interface)")
@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-length", default="5", help="tokens drafted per step: an int or a draft-length rule name (default 5)")
     p.add_argument("--no-speculation", action="store_true", help="serve without drafters: plain batched decoding")
     p.add_argument("--pipeline", default="off", help="micro-batch pipelining: off (default), auto (Spin's heuristic) or a number of micro-batches")
-    p.add_argument("--ragged-attention", action="store_true", help="packed KV caches and varlen attention (AssistantPool(ragged_attention=True))")
+    p.add_argument("--cache", default="rectangular", choices=CACHE_LAYOUTS,
+                   help="KV cache layout (AssistantPool(cache=...)): rectangular (default) or packed")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="model dtype (default bfloat16)")
     p.add_argument("--device", default=None,
                    help="where the models go: cpu, cuda, cuda:N, or a device map (auto: split over every GPU); default cuda when a GPU is there, else cpu")
@@ -108,7 +109,7 @@ def build(args):
                 draft, draft_tok = load_model(name, dtype, args.device)
                 entries.append((draft, draft_tok))  # the pool skips translation when the tokenizers match
         length = int(args.draft_length) if args.draft_length.isdigit() else args.draft_length
-        pool = AssistantPool(entries, policy=args.policy, draft_length=length, tokenizer=tokenizer, ragged_attention=args.ragged_attention)
+        pool = AssistantPool(entries, policy=args.policy, draft_length=length, tokenizer=tokenizer, cache=args.cache)
         pool.bind(model, tokenizer)  # refuse a bad pool now, not at the first request
     pipeline = _pipeline(args.pipeline)
     threads, draft_threads = args.threads, None

@@ -2,7 +2,7 @@
 
 A whole `generate` batch is prefilled exactly as `generate` prefills it (its own input tensors and
 model kwargs); rows joining a running batch (the server) are left-padded into one block. On packed
-rows (`ragged_attention`) only the new rows' tokens are fed. Either way the new rows' KV is appended
+rows (`cache="packed"`) only the new rows' tokens are fed. Either way the new rows' KV is appended
 to the batch's cache, after the rows already running.
 """
 
@@ -12,7 +12,7 @@ import inspect
 
 import torch
 
-from ..cache import CACHE_ARG, CACHE_NAMES, PackedCache, RaggedCache, forward_ragged, needs_contiguous_slots
+from ..cache import CACHE_ARG, CACHE_NAMES, PackedCache, RectangularCache, forward_ragged, needs_contiguous_slots
 from .processors import GenerateBatch
 from .rows import Row
 from ..verify.chains import gumbel_noise
@@ -60,7 +60,7 @@ def prefill(model, cache, running: int, rows: list[Row], batch: GenerateBatch | 
             attention_mask[i, width - len(r.sequence) :] = 1
         input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
         kwargs = prefill_kwargs(model, attention_mask)
-    fresh = RaggedCache(attention_mask.bool(), contiguous=needs_contiguous_slots(model.config))
+    fresh = RectangularCache(attention_mask.bool(), contiguous=needs_contiguous_slots(model.config))
     for name in CACHE_NAMES:  # generate's empty cache, under either name
         kwargs.pop(name, None)
     kwargs[CACHE_ARG] = fresh

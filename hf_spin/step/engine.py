@@ -17,7 +17,7 @@ as in docs/design.md:
     4. draft     each drafter drafts for the rows it serves                     (drafters/)
     5. verify    one target forward over [last token] + draft per row; accept   (verification.py)
     6. commit    accepted + recovered/bonus tokens, stops, cache rollback
-    7. pre-fill  idle drafters the plan names catch up; the policy hears what happened
+    7. catch-up  idle drafters the plan names catch up; the policy hears what happened
 
 Each row has its own parameters (`rows.Request`): processors (processors.py), stopping criteria,
 length limit, greedy or sampled, its own seed. `propose` (steps 3-4) and `verify` (steps 5-7) are
@@ -81,7 +81,7 @@ class SpinEngine:
         of a pipeline each draft with their own copies, sharing the models).
     row_ids: where row ids come from (default: the pool's counter, so ids stay unique across calls and
         the policy can tell a new request from one it has seen).
-    defer_idle_prefill: run step 7 (idle drafters catching up) at the start of the next `propose`
+    defer_idle_catch_up: run step 7 (idle drafters catching up) at the start of the next `propose`
         instead of at the end of `verify`, so that in a pipeline only the drafting thread runs drafters.
     faults: the fault policy (default `Faults(isolate_faults)`; a pipeline's lanes call drafters on
         its drafting stream).
@@ -97,7 +97,7 @@ class SpinEngine:
         drafters: list[Drafter] | None = None,
         policy: Policy | None = None,
         row_ids=None,
-        defer_idle_prefill: bool = False,
+        defer_idle_catch_up: bool = False,
         faults: Faults | None = None,
     ):
         self.model = model
@@ -109,25 +109,25 @@ class SpinEngine:
             self.names: list[str] = pool.names  # unique per drafter
         else:
             self.drafters, self.policy, self.names = [], None, []
-        self.ragged_attention = bool(pool is not None and pool.ragged_attention)
+        self.cache_layout = pool.cache_layout if pool is not None else "rectangular"  # pool.CACHE_LAYOUTS
         self.tree = pool.tree if pool is not None else False  # token trees (tree_step.usable): "auto", False, or a node cap
         self.tree_capability = tree_step.capability(model) if self.tree is not False else (False, False)
         self.planner = pool.planner if pool is not None else None  # sizes drafts from measured costs; None: profile "off"
         self.isolate_faults = isolate_faults
         self.faults = faults if faults is not None else Faults(isolate_faults)
-        self.defer_idle_prefill = defer_idle_prefill
+        self.defer_idle_catch_up = defer_idle_catch_up
         self.usable = [True] * len(self.drafters)  # False: dropped after a failure (generate's contract)
         self.drafter_stats = {name: DrafterStats() for name in self.names}
         self.stats = GenerationStats(rows=[], drafters=self.drafter_stats)  # engine totals; rows stay on each Row
         self.rows: list[Row] = []  # [B] the active batch, in cache order
         self.pending: list[Row] = []  # added, joining at the next step
-        self.cache: RowCache | None = None  # the target's KV of the active rows (RaggedCache or PackedCache)
+        self.cache: RowCache | None = None  # the target's KV of the active rows (RectangularCache or PackedCache)
         self.steps = 0  # verification steps so far
         self.drafters_started = False  # the drafters' per-call state exists (started at the first admission)
         self._row_ids = row_ids if row_ids is not None else pool.row_ids if pool is not None else itertools.count()
         self._admitted_last = False  # the last step was an admission
         self._batch: GenerateBatch | None = None
-        self._deferred_prefill: dict[int, list[int]] = {}  # drafter -> row ids to catch up (defer_idle_prefill)
+        self._deferred_catch_up: dict[int, list[int]] = {}  # drafter -> row ids to catch up (defer_idle_catch_up)
 
     # -- rows in, rows out ---------------------------------------------------------------------------
     def add(self, request: Request) -> Row:
@@ -201,7 +201,9 @@ class SpinEngine:
         start = perf_counter()
         batch = self._batch if self._batch is not None and [r.id for r in joining] == self._batch.order else None
         try:
-            self.cache, logits = admission.prefill(self.model, self.cache, len(self.rows), joining, batch, self.ragged_attention)  # [n, V]
+            self.cache, logits = admission.prefill(  # logits: [n, V]
+                self.model, self.cache, len(self.rows), joining, batch, self.cache_layout == "packed"
+            )
         except Exception as err:  # noqa: BLE001
             self.faults.prefill_failed(joining, err)
             if len(joining) > 1:  # one at a time: the rows whose prefill fails alone fail
@@ -274,11 +276,11 @@ class SpinEngine:
         """Plan which drafters and how many tokens per row, and draft. Touches drafters only."""
         B, rows = len(self.rows), self.rows
         draft_seconds = [0.0] * len(self.drafters)
-        if self._deferred_prefill:
+        if self._deferred_catch_up:
             by_id = {r.id: b for b, r in enumerate(rows)}
-            deferred = {d: [by_id[i] for i in ids if i in by_id] for d, ids in self._deferred_prefill.items()}
-            self._deferred_prefill = {}
-            self._prefill_idle(deferred, draft_seconds)
+            deferred = {d: [by_id[i] for i in ids if i in by_id] for d, ids in self._deferred_catch_up.items()}
+            self._deferred_catch_up = {}
+            self._catch_up_idle(deferred, draft_seconds)
         # 3. Plan: the policy picks drafters and caps k; `plan_k` sizes k within the cap and each row's room.
         plan = self.policy.plan(self._view()) if self.policy is not None else None
         if plan is None:
@@ -314,7 +316,7 @@ class SpinEngine:
             qs = [q[:k] if q is not None and k > 0 else None for q, k in zip(qs, keep)]
         return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows, match_lengths, trees if any(t is not None for t in trees) else None)
 
-    # -- 5-7. Verify, commit, pre-fill ----------------------------------------------------------------
+    # -- 5-7. Verify, commit, catch up ----------------------------------------------------------------
     @torch.no_grad()
     def verify(self, proposal: Proposal) -> None:
         rows = self.rows
@@ -375,14 +377,17 @@ class SpinEngine:
 
         # 7. Fast switching: idle drafters named by the plan catch up on rows they may serve next; the
         #    policy hears what the step did.
-        if proposal.plan is not None and proposal.plan.prefill:
-            if self.defer_idle_prefill:
-                self._deferred_prefill = {d: [rows[b].id for b in bs] for d, bs in proposal.plan.prefill.items()}
+        if proposal.plan is not None and proposal.plan.catch_up:
+            if self.defer_idle_catch_up:
+                self._deferred_catch_up = {d: [rows[b].id for b in bs] for d, bs in proposal.plan.catch_up.items()}
             else:
-                self._prefill_idle(proposal.plan.prefill, proposal.draft_seconds)
+                self._catch_up_idle(proposal.plan.catch_up, proposal.draft_seconds)
         self.stats.steps += 1
         if self.policy is not None:
-            executed = Plan(list(proposal.chosen), proposal.ks, proposal.plan.min_confidence, proposal.plan.vote_weights, proposal.plan.prefill, shadow_lengths(proposal.plan, proposal.shadows))
+            executed = Plan(
+                list(proposal.chosen), proposal.ks, proposal.plan.min_confidence, proposal.plan.vote_weights,
+                proposal.plan.catch_up, shadow_lengths(proposal.plan, proposal.shadows),
+            )
             feedback = StepFeedback(
                 row_ids=[r.id for r in rows],
                 plan=executed,
@@ -439,13 +444,13 @@ class SpinEngine:
         stops = row.host_stop.stops(len(row.request.padding) + len(row.sequence), token) if row.host_stop else None
         return stops if stops is not None else bool(criteria(row.as_tensor(), scores).any())
 
-    def _prefill_idle(self, prefill: dict[int, list[int]], draft_seconds: list[float]) -> None:
+    def _catch_up_idle(self, catch_up: dict[int, list[int]], draft_seconds: list[float]) -> None:
         """Drafter -> batch rows (indices) it catches up on; its time added to `draft_seconds`."""
         sequences = [r.sequence for r in self.rows]
-        for d_idx, wanted in prefill.items():
+        for d_idx, wanted in catch_up.items():
             bs = [b for b in wanted if d_idx not in self.rows[b].banned]
             if self.usable[d_idx] and bs:
-                call = self._call_drafter(d_idx, lambda: self.drafters[d_idx].prefill(bs, sequences), bs)
+                call = self._call_drafter(d_idx, lambda: self.drafters[d_idx].catch_up(bs, sequences), bs)
                 if call.ok:
                     draft_seconds[d_idx] += call.seconds
 

@@ -283,7 +283,7 @@ class Pipeline:
             isolate_faults=self.isolate_faults,
             drafters=drafters,
             policy=self.policy,
-            defer_idle_prefill=True,
+            defer_idle_catch_up=True,
             faults=_LaneFaults(self.isolate_faults, self.streams),
         )
         return lane

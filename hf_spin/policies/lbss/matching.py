@@ -1,11 +1,11 @@
 """Which drafter serves which row this step, as maximum-weight matchings of rows to drafter slots
-(drafter j repeated B_j times, plain decoding unlimited), and what to pre-fill for the next step.
+(drafter j repeated B_j times, plain decoding unlimited), and which idle drafters catch up for the next step.
 
 - Exploration draws (`_draw`): rows starting a chunk -> free slots, least-tried drafter first; ties by
   one random order shared by the rows, so rows exploring together share a drafter's forwards.
 - Exploitation (`_match`): rows -> slots on estimated goodput net of the switch penalty, plain
   decoding weighed as never-slower asks (docs/lbss.md#matching, docs/lbss.md#never_slower).
-- Plain probes (`probes_plain`, docs/lbss.md#plain_probe) and pre-fills (`_prefill_plan`,
+- Plain probes (`probes_plain`, docs/lbss.md#plain_probe) and catch-ups (`_catch_up_plan`,
   docs/lbss.md#prefill_margin).
 """
 
@@ -23,7 +23,7 @@ LAST_RESORT = -1e6  # weight of a slot a row may not take (explore: not explorab
 # A repeat plain probe only where the rows' best drafters are within this fraction of the measured
 # plain goodput: only there could it overturn their choices at little cost (docs/lbss.md#plain_probe).
 PROBE_MARGIN = 0.5
-PREFILL_KINDS = frozenset({"model", "translation"})  # drafters that keep a per-row cache to pre-fill
+CATCH_UP_KINDS = frozenset({"model", "translation"})  # drafters that keep a per-row cache to catch up
 
 
 def linear_sum_assignment(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -153,23 +153,23 @@ class Matching(Schedule):
         for r, d in zip(nxt, self._draw(nxt, cap, ahead=1)):
             r.pending = d
 
-    def _prefill_plan(self, view: BatchView, rows: list[RowState], choice: list[int]) -> dict[int, list[int]]:
+    def _catch_up_plan(self, view: BatchView, rows: list[RowState], choice: list[int]) -> dict[int, list[int]]:
         """Idle model drafters -> batch rows they will likely serve next and lag on."""
         busy = set(choice)
-        idle = {d for d, info in enumerate(self.drafters) if view.usable[d] and d not in busy and info.kind in PREFILL_KINDS}
+        idle = {d for d, info in enumerate(self.drafters) if view.usable[d] and d not in busy and info.kind in CATCH_UP_KINDS}
         plan: dict[int, list[int]] = {}
         for b, r in enumerate(rows):
             if self.steps_left(r) < 2:  # no later step to switch in
                 continue
             for d in {r.pending, r.runner_up}:
-                if d not in idle or (d != r.pending and not self._cheap_prefill(r, d, r.ks[d])):
+                if d not in idle or (d != r.pending and not self._cheap_catch_up(r, d, r.ks[d])):
                     continue
                 if self.lag(r, d) >= self.config.prefill_min_tokens:
                     plan.setdefault(d, []).append(b)
         return plan
 
-    def _cheap_prefill(self, row: RowState, drafter: int, k: int) -> bool:
-        """Whether pre-filling a runner-up costs at most `prefill_margin` of a step of the row, the
+    def _cheap_catch_up(self, row: RowState, drafter: int, k: int) -> bool:
+        """Whether catching up a runner-up costs at most `prefill_margin` of a step of the row, the
         most a step on it could gain: an idle drafter is not free where drafters and the target share
         the device (docs/lbss.md#prefill_margin)."""
         step = self.row_seconds(drafter, k, self.batch_size) or 0.0

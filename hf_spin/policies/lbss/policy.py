@@ -1,5 +1,5 @@
 """`LBSSPolicy`: the parts of LBSS wired into the `Policy` interface: set-up (`bind`, rows joining and
-leaving), `select` (a step's choices, in order), `plan` (with shadow drafts, preemption, pre-fills)
+leaving), `select` (a step's choices, in order), `plan` (with shadow drafts, preemption, catch-ups)
 and `update` (learning from what the step did). What it does step by step: docs/lbss.md#step-by-step.
 """
 
@@ -40,7 +40,7 @@ class LBSSPolicy(Matching, Lookup, Policy):
         self.padded = True
         self.alpha = self.config.alpha or self.config.beta
         self.batch_size = 1
-        self._prefill: dict[int, list[int]] = {}  # this step's Plan.prefill, set by select
+        self._catch_up: dict[int, list[int]] = {}  # this step's Plan.catch_up, set by select
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -98,7 +98,7 @@ class LBSSPolicy(Matching, Lookup, Policy):
 
     def select(self, view: BatchView) -> list[tuple[int, ...]]:
         """Each row's drafter this step: all plain on a plain probe; else exploration chunks in
-        progress, new chunks, then the exploitation matching; and the next step's draws and pre-fills."""
+        progress, new chunks, then the exploitation matching; and the next step's draws and catch-ups."""
         B = self.batch_size = view.batch_size
         rows = [self._row(view, b) for b in range(B)]
         stages = [self.stage(r.age) for r in rows]
@@ -107,7 +107,7 @@ class LBSSPolicy(Matching, Lookup, Policy):
         for r in rows:
             r.runner_up = None  # set again if the row is matched this step
         if self.probes_plain(view, rows):
-            self._prefill = {}
+            self._catch_up = {}
             for r in rows:
                 r.age += 1  # the probe takes this step of the row's schedule
             return [()] * B
@@ -145,37 +145,38 @@ class LBSSPolicy(Matching, Lookup, Policy):
                 r.arms[choice[b]].tries += 1
                 r.chunk_drafter, r.chunk_end = choice[b], stages[b].end
         for r in rows:
-            r.pending = None  # drawn for this step only: a row that no longer explores drops it (else pre-filled for nothing)
+            r.pending = None  # drawn for this step only: a row that no longer explores drops it (else caught up for nothing)
         # 3. Exploitation: maximum-weight matching, plain decoding included.
         self._match(view, rows, stages, cap, choice)
-        # 4. Draw the next exploration chunks a step ahead (their drafters are pre-filled meanwhile).
+        # 4. Draw the next exploration chunks a step ahead (their drafters catch up meanwhile).
         self._draw_ahead(view, rows, choice)
-        self._prefill = self._prefill_plan(view, rows, choice)
+        self._catch_up = self._catch_up_plan(view, rows, choice)
         for r in rows:
             r.age += 1
         return [() if d == PLAIN else (d,) for d in choice]
 
     def plan(self, view: BatchView) -> Plan:
-        """`select`'s plan with this step's pre-fills, shadow drafts and preemptions."""
+        """`select`'s plan with this step's catch-ups, shadow drafts and preemptions."""
         plan = super().plan(view)
         shadow = self.shadow_plan(view, plan)
-        return replace(plan, prefill=self._prefill, shadow=shadow, preempt=self.preempt_plan(view, plan))
+        return replace(plan, catch_up=self._catch_up, shadow=shadow, preempt=self.preempt_plan(view, plan))
 
     # --- learning ------------------------------------------------------------------------------
 
     def catch_up_tokens(self, feedback: StepFeedback) -> list[float]:
-        """[num_drafters] catch-up tokens per drafter in the step (a switch or a pre-fill), which the
+        """[num_drafters] catch-up tokens per drafter in the step (a switch or an idle catch-up), which the
         catch-up cost is learned from; records what each drafter now holds of each row."""
         plan, n = feedback.plan, len(self.drafters)
         rows = [self.rows.get(rid) for rid in feedback.row_ids]
         new_length = [r.length + a + 1 if r else 0 for r, a in zip(rows, feedback.accepted)]
+        # 1. Catch-up tokens per drafter (a switch or an idle catch-up), and what each drafter now holds.
         switch = [0.0] * n
         for b, r in enumerate(rows):
             if r is not None and plan.k[b] > 0:
                 for d in plan.drafters[b]:
                     switch[d] += self.lag(r, d)
                     r.arms[d].synced = new_length[b] - 1
-        for d, batch_rows in plan.prefill.items():
+        for d, batch_rows in plan.catch_up.items():
             for b in batch_rows:
                 r = rows[b]
                 if r is not None and d < n:

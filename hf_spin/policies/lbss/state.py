@@ -52,7 +52,7 @@ class RowState:
     age: int = 0  # steps planned for this row
     chunk_drafter: int | None = None  # drafter of the exploration chunk in progress
     chunk_end: int = 0  # age at which that chunk ends
-    pending: int | None = None  # drafter drawn for the next exploration chunk (pre-filled meanwhile)
+    pending: int | None = None  # drafter drawn for the next exploration chunk (caught up meanwhile)
     runner_up: int | None = None  # exploiting: a drafter within prefill_margin of the chosen one
 
 

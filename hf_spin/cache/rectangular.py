@@ -1,7 +1,7 @@
 """Ragged rows on a rectangular KV cache.
 
 `transformers`' `DynamicCache` holds `[B, H, S, D]` tensors and `crop` cuts every row alike. After a
-verification step each row keeps its own number of tokens, so `RaggedCache` keeps a slot mask beside
+verification step each row keeps its own number of tokens, so `RectangularCache` keeps a slot mask beside
 the tensors: a slot is *valid* (attended to) or a *hole* (attention mask 0). Rejected draft slots
 become holes; explicit per-row `position_ids` keep the positions of valid tokens contiguous, so a
 row with holes computes exactly what it would without them. Holes are trimmed when they form a
@@ -50,7 +50,7 @@ def needs_contiguous_slots(config) -> bool:
     )
 
 
-class RaggedCache(DynamicCache):
+class RectangularCache(DynamicCache):
     """A `DynamicCache` whose rows hold different numbers of valid tokens.
 
     slot_mask: `[B, S]` bool on the model's device, True where the slot holds a token the row attends to.
@@ -219,7 +219,7 @@ class RaggedCache(DynamicCache):
                 layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(n, *layer.keys.shape[1:])], dim=0)
                 layer.values = torch.cat([layer.values, layer.values.new_zeros(n, *layer.values.shape[1:])], dim=0)
 
-    def append_rows(self, other: "RaggedCache") -> None:
+    def append_rows(self, other: "RectangularCache") -> None:
         """Append `other`'s rows after this cache's rows (rows prefilled apart, joining the batch).
 
         The narrower side is padded on the left with holes to the wider side's slots `[B + B', H, max(S, S'), D]`,
