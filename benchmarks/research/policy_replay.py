@@ -12,7 +12,7 @@ it answers every policy's "what would d have proposed here"; a shorter k takes a
 The seconds come from fits measured in the same recording: target forwards verifying 1..k+1 tokens
 after each prompt, each drafter's draft calls (seconds per forward, per token caught up).
 The replay drives the simulated engine of the policy tests (tests/sim.py: plan -> proposals ->
-verify -> commit -> pre-fill -> feedback), with seeded log-normal noise on the costs, over the
+verify -> commit -> catch-up -> feedback), with seeded log-normal noise on the costs, over the
 questions in the benchmark's order (its warm-up question first, then `--policy-warmup` held-out
 ones, unrecorded), and reports them with the benchmark's own tables (`pool_bench.summarize`).
 

@@ -106,7 +106,7 @@ class Policy(ABC):
         return Plan(drafters=chosen, k=k, min_confidence=self.draft_length.min_confidence)
 
     def catch_up_tokens(self, feedback: StepFeedback) -> list[float] | None:
-        """[num_drafters] tokens each drafter caught up on in the step (a switch, a pre-fill), for
+        """[num_drafters] tokens each drafter caught up on in the step (a switch, an idle catch-up), for
         `costs` to price a catch-up; None: not tracked (called once a step, by `update`)."""
         return None
 
