@@ -1,13 +1,18 @@
 """Static per-row cache (`StaticRowCache`) and its fixed-shape forward (`forward_static`).
 
 The cache alone: writes at each row's own length, rollback, rows leaving and joining by slot without
-reallocating, growth, checkpoint/restore, filling from a prefill's `RaggedCache`.
+reallocating, growth, checkpoint/restore, filling from a prefill's `RaggedCache`. With models: logits
+equal `forward_ragged` on the rectangular cache (float32), through rollbacks and rows leaving and joining.
 """
 
+import pytest
 import torch
 
-from hf_spin.cache import RaggedCache
+from hf_spin.cache import RaggedCache, forward_ragged
 from hf_spin.cache.static import StaticRowCache, query_bucket
+from hf_spin.cache.static_forward import check_static_support, forward_static
+
+from .archs import tiny_model
 
 
 def _filled(lengths: list[int], capacity: int = 8) -> StaticRowCache:
@@ -80,3 +85,98 @@ def test_append_rows_copies_a_prefills_valid_slots_to_the_start_of_free_slots():
 
 def test_query_buckets_fit_a_draft_of_a_power_of_two_plus_its_last_token():
     assert [query_bucket(n) for n in (1, 2, 3, 4, 5, 6, 9, 10, 17, 66)] == [1, 2, 3, 5, 5, 9, 9, 17, 17, 128]
+
+
+# -- with models -----------------------------------------------------------------------------------------
+
+ARCHS = {
+    "llama": {},
+    "qwen2": {},
+    "mistral": dict(sliding_window=None),
+    "gemma": {},
+    "qwen3": {},
+    "phi3": {},
+}
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+# (chunk per row, tokens each row keeps afterwards): ragged chunks, rejections, an empty chunk.
+STEPS = [
+    ([[20, 21, 22, 23], [24], [25, 26]], [8, 3, 5]),
+    ([[30], [31, 32, 33, 34, 35], [36, 37]], [9, 5, 7]),
+    ([[40, 41], [], [42, 43, 44]], [10, 5, 8]),
+]
+
+
+def _prefilled(model, prompts):
+    ragged = RaggedCache(torch.zeros(len(prompts), 0, dtype=torch.bool))
+    forward_ragged(model, ragged, prompts)
+    static = StaticRowCache()
+    static.append_rows(ragged)
+    return ragged, static
+
+
+def _assert_rows_close(ragged_logits, static_logits, chunks):
+    assert static_logits.shape == ragged_logits.shape
+    for b, chunk in enumerate(chunks):
+        torch.testing.assert_close(static_logits[b, : len(chunk)], ragged_logits[b, : len(chunk)], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@torch.no_grad()
+def test_logits_equal_the_rectangular_cache_through_rollbacks(arch, one_thread):
+    model = tiny_model(arch, **ARCHS[arch])
+    check_static_support(model)
+    ragged, static = _prefilled(model, PROMPTS)
+    for chunks, keep in STEPS:
+        _assert_rows_close(forward_ragged(model, ragged, chunks), forward_static(model, static, chunks), chunks)
+        ragged.rollback(keep)
+        static.rollback(keep)
+    assert static.lengths == ragged.host_lengths
+
+
+@torch.no_grad()
+def test_a_prefill_through_forward_static_equals_the_rectangular_cache(one_thread):
+    model = tiny_model("llama")
+    ragged = RaggedCache(torch.zeros(len(PROMPTS), 0, dtype=torch.bool))
+    static = StaticRowCache()
+    static.add_empty_rows(len(PROMPTS))
+    _assert_rows_close(forward_ragged(model, ragged, PROMPTS), forward_static(model, static, PROMPTS), PROMPTS)
+    chunks = [[20, 21], [22], [23, 24, 25]]
+    _assert_rows_close(forward_ragged(model, ragged, chunks), forward_static(model, static, chunks), chunks)
+
+
+@torch.no_grad()
+def test_rollback_then_continue_equals_never_feeding_the_rejected_tokens(one_thread):
+    model = tiny_model("qwen2")
+    _, rolled = _prefilled(model, PROMPTS)
+    forward_static(model, rolled, [[20, 21, 22, 23], [24, 25], [26]])
+    rolled.rollback([len(PROMPTS[0]) + 1, len(PROMPTS[1]), len(PROMPTS[2]) + 1])  # keep 20, nothing, 26
+    _, clean = _prefilled(model, [PROMPTS[0] + [20], PROMPTS[1], PROMPTS[2] + [26]])
+    chunks = [[30, 31], [32, 33, 34], [35]]
+    _assert_rows_close(forward_static(model, clean, chunks), forward_static(model, rolled, chunks), chunks)
+
+
+@torch.no_grad()
+def test_rows_leaving_and_joining_keep_every_row_exact(one_thread):
+    model = tiny_model("llama")
+    ragged, static = _prefilled(model, PROMPTS)
+    chunks = [[20, 21], [22], [23, 24, 25]]
+    forward_ragged(model, ragged, chunks)
+    forward_static(model, static, chunks)
+    for cache in (ragged, static):
+        cache.select_rows([2, 0])  # row 1 leaves, the others swap
+    joining = [[50, 51, 52], [53]]
+    fresh, _ = _prefilled(model, joining)
+    ragged.append_rows(fresh)
+    static.append_rows(fresh)
+    assert static.num_slots == 4 and sorted(static.slot_of) == [0, 1, 2, 3]
+    chunks = [[60], [61, 62], [63, 64, 65], [66, 67]]
+    _assert_rows_close(forward_ragged(model, ragged, chunks), forward_static(model, static, chunks), chunks)
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, reason",
+    [("mistral", dict(sliding_window=6), "full attention only"), ("bloom", {}, "4D attention mask")],
+)
+def test_models_it_cannot_run_exactly_are_refused(arch, overrides, reason):
+    with pytest.raises(ValueError, match=reason):
+        check_static_support(tiny_model(arch, **overrides))
