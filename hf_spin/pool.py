@@ -15,6 +15,7 @@ import os
 import threading
 
 from .cache import check_packed_support
+from .cache.static_forward import StaticOptions
 from .planning.cost_profile import CostProfile
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, SuffixDrafter, TranslatingDrafter
 from .planning.planner import Planner
@@ -112,6 +113,7 @@ class AssistantPool:
         self.planner: Planner | None = None  # made when the pool first meets a target (bind)
         self._profiled: int | None = None  # id of the target the profile was made for
         self._lock = threading.Lock()  # one profile built at a time (a server binds from several threads)
+        self.static: StaticOptions | None = None  # the target's cache layout is static (use_static_cache)
 
     @staticmethod
     def _make(entry) -> Drafter:
@@ -196,6 +198,20 @@ class AssistantPool:
             self.planner = Planner(self.cost_profile)  # warns once if nothing can pay here
             self.policy.attach_profile(self.cost_profile)
             self._profiled = id(target)
+
+    def use_static_cache(
+        self, compile: bool | str = False, backend: str = "inductor", query_slots: int | None = None
+    ) -> "AssistantPool":
+        """Verify on the static cache layout (`hf_spin.cache.static`): the target's KV in a `StaticRowCache`,
+        each step one fixed-shape forward of `query_slots` (k + 1) query slots, compiled if `compile` says
+        so (`StaticOptions`). Chains only (tree="auto" verifies chains here); the prefill stays eager.
+        Returns the pool."""
+        if self.ragged_attention:
+            raise ValueError("the static cache and ragged_attention=True (packed rows) are two layouts; pick one")
+        if self.tree is not False and self.tree != "auto":
+            raise ValueError(f"tree={self.tree!r}: the static cache verifies chains only (for now); use tree=False")
+        self.static = StaticOptions(compile, backend, query_slots)
+        return self
 
     def reset(self) -> None:
         """Forget what the drafters learned across calls (a suffix drafter's index of earlier outputs)."""
