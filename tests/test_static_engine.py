@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import hf_spin
+from hf_spin.stats import DrafterStats
+from hf_spin.step.engine import SpinEngine
 
 from .archs import tiny_model
 from .speculation import DRAFT_TOKENS, assert_speculated, greedy_case, perturbed
@@ -153,3 +155,23 @@ def test_inductor_compiled_verification_keeps_greedy_output(fresh_dynamo):
     target, other = _models("llama")
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert_static_lossless(target, other, *_case("llama", 4), compile=True, query_slots=DRAFT_TOKENS + 1)
+
+
+def test_rows_joining_a_running_batch_take_free_slots_and_stay_exact(fresh_dynamo):
+    """Continuous batching on the static layout: rows join at different steps (free slots, then more row
+    slots) and stop at different steps; each row's tokens equal plain generate on its prompt alone."""
+    from .test_engine import alone, prompts, request, run
+
+    target, other = _models("llama")
+    pool = spin_pool([other, "prompt_lookup"], policy="round_robin", tree=False)
+    engine = SpinEngine(target, pool.use_static_cache(compile=True, backend="eager", query_slots=DRAFT_TOKENS + 1))
+    slots, verify = set(), engine.static
+    engine.static = lambda model, cache, chunks: slots.add(cache.num_slots) or verify(model, cache, chunks)
+    ps, lengths = prompts(6), [20, 7, 16, 1, 12, 18]
+    schedule = {0: [request(ps[0], 20), request(ps[1], 7)], 3: [request(ps[2], 16)]}
+    schedule.update({4: [request(ps[3], 1), request(ps[4], 12)], 9: [request(ps[5], 18)]})
+    rows = run(engine, schedule)
+    for row, p, n in zip(rows, ps, lengths):
+        assert row.generated == alone(target, p, n), f"row {row.id}"
+    assert_speculated(DrafterStats.total(engine.drafter_stats.values()))
+    assert fresh_dynamo["stats"]["unique_graphs"] == len(slots) > 1  # one graph per row-slot bucket grown through
