@@ -16,6 +16,7 @@ import threading
 import warnings
 
 from .cache import check_packed_support
+from .cache.static_forward import StaticOptions
 from .planning.cost_profile import CostProfile
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, SuffixDrafter, TranslatingDrafter
 from .planning.planner import Planner
@@ -30,7 +31,7 @@ ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attenti
 # "off": its tiny models' timings are noise, and its lossless tests must draft whatever the machine).
 PROFILE_ENV = "HF_SPIN_PROFILE"
 # `cache=`: the KV cache layout of every model forward (docs/design.md, "Ragged rows").
-CACHE_LAYOUTS = ("rectangular", "packed")
+CACHE_LAYOUTS = ("rectangular", "packed", "static")
 
 
 def _cache_layout(cache: str | None, ragged_attention: bool | None) -> str:
@@ -49,9 +50,21 @@ def _cache_layout(cache: str | None, ragged_attention: bool | None) -> str:
     if cache is None:
         return "rectangular"
     if cache not in CACHE_LAYOUTS:
-        later = " (the static layout is not built yet)" if cache == "static" else ""
-        raise ValueError(f"cache={cache!r} is not supported{later}; give one of {', '.join(map(repr, CACHE_LAYOUTS))}")
+        raise ValueError(f"cache={cache!r} is not supported; give one of {', '.join(map(repr, CACHE_LAYOUTS))}")
     return cache
+
+
+def _static_options(layout: str, compile, tree) -> StaticOptions | None:
+    """The static layout's options from `AssistantPool(cache=, compile=, tree=)`; None on the other layouts."""
+    if layout != "static":
+        if compile not in (None, False):
+            raise ValueError(f"compile={compile!r} needs cache='static' (the fixed-shape forwards); got cache={layout!r}")
+        return None
+    if tree is not False and tree != "auto":
+        raise ValueError(f"tree={tree!r}: the static cache verifies chains only (for now); use tree='auto' or False")
+    if isinstance(compile, StaticOptions):
+        return compile
+    return StaticOptions("auto" if compile is None else compile)
 
 
 def _is_model(obj) -> bool:
@@ -89,7 +102,13 @@ class AssistantPool:
         model drafters) on packed rows: a `PackedCache` per model and `attn_implementation="hf_spin_varlen"`
         for those forwards, so no compute or memory goes to padding or holes. Needs models whose
         attention goes through transformers' AttentionInterface. (`ragged_attention=True` / `False`, the
-        old spelling of "packed" / "rectangular", still works with a FutureWarning.)
+        old spelling of "packed" / "rectangular", still works with a FutureWarning.) "static": the
+        target's KV in a `StaticRowCache` (row slots x capacity allocated once, each row's length on the
+        device), every verification one fixed-shape forward (`cache/static_forward.py`) that `compile`
+        may compile; chains only (tree="auto" verifies chains there), full-attention models taking 4D masks.
+    compile: the static layout's verification forward: False (eager), True (`torch.compile(fullgraph=True,
+        dynamic=False)`; CUDA graphs on a GPU), "auto" (default: on for a target on CUDA), or a
+        `StaticOptions` (backend, query slots). Only with cache="static".
     tree: token trees (docs/design.md, "token tree"): "auto" (default) verifies a vote's whole merged
         tree, prompt lookup's several continuations, suffix drafting's likeliest ones and a model
         drafter's grown tree (on a rectangular cache) in one forward, False chains only (a vote's
@@ -115,6 +134,7 @@ class AssistantPool:
         cache: str | None = None,
         profile: str | os.PathLike | CostProfile | None = None,
         tree: str | bool | int = "auto",
+        compile: bool | str | StaticOptions | None = None,
         *,
         ragged_attention: bool | None = None,
     ):
@@ -129,6 +149,7 @@ class AssistantPool:
         if not (tree in ("auto", False) or (type(tree) is int and tree >= 1)):
             raise ValueError(f"tree={tree!r} is not supported; give 'auto', False (chains) or a positive number of nodes")
         self.tree = tree
+        self.static = _static_options(self.cache_layout, compile, tree)  # None: not the static layout
         self._vocab_checked: set[int] = set()  # ids of translating drafters already compared with the target's vocabulary
         self.row_ids = itertools.count()  # request ids, unique over every call: the policy remembers past requests
         self.last_stats: GenerationStats | None = None  # statistics of the latest generate call

@@ -13,6 +13,7 @@ import inspect
 import torch
 
 from ..cache import CACHE_ARG, CACHE_NAMES, PackedCache, RectangularCache, forward_ragged, needs_contiguous_slots
+from ..cache.static import StaticRowCache
 from .processors import GenerateBatch
 from .rows import Row
 from ..verify.chains import gumbel_noise
@@ -32,10 +33,12 @@ def prefill_kwargs(model, attention_mask: torch.Tensor) -> dict:
     return kwargs
 
 
-def prefill(model, cache, running: int, rows: list[Row], batch: GenerateBatch | None, packed: bool):
+def prefill(
+    model, cache, running: int, rows: list[Row], batch: GenerateBatch | None, packed: bool, static: bool = False
+):
     """Target forward over the joining rows' prompts, their KV appended after the `running` rows of
     `cache` (None: a new batch). Returns (the batch's cache, logits [n, V] float32 at each new row's
-    last token)."""
+    last token). static: the batch's cache is a `StaticRowCache`, filled from this eager prefill."""
     if packed:  # a forward over the new rows' tokens only
         if cache is None:
             cache = PackedCache(0, device=model.device)
@@ -66,6 +69,10 @@ def prefill(model, cache, running: int, rows: list[Row], batch: GenerateBatch | 
     kwargs[CACHE_ARG] = fresh
     inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **kwargs)
     logits = model(**inputs, return_dict=True).logits[:, -1].to(dtype=torch.float32)  # [n, V]
+    if static:  # copied into free row slots, capacity for the rows' length limit
+        cache = cache if running and cache is not None else StaticRowCache(model.device)
+        cache.append_rows(fresh, min_capacity=max(r.request.max_length for r in rows))
+        return cache, logits
     if running and cache is not None:
         cache.append_rows(fresh)
         return cache, logits

@@ -38,6 +38,7 @@ import torch
 from .. import host_syncs
 from . import admission, tree_step
 from ..cache import PackedCache, RowCache, forward_ragged
+from ..cache.static_forward import StaticTarget
 from ..drafters import Drafter
 from ..drafters.model import common_prefix_length
 from .drafting import Drafting
@@ -110,7 +111,10 @@ class SpinEngine:
         else:
             self.drafters, self.policy, self.names = [], None, []
         self.cache_layout = pool.cache_layout if pool is not None else "rectangular"  # pool.CACHE_LAYOUTS
-        self.tree = pool.tree if pool is not None else False  # token trees (tree_step.usable): "auto", False, or a node cap
+        # the target's verification forward on the static layout; None: rectangular or packed
+        self.static = StaticTarget(model, pool.static) if pool is not None and pool.static is not None else None
+        # token trees (tree_step.usable): "auto", False, or a node cap; chains on the static layout
+        self.tree = pool.tree if pool is not None and self.static is None else False
         self.tree_capability = tree_step.capability(model) if self.tree is not False else (False, False)
         self.planner = pool.planner if pool is not None else None  # sizes drafts from measured costs; None: profile "off"
         self.isolate_faults = isolate_faults
@@ -202,7 +206,8 @@ class SpinEngine:
         batch = self._batch if self._batch is not None and [r.id for r in joining] == self._batch.order else None
         try:
             self.cache, logits = admission.prefill(  # logits: [n, V]
-                self.model, self.cache, len(self.rows), joining, batch, self.cache_layout == "packed"
+                self.model, self.cache, len(self.rows), joining, batch, self.cache_layout == "packed",
+                self.static is not None,
             )
         except Exception as err:  # noqa: BLE001
             self.faults.prefill_failed(joining, err)
@@ -229,9 +234,8 @@ class SpinEngine:
                 self._call_drafter(d_idx, lambda: drafter.add_rows(sequences), new_positions)
             else:
                 # the target's cache right after its prefill: a self-speculating drafter copies its exact KV
-                self._call_drafter(
-                    d_idx, lambda: drafter.start(self.model, sequences, target_cache=self.cache), new_positions
-                )
+                shared = None if self.static is not None else self.cache  # a StaticRowCache is not shared
+                self._call_drafter(d_idx, lambda: drafter.start(self.model, sequences, target_cache=shared), new_positions)
         self.drafters_started = True
         if self.policy is not None:
             self.policy.start_rows(self._view(), new_positions)
@@ -414,6 +418,8 @@ class SpinEngine:
 
     def _forward_target(self, chunks: list[list[int]]) -> torch.Tensor:
         """Logits [B, T, V] float32 of the target over one chunk per row, appended to its cache."""
+        if self.static is not None:
+            return self.static(self.model, self.cache, chunks).to(dtype=torch.float32)
         return forward_ragged(self.model, self.cache, chunks).to(dtype=torch.float32)
 
     def _commit(self, row: Row, tokens: list[int], scores: torch.Tensor) -> None:

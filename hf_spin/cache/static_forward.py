@@ -1,0 +1,135 @@
+"""Fixed-shape forwards on a `StaticRowCache`, eager or compiled.
+
+`forward_static` feeds every row slot of the cache T query slots (each row's chunk, right-padded with
+filler tokens; free slots all filler) at positions length + t under a 4D mask from the device lengths,
+so the model forward `run_static` sees the same shapes whatever the lengths, the acceptance and the rows
+present: `torch.compile(run_static, fullgraph=True, dynamic=False)` compiles it once per (row slots,
+query slots, capacity), and on CUDA can capture it as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from ..host_syncs import to_device
+from .forward import CACHE_ARG, FILLER_TOKEN, _attention, takes_4d_masks
+from .rectangular import needs_contiguous_slots
+from .static import StaticRowCache
+
+
+def check_static_support(model, role: str = "model") -> None:
+    """Refuse, with the reason, a model whose forward the static cache cannot run exactly."""
+    name = f"{role} {model.config.model_type!r} ({type(model).__name__})"
+    if not takes_4d_masks(model):
+        raise ValueError(
+            f"the static cache needs a model that takes a 4D attention mask as given (eager or sdpa attention, masks "
+            f"from transformers' create_causal_mask, no ALiBi from the 2D mask); {name} with attention "
+            f"{model.config._attn_implementation!r} does not. Use the rectangular or packed cache."
+        )
+    if needs_contiguous_slots(model.config):
+        raise ValueError(
+            f"the static cache supports full attention only; {name} has sliding-window, chunked or slot-biased "
+            "attention. Use the rectangular or packed cache."
+        )
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"the static cache passes explicit position_ids; {name} takes none. Use another cache.")
+
+
+def run_static(model, cache: StaticRowCache, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fixed-shape forward: input_ids `[R, T]` (one row per slot) -> logits `[R, T, V]`; each slot's
+    T keys and values are written after its length. Reads no host state that changes between steps, so
+    it compiles with fullgraph=True. dtype: the model's, for the additive mask."""
+    position_ids, mask = cache.query_inputs(input_ids.shape[1], dtype)  # [R, T], [R, 1, T, C]
+    out = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=position_ids,
+        cache_position=position_ids.max(dim=0).values,  # [T] older transformers want one; this cache ignores it
+        use_cache=True,
+        return_dict=True,
+        **{CACHE_ARG: cache},
+    )
+    return out.logits
+
+
+def compile_static(forward=run_static, backend: str = "inductor", mode: str | None = None):
+    """`forward` compiled for fixed shapes with no graph break: one graph per (row slots, query slots,
+    capacity, model) in dynamo's cache of the code object (its recompile limit applies)."""
+    return torch.compile(forward, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+
+
+def forward_static(
+    model, cache: StaticRowCache, chunks: list[list[int]], forward=run_static, min_width: int = 1
+) -> torch.Tensor:
+    """Run `model` on one chunk of new tokens per row (B chunks, in the cache's row order), appending them.
+
+    Every slot gets `cache.query_width(max(longest, min_width))` query slots (sticky bucket), so the
+    forward keeps its shape from step to step; padding and free slots compute but are not counted.
+    forward: `run_static`, or a compiled copy of it (`compile_static`); a cache with no storage yet runs
+    eagerly. min_width: the query slots to start from (the longest chunk expected: k + 1), so that
+    shorter first drafts do not compile a narrower forward first.
+    Returns logits `[B, T, V]`, T = the longest chunk (the slots after a row's chunk are padding).
+    """
+    if len(chunks) != len(cache.slot_of):
+        raise ValueError(f"{len(chunks)} chunks for a StaticRowCache of {len(cache.slot_of)} rows")
+    counts = [len(c) for c in chunks]  # [B]
+    longest = max(counts, default=0)
+    if longest == 0:
+        raise ValueError("forward_static needs at least one token in some chunk")
+    width = cache.query_width(max(longest, min_width))
+    cache.reserve(width)  # any reallocation happens here, outside the compiled forward
+    ids = [[FILLER_TOKEN] * width for _ in range(cache.num_slots)]  # [R, T]
+    for slot, chunk in zip(cache.slot_of, chunks):
+        ids[slot][: len(chunk)] = chunk
+    input_ids = to_device(ids, model.device, torch.long)
+    if not all(layer.is_initialized for layer in cache.layers) or not cache.layers:
+        forward = run_static  # the first forward allocates the storage: never inside a compiled region
+    with _attention(model):
+        logits = forward(model, cache, input_ids, model.dtype)  # [R, T, V]
+    cache.advance(counts)
+    rows = to_device(cache.slot_of, logits.device, torch.long)  # [B]
+    return logits[rows, :longest]  # a copy: a CUDA graph's output buffer is reused by its next replay
+
+
+@dataclass(frozen=True)
+class StaticOptions:
+    """The static cache layout of a pool's target (`AssistantPool(cache="static", compile=...)`).
+
+    compile: False (eager), True, or "auto" (on for a target on CUDA only): `torch.compile` the
+        fixed-shape verification forward with fullgraph=True, dynamic=False; on CUDA as CUDA graphs
+        (mode "reduce-overhead").
+    backend: the torch.compile backend ("inductor"; "eager" traces with dynamo alone: no graph break and
+        no recompilation are checked the same, without code generation).
+    query_slots: query slots of every verification from the first on (k + 1 for a draft length cap k);
+        None: the longest chunk so far, bucketed, so a longer draft than any before compiles a wider
+        forward (once per bucket).
+    """
+
+    compile: bool | str = False
+    backend: str = "inductor"
+    query_slots: int | None = None
+
+    def __post_init__(self):
+        if self.compile not in (False, True, "auto"):
+            raise ValueError(f"compile={self.compile!r} is not supported; give False, True or 'auto' (CUDA only)")
+        if self.query_slots is not None and not (type(self.query_slots) is int and self.query_slots >= 1):
+            raise ValueError(f"query_slots={self.query_slots!r} is not supported; give a positive int or None")
+
+
+class StaticTarget:
+    """The target's verification forward on the static layout: `forward_static` with `run_static`, compiled
+    when the options say so. Checks the target at construction."""
+
+    def __init__(self, model, options: StaticOptions):
+        check_static_support(model, "target model")
+        self.compiled = options.compile is True or (options.compile == "auto" and model.device.type == "cuda")
+        mode = "reduce-overhead" if model.device.type == "cuda" and options.backend == "inductor" else None
+        self.forward = compile_static(backend=options.backend, mode=mode) if self.compiled else run_static
+        self.min_width = options.query_slots or 1
+
+    def __call__(self, model, cache: StaticRowCache, chunks: list[list[int]]) -> torch.Tensor:
+        """Logits `[B, T, V]` of one chunk per row, appended to `cache` (see `forward_static`)."""
+        return forward_static(model, cache, chunks, self.forward, self.min_width)

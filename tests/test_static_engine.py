@@ -1,0 +1,182 @@
+"""The static cache layout in the engine (`AssistantPool(cache="static", compile=...)`): greedy output equals plain
+`generate` (float32), batch 1 and 4 with ragged prompts, a model drafter and prompt lookup, chains only;
+rows leave the batch as they stop (freed slots) and models the layout cannot run are refused.
+"""
+
+import functools
+import os
+
+import pytest
+import torch
+
+import hf_spin
+from hf_spin.cache.static_forward import StaticOptions
+from hf_spin.stats import DrafterStats
+from hf_spin.step.engine import SpinEngine
+
+from .archs import tiny_model
+from .speculation import DRAFT_TOKENS, assert_speculated, greedy_case, perturbed
+from .speculation import pool as spin_pool
+
+MAX_NEW_TOKENS = 24
+PROMPT_LENGTH = 14  # ragged rows at batch 4: 14, 12, 10, 8 real tokens
+ARCHS = {"llama": {}, "qwen2": {}, "gemma": {}, "mistral": dict(sliding_window=None)}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@functools.lru_cache(maxsize=None)
+def _models(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(target, perturbed drafter) of one architecture."""
+    return tiny_model(arch, seed=0, **ARCHS[arch]), perturbed(arch, **ARCHS[arch])
+
+
+@functools.lru_cache(maxsize=None)
+def _case(arch: str, batch: int) -> tuple[dict, torch.Tensor]:
+    return greedy_case(_models(arch)[0], batch, PROMPT_LENGTH, MAX_NEW_TOKENS)
+
+
+def assert_static_lossless(target, entry, inputs: dict, reference: torch.Tensor, **options) -> hf_spin.AssistantPool:
+    """Output of a static-layout pool drafting with `entry` equals plain generate's, with speculation."""
+    pool = spin_pool([entry], tree=False, cache="static", compile=StaticOptions(**{"compile": False, **options}))
+    out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, reference), f"\n{out}\n{reference}"
+    assert_speculated(pool.last_stats)
+    return pool
+
+
+@pytest.mark.parametrize("batch", (1, 4))
+@pytest.mark.parametrize("drafter", ("model", "prompt_lookup"))
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_greedy_output_equals_plain_generate(arch, drafter, batch):
+    target, other = _models(arch)
+    entry = other if drafter == "model" else "prompt_lookup"
+    assert_static_lossless(target, entry, *_case(arch, batch))
+
+
+def test_the_target_runs_on_a_static_cache(monkeypatch):
+    """The engine's verification goes through forward_static (not a silent fallback to the rectangular cache)."""
+    from hf_spin.cache import static_forward
+
+    calls = []
+    real = static_forward.forward_static
+    monkeypatch.setattr(static_forward, "forward_static", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    target, other = _models("llama")
+    assert_static_lossless(target, other, *_case("llama", 4))
+    assert calls and all(type(c).__name__ == "StaticRowCache" for c in calls)
+
+
+def test_layouts_and_models_it_cannot_run_are_refused():
+    with pytest.raises(ValueError, match="conflict"):
+        spin_pool(["prompt_lookup"], cache="static", ragged_attention=True)
+    with pytest.raises(ValueError, match="needs cache='static'"):
+        spin_pool(["prompt_lookup"], compile=True)
+    with pytest.raises(ValueError, match="chains only"):
+        spin_pool(["prompt_lookup"], tree=4, cache="static")
+    with pytest.raises(ValueError, match="compile="):
+        spin_pool(["prompt_lookup"], cache="static", compile="always")
+    with pytest.raises(ValueError, match="query_slots="):
+        StaticOptions(query_slots=0)
+    assert spin_pool(["prompt_lookup"], cache="static").static == StaticOptions("auto")
+    model = tiny_model("mistral", sliding_window=6)
+    pool = spin_pool(["prompt_lookup"], cache="static")
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="full attention only"):
+        model.generate(input_ids=ids, max_new_tokens=4, custom_generate=hf_spin.generate, assistant_pool=pool)
+
+
+# -- compiled ---------------------------------------------------------------------------------------------
+# The "eager" backend runs dynamo alone: a graph break fails fullgraph=True and a recompilation fails
+# error_on_recompile exactly as with inductor, without its code generation (a minute and more on a CPU).
+# HF_SPIN_SLOW_TESTS=1 runs the inductor case too.
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied and its counters zeroed (reset leaves the counters)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    torch._dynamo.reset()
+
+
+@torch.no_grad()
+def test_the_compiled_forward_has_no_graph_break_and_no_recompilation(fresh_dynamo):
+    """One graph for a run where lengths, acceptance and the rows present change (rollbacks, a row
+    leaving, one joining its slot), logits equal to the eager forward's."""
+    from hf_spin.cache import RectangularCache, forward_ragged
+    from hf_spin.cache.static import StaticRowCache
+    from hf_spin.cache.static_forward import compile_static, forward_static
+
+    model = tiny_model("llama")
+    caches = []
+    for _ in range(2):  # eager, compiled
+        ragged = RectangularCache(torch.zeros(3, 0, dtype=torch.bool))
+        forward_ragged(model, ragged, [[5, 6, 7, 8], [9, 10], [11, 12, 13]])
+        caches.append(StaticRowCache())
+        caches[-1].append_rows(ragged)
+    joining = RectangularCache(torch.zeros(1, 0, dtype=torch.bool))
+    forward_ragged(model, joining, [[40, 41, 42]])
+    compiled = compile_static(backend="eager")
+    steps = [([[20, 21, 22], [23], [24, 25]], [6, 3, 5]), ([[30], [31, 32, 33], [34]], [7, 5, 6])]
+    steps += [("leave", [0, 2]), ("join", joining), ([[50, 51], [52], [53, 54, 55]], [9, 7, 6])]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for chunks, keep in steps:
+            for cache in caches:
+                if chunks == "leave":
+                    cache.select_rows(keep)
+                elif chunks == "join":
+                    cache.append_rows(keep)
+            if isinstance(chunks, str):
+                continue
+            eager = forward_static(model, caches[0], chunks)
+            torch.testing.assert_close(forward_static(model, caches[1], chunks, forward=compiled), eager)
+            for cache in caches:
+                cache.rollback(keep)
+    assert fresh_dynamo["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("drafter", ("model", "prompt_lookup"))
+def test_compiled_verification_keeps_greedy_output_without_recompiling(drafter, fresh_dynamo):
+    target, other = _models("llama")
+    entry = other if drafter == "model" else "prompt_lookup"
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        options = dict(compile=True, backend="eager", query_slots=DRAFT_TOKENS + 1)
+        pool = assert_static_lossless(target, entry, *_case("llama", 4), **options)
+    assert fresh_dynamo["stats"]["unique_graphs"] == 1, str(pool.last_stats)
+
+
+def test_compile_auto_is_on_for_cuda_only():
+    from hf_spin.cache.static_forward import StaticTarget
+
+    target = _models("llama")[0]
+    assert not StaticTarget(target, StaticOptions("auto")).compiled
+    assert StaticTarget(target, StaticOptions(True, backend="eager")).compiled
+
+
+@pytest.mark.skipif(not os.environ.get("HF_SPIN_SLOW_TESTS"), reason="inductor compiles for a minute and more on a CPU")
+def test_inductor_compiled_verification_keeps_greedy_output(fresh_dynamo):
+    target, other = _models("llama")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert_static_lossless(target, other, *_case("llama", 4), compile=True, query_slots=DRAFT_TOKENS + 1)
+
+
+def test_rows_joining_a_running_batch_take_free_slots_and_stay_exact(fresh_dynamo):
+    """Continuous batching on the static layout: rows join at different steps (free slots, then more row
+    slots) and stop at different steps; each row's tokens equal plain generate on its prompt alone."""
+    from .test_engine import alone, prompts, request, run
+
+    target, other = _models("llama")
+    pool = spin_pool([other, "prompt_lookup"], policy="round_robin", tree=False, cache="static")
+    pool.static = StaticOptions(compile=True, backend="eager", query_slots=DRAFT_TOKENS + 1)
+    engine = SpinEngine(target, pool)
+    slots, verify = set(), engine.static
+    engine.static = lambda model, cache, chunks: slots.add(cache.num_slots) or verify(model, cache, chunks)
+    ps, lengths = prompts(6), [20, 7, 16, 1, 12, 18]
+    schedule = {0: [request(ps[0], 20), request(ps[1], 7)], 3: [request(ps[2], 16)]}
+    schedule.update({4: [request(ps[3], 1), request(ps[4], 12)], 9: [request(ps[5], 18)]})
+    rows = run(engine, schedule)
+    for row, p, n in zip(rows, ps, lengths):
+        assert row.generated == alone(target, p, n), f"row {row.id}"
+    assert_speculated(DrafterStats.total(engine.drafter_stats.values()))
+    assert fresh_dynamo["stats"]["unique_graphs"] == len(slots) > 1  # one graph per row-slot bucket grown through
