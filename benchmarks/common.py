@@ -27,7 +27,9 @@ def task_of(category: str) -> str:
     return "mt_bench" if category in MT_BENCH else category
 
 
-def load_questions(path: Path, per_group: int | None = None, limit: int | None = None, group_by: str = "category") -> list[dict]:
+def load_questions(
+    path: Path, per_group: int | None = None, limit: int | None = None, group_by: str = "category"
+) -> list[dict]:
     """The first `per_group` questions of every category (or task group; None: all), in file order, at most `limit`
     (read with `datasets`: the JSON lines' schema and parsing, cached by the file's path and modification time)."""
     if not path.exists():
@@ -50,7 +52,9 @@ def load_questions(path: Path, per_group: int | None = None, limit: int | None =
 def encode(tokenizer, questions: list[dict]) -> dict:
     """First turns as chat prompts, left-padded into one batch."""
     texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False, add_generation_prompt=True)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q["turns"][0]}], tokenize=False, add_generation_prompt=True
+        )
         for q in questions
     ]
     return tokenizer(texts, return_tensors="pt", padding=True)
@@ -78,7 +82,8 @@ def machine(num_processes: int = 1) -> dict:
     import hf_spin
 
     return {
-        "machine": describe("cuda" if torch.cuda.is_available() else "cpu") + (f" on {cpu()['cpu']}" if torch.cuda.is_available() else ""),
+        "machine": describe("cuda" if torch.cuda.is_available() else "cpu")
+        + (f" on {cpu()['cpu']}" if torch.cuda.is_available() else ""),
         **cpu(),
         "kernels": kernels(),
         "threads": torch.get_num_threads(),

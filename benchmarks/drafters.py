@@ -40,9 +40,8 @@ import torch
 import transformers
 
 import hf_spin
-from hf_spin import models
-
 from benchmarks.common import DEFAULT_QUESTIONS, load_questions, new_tokens, timed
+from hf_spin import models
 from hf_spin.cache import RectangularCache, forward_ragged
 from hf_spin.drafters.fuzzy import LayerParallelForward
 from hf_spin.drafters.streaming import StreamingCache
@@ -57,7 +56,9 @@ EASYSPEC_PAPER = {"drafting_speedup": 1.62, "max_acceptance_drop": 0.07}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     ap.add_argument("--per-category", type=int, default=1, help="easyspec: questions taken from each category")
     ap.add_argument("--limit", type=int, default=None, help="easyspec: cap on the number of questions (quick runs)")
@@ -73,12 +74,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--fuzzy-cost-lengths", type=int, nargs="+", default=[256, 1024], help="fuzzy_cost: KV lengths")
     ap.add_argument("--fuzzy-cost-batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, EIGHT_K], help="magicdec: prompt tokens")
-    ap.add_argument("--skip-8k", action="store_true", help=f"drop lengths >= {EIGHT_K} from --lengths and --cost-lengths (slow on CPU)")
+    ap.add_argument(
+        "--skip-8k",
+        action="store_true",
+        help=f"drop lengths >= {EIGHT_K} from --lengths and --cost-lengths (slow on CPU)",
+    )
     ap.add_argument("--long-prompts", type=int, default=1, help="magicdec: prompts per length (different documents)")
-    ap.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512], help="magicdec/cost: KV budgets (sink + window)")
-    ap.add_argument("--sink-tokens", type=int, nargs="+", default=[4], help="magicdec: attention sinks (several: one run each)")
-    ap.add_argument("--long-task", default="summarize", choices=["summarize", "continue"],
-                    help="magicdec: chat prompt asking for a summary, or the raw text to continue (MagicDec's PG-19 style)")
+    ap.add_argument(
+        "--budgets", type=int, nargs="+", default=[128, 256, 512], help="magicdec/cost: KV budgets (sink + window)"
+    )
+    ap.add_argument(
+        "--sink-tokens", type=int, nargs="+", default=[4], help="magicdec: attention sinks (several: one run each)"
+    )
+    ap.add_argument(
+        "--long-task",
+        default="summarize",
+        choices=["summarize", "continue"],
+        help="magicdec: chat prompt asking for a summary, or the raw text to continue (MagicDec's PG-19 style)",
+    )
     ap.add_argument("--no-small-streaming", action="store_true", help="magicdec: skip the 0.5B drafter runs")
     ap.add_argument("--cost-batches", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--cost-lengths", type=int, nargs="+", default=[1024, 4096, EIGHT_K])
@@ -97,7 +110,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # --- shared helpers ---------------------------------------------------------------------------------
 
 
-
 def environment(args) -> dict:
     cpu = ""
     try:
@@ -105,7 +117,9 @@ def environment(args) -> dict:
     except (OSError, StopIteration):
         pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
     except OSError:
         commit = ""
     return {
@@ -136,7 +150,13 @@ class Recorder:
 def spin_record(pool: hf_spin.AssistantPool, seconds: float, identical: bool, tokens: int) -> dict:
     stats = pool.last_stats
     d = sum_drafters(stats)
-    return {"seconds": seconds, "new_tokens": tokens, "identical": identical, **d, "verify_seconds": stats.verify_seconds}
+    return {
+        "seconds": seconds,
+        "new_tokens": tokens,
+        "identical": identical,
+        **d,
+        "verify_seconds": stats.verify_seconds,
+    }
 
 
 def sum_drafters(stats: hf_spin.GenerationStats) -> dict:
@@ -278,7 +298,9 @@ def easyspec_markdown(records: list[dict]) -> list[str]:
     ]
     for (name,), r in table.items():
         faster = base["draft_s_per_token"] / r["draft_s_per_token"] if base else float("nan")
-        change = (r["acceptance_rate"] / base["acceptance_rate"] - 1) if base and base["acceptance_rate"] else float("nan")
+        change = (
+            (r["acceptance_rate"] / base["acceptance_rate"] - 1) if base and base["acceptance_rate"] else float("nan")
+        )
         lines.append(
             f"| {name} | {r['n']} | {r['draft_s_per_token'] * 1000:.1f} ms | {faster:.2f} | {r['acceptance_rate']:.1%} | "
             f"{change:+.1%} | {r['mean_accepted_length']:.2f} | {r['speedup']:.2f} | {r['draft_share']:.0%} | {r['identical']} |"
@@ -286,7 +308,13 @@ def easyspec_markdown(records: list[dict]) -> list[str]:
     per_cat = summarize_runs(records, ("category", "config"))
     configs = list(dict.fromkeys(r["config"] for r in records))
     cats = sorted({r["category"] for r in records})
-    lines += ["", "Per category: speed-up vs plain / acceptance.", "", "| category | " + " | ".join(configs) + " |", "|---" * (len(configs) + 1) + "|"]
+    lines += [
+        "",
+        "Per category: speed-up vs plain / acceptance.",
+        "",
+        "| category | " + " | ".join(configs) + " |",
+        "|---" * (len(configs) + 1) + "|",
+    ]
     for cat in cats:
         cells = [f"{per_cat[(cat, c)]['speedup']:.2f} / {per_cat[(cat, c)]['acceptance_rate']:.0%}" for c in configs]
         lines.append(f"| {cat} | " + " | ".join(cells) + " |")
@@ -301,10 +329,17 @@ def run_fuzzy_cost(drafter, args, rec: Recorder) -> None:
         for L in args.fuzzy_cost_lengths:
             settings = {"exact": (drafter, random_cache(drafter, B, L), 1, None)}
             for n in args.group_sizes:
-                settings[f"N={n}"] = (drafter, random_cache(drafter, B, L), 1, LayerParallelForward(drafter, n, batched=not args.per_layer))
+                settings[f"N={n}"] = (
+                    drafter,
+                    random_cache(drafter, B, L),
+                    1,
+                    LayerParallelForward(drafter, n, batched=not args.per_layer),
+                )
             times = time_forwards(settings, args.reps)
             rec.add("fuzzy_cost", {"batch": B, "length": L, "seconds": times})
-            print(f"  fuzzy_cost B={B} L={L}: " + ", ".join(f"{k} {v * 1000:.1f}ms" for k, v in times.items()), flush=True)
+            print(
+                f"  fuzzy_cost B={B} L={L}: " + ", ".join(f"{k} {v * 1000:.1f}ms" for k, v in times.items()), flush=True
+            )
 
 
 def fuzzy_cost_markdown(records: list[dict]) -> list[str]:
@@ -317,7 +352,11 @@ def fuzzy_cost_markdown(records: list[dict]) -> list[str]:
     ]
     for r in records:
         s = r["seconds"]
-        lines.append(f"| {r['batch']} | {r['length']} | " + " | ".join(f"{s[n] * 1000:.1f} ({s['exact'] / s[n]:.2f})" for n in names) + " |")
+        lines.append(
+            f"| {r['batch']} | {r['length']} | "
+            + " | ".join(f"{s[n] * 1000:.1f} ({s['exact'] / s[n]:.2f})" for n in names)
+            + " |"
+        )
     return lines
 
 
@@ -333,7 +372,10 @@ def long_prompt_ids(tok, texts: list[str], length: int, start: int, task: str = 
     while len(doc_ids) < length:  # not enough text: repeat it
         doc_ids = doc_ids + doc_ids
     if task == "continue":
-        return {"input_ids": torch.tensor([doc_ids[:length]]), "attention_mask": torch.ones(1, length, dtype=torch.long)}
+        return {
+            "input_ids": torch.tensor([doc_ids[:length]]),
+            "attention_mask": torch.ones(1, length, dtype=torch.long),
+        }
     content = tok.decode(doc_ids[: length - overhead]) + LONG_PROMPT_INSTRUCTION
     return tok([chat(tok, content)], return_tensors="pt")
 
@@ -404,7 +446,12 @@ def run_cost(target, drafter, args, rec: Recorder) -> None:
             }
             for b in args.budgets:
                 settings[f"self draft, budget {b}"] = (target, random_cache(target, B, L, budget=b, sink=sink), 1, None)
-                settings[f"0.5B draft, budget {b}"] = (drafter, random_cache(drafter, B, L, budget=b, sink=sink), 1, None)
+                settings[f"0.5B draft, budget {b}"] = (
+                    drafter,
+                    random_cache(drafter, B, L, budget=b, sink=sink),
+                    1,
+                    None,
+                )
             times = time_forwards(settings, args.reps)
             rec.add("cost", {"batch": B, "length": L, "seconds": times})
             print(f"  cost L={L} B={B}: " + ", ".join(f"{n} {t * 1000:.0f}ms" for n, t in times.items()), flush=True)
@@ -464,7 +511,10 @@ def main(argv=None) -> None:
     drafter, _ = models.load(args.drafter, dtype=dtype)
     env = environment(args)
     rec = Recorder(args.out)
-    print(f"{env['machine']}; torch {env['torch']}, transformers {env['transformers']}; sections {args.sections}", flush=True)
+    print(
+        f"{env['machine']}; torch {env['torch']}, transformers {env['transformers']}; sections {args.sections}",
+        flush=True,
+    )
     sections = {
         "easyspec": lambda: run_easyspec(target, drafter, tok, args, rec),
         "fuzzy_cost": lambda: run_fuzzy_cost(drafter, args, rec),

@@ -52,38 +52,98 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_spin  # noqa: E402
-from hf_spin.planning import machine  # noqa: E402
 from hf_spin.drafters import Draft, Drafter, DraftRequest  # noqa: E402
 from hf_spin.host_syncs import count_syncs  # noqa: E402
 from hf_spin.kernels import pack_tree_masks, varlen_attention, varlen_attention_ref  # noqa: E402
+from hf_spin.planning import machine  # noqa: E402
 from hf_spin.policies import FixedLength  # noqa: E402
 from hf_spin.stats import DrafterStats  # noqa: E402
 from hf_spin.verify.token_tree import TokenTree  # noqa: E402
 
 # Real shapes (Qwen2.5 configs), random weights. The vocabulary is the real one: the lm_head's cost
 # and the sampling/argmax over 152k entries are part of what a step costs on a GPU.
-QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936)
-QWEN_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
-TINY_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-TINY_DRAFTER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+QWEN_1_5B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+)
+QWEN_0_5B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+)
+TINY_TARGET = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
+TINY_DRAFTER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
 # Deep and narrow: on one CPU thread its forward costs what dispatching its ops costs, as an eager
 # decode's costs its launches on a GPU (the 1.5B shape's 28 layers), so the host's work is the step.
 LAUNCH_BOUND = dict(TINY_TARGET, num_hidden_layers=28)
 
 # What each run covers: the full check on a GPU, the smoke on CPU (minutes under the interpreter).
 FULL = dict(
-    target=QWEN_1_5B, drafter=QWEN_0_5B, dtype=torch.float32, batches=(1, 4, 16), near_tie_dtype=torch.bfloat16, timing_dtype=torch.bfloat16, prompt=(64, 512),
-    identity_tokens=48, e2e_tokens=128, alphas=(0.0, 0.6, 0.9), k=4,
-    kernel_dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=(64, 128, 256), groups=(1, 4, 8),
-    context=(0, 700), split_context=3000, timing_rows=(1, 4, 16, 32), timing_keys=(256, 4096), budget_s=450,
+    target=QWEN_1_5B,
+    drafter=QWEN_0_5B,
+    dtype=torch.float32,
+    batches=(1, 4, 16),
+    near_tie_dtype=torch.bfloat16,
+    timing_dtype=torch.bfloat16,
+    prompt=(64, 512),
+    identity_tokens=48,
+    e2e_tokens=128,
+    alphas=(0.0, 0.6, 0.9),
+    k=4,
+    kernel_dtypes=(torch.float16, torch.bfloat16, torch.float32),
+    head_dims=(64, 128, 256),
+    groups=(1, 4, 8),
+    context=(0, 700),
+    split_context=3000,
+    timing_rows=(1, 4, 16, 32),
+    timing_keys=(256, 4096),
+    budget_s=450,
 )
 SMOKE = dict(
-    target=TINY_TARGET, drafter=TINY_DRAFTER, dtype=torch.float32, batches=(1, 4), near_tie_dtype=torch.bfloat16, timing_dtype=torch.bfloat16, prompt=(6, 20),
-    identity_tokens=10, e2e_tokens=12, alphas=(0.0, 0.9), k=4,
-    kernel_dtypes=(torch.bfloat16, torch.float32), head_dims=(16,), groups=(1, 2),
-    context=(0, 20), split_context=300, timing_rows=(1, 2), timing_keys=(16, 64), budget_s=600,
+    target=TINY_TARGET,
+    drafter=TINY_DRAFTER,
+    dtype=torch.float32,
+    batches=(1, 4),
+    near_tie_dtype=torch.bfloat16,
+    timing_dtype=torch.bfloat16,
+    prompt=(6, 20),
+    identity_tokens=10,
+    e2e_tokens=12,
+    alphas=(0.0, 0.9),
+    k=4,
+    kernel_dtypes=(torch.bfloat16, torch.float32),
+    head_dims=(16,),
+    groups=(1, 2),
+    context=(0, 20),
+    split_context=300,
+    timing_rows=(1, 2),
+    timing_keys=(16, 64),
+    budget_s=600,
 )
-HOST_BOUND = dict(SMOKE, target=LAUNCH_BOUND, batches=(1, 4), prompt=(32, 96), e2e_tokens=64, alphas=(0.0, 0.6), reps=3, budget_s=900)
+HOST_BOUND = dict(
+    SMOKE, target=LAUNCH_BOUND, batches=(1, 4), prompt=(32, 96), e2e_tokens=64, alphas=(0.0, 0.6), reps=3, budget_s=900
+)
 # Kernel tolerance against the float32 reference: max |error| / max(1, max |reference|).
 TOLERANCE = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float32: 1e-4}
 MASKS = ("causal", "window", "tree", "empty_rows", "splits")
@@ -114,7 +174,9 @@ class Oracle(Drafter):
                 if not right:
                     break
             tokens.append(draft)
-            trees.append(TokenTree.merge([TokenTree.chain(draft, weight=2.0), TokenTree.chain(truth)]) if draft else None)
+            trees.append(
+                TokenTree.merge([TokenTree.chain(draft, weight=2.0), TokenTree.chain(truth)]) if draft else None
+            )
         return Draft(tokens=tokens, q=[None] * len(tokens), trees=trees if self.tree and request.trees else None)
 
 
@@ -151,7 +213,14 @@ class Check:
         dtype = dtype or self.cfg["dtype"]
         if (which, dtype) not in self.models:
             shape = self.cfg[which]
-            config = Qwen2Config(**shape, max_position_embeddings=8192, bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=which == "drafter")
+            config = Qwen2Config(
+                **shape,
+                max_position_embeddings=8192,
+                bos_token_id=None,
+                eos_token_id=None,
+                pad_token_id=0,
+                tie_word_embeddings=which == "drafter",
+            )
             torch.manual_seed(0 if which == "target" else 1)
             with self.device:
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -176,15 +245,27 @@ class Check:
 
 
 def plain(check: Check, ids, mask, tokens: int, dtype=None) -> torch.Tensor:
-    return check.model("target", dtype).generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False)
+    return check.model("target", dtype).generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False
+    )
 
 
 def spin(check: Check, ids, mask, tokens: int, drafter, ragged: bool, dtype=None, profile: str = "off"):
     """hf_spin's greedy generate with one drafter drafting k tokens a step (profile "off": the planner
     would cut drafts it does not expect to pay, and the check wants the k it asked for)."""
-    pool = hf_spin.AssistantPool([drafter], draft_length=FixedLength(check.cfg["k"], min_confidence=0.0), cache="packed" if ragged else "rectangular", profile=profile)
+    pool = hf_spin.AssistantPool(
+        [drafter],
+        draft_length=FixedLength(check.cfg["k"], min_confidence=0.0),
+        cache="packed" if ragged else "rectangular",
+        profile=profile,
+    )
     out = check.model("target", dtype).generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False, custom_generate=hf_spin.generate, assistant_pool=pool
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=tokens,
+        do_sample=False,
+        custom_generate=hf_spin.generate,
+        assistant_pool=pool,
     )
     return out, pool.last_stats
 
@@ -201,8 +282,12 @@ def references(out: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
 def environment(check: Check) -> dict:
     env = {
         "device": machine.describe(check.device),
-        "torch": torch.__version__, "transformers": transformers.__version__, "hf_spin": hf_spin.__version__,
-        "cuda": torch.version.cuda, "python": sys.version.split()[0], "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_spin": hf_spin.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "threads": torch.get_num_threads(),
     }
     try:
         import triton
@@ -212,7 +297,9 @@ def environment(check: Check) -> dict:
         env["triton"] = None
     if check.device.type == "cuda":
         p = torch.cuda.get_device_properties(check.device)
-        env.update(capability=f"sm{p.major}{p.minor}", sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1))
+        env.update(
+            capability=f"sm{p.major}{p.minor}", sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1)
+        )
     print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
     return env
 
@@ -257,7 +344,15 @@ def kernel_case(check: Check, dtype, D: int, group: int, mask: str, seed: int) -
     err = (out.float() - ref.float()).abs().max().item() / scale
     same_err = (same.float() - ref.float()).abs().max().item() / scale
     ok = bool(torch.isfinite(out.float()).all()) and err <= TOLERANCE[dtype]
-    return {"dtype": str(dtype).removeprefix("torch."), "head_dim": D, "group": group, "mask": mask, "error": err, "same_precision_torch_error": same_err, "pass": ok}
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "head_dim": D,
+        "group": group,
+        "mask": mask,
+        "error": err,
+        "same_precision_torch_error": same_err,
+        "pass": ok,
+    }
 
 
 def kernel(check: Check) -> dict:
@@ -268,16 +363,28 @@ def kernel(check: Check) -> dict:
     results = []
     for i, (dt, D, gr, m) in enumerate(cases):
         if check.left() < 0.6 * cfg["budget_s"]:  # the kernel cases may use the first 40% of the budget
-            results.append({"dtype": str(dt), "head_dim": D, "group": gr, "mask": m, "pass": None, "skipped": "time budget"})
+            results.append(
+                {"dtype": str(dt), "head_dim": D, "group": gr, "mask": m, "pass": None, "skipped": "time budget"}
+            )
             continue
         try:
             r = kernel_case(check, dt, D, gr, m, seed=i)
         except Exception as e:  # a case that cannot run is a FAIL with its error, and the check goes on
-            r = {"dtype": str(dt), "head_dim": D, "group": gr, "mask": m, "pass": False, "error": f"{type(e).__name__}: {e}"[:400]}
+            r = {
+                "dtype": str(dt),
+                "head_dim": D,
+                "group": gr,
+                "mask": m,
+                "pass": False,
+                "error": f"{type(e).__name__}: {e}"[:400],
+            }
         results.append(r)
         verdict = "PASS" if r["pass"] else ("SKIP" if r["pass"] is None else "FAIL")
         error = r.get("error", "")
-        print(f"  kernel {r['dtype']:>8} D={D:<3} group={gr} {m:<10} {verdict} " + (error if isinstance(error, str) else f"err {error:.2e}"))
+        print(
+            f"  kernel {r['dtype']:>8} D={D:<3} group={gr} {m:<10} {verdict} "
+            + (error if isinstance(error, str) else f"err {error:.2e}")
+        )
     passed = sum(1 for r in results if r["pass"])
     print(f"kernel: {passed}/{len(results)} PASS")
     return {"cases": results, "passed": passed, "total": len(results)}
@@ -293,8 +400,11 @@ def first_difference(check: Check, ref: list[int], got: list[int], prompt_len: i
         logits = check.model("target", dtype)(torch.tensor([ref[:j]], device=check.device)).logits[0, -1].float()
     top = logits.topk(2)
     return {
-        "generated_index": j - prompt_len, "plain": ref[j], "hf_spin": got[j],
-        "margin": (top.values[0] - top.values[1]).item(), "hf_spin_token_logit_gap": (logits[ref[j]] - logits[got[j]]).item(),
+        "generated_index": j - prompt_len,
+        "plain": ref[j],
+        "hf_spin": got[j],
+        "margin": (top.values[0] - top.values[1]).item(),
+        "hf_spin_token_logit_gap": (logits[ref[j]] - logits[got[j]]).item(),
     }
 
 
@@ -310,7 +420,11 @@ def identity(check: Check) -> dict:
         vocab = cfg["target"]["vocab_size"]
         # oracle_tree: token trees whose second branch is the truth, verified in one forward (packed rows:
         # the kernel's tree masks; rectangular cache: a 4D mask), the accepted branch's KV kept
-        drafters = {"model": check.model("drafter", dtype), "oracle": Oracle(refs, 0.7, vocab, seed=batch), "oracle_tree": Oracle(refs, 0.5, vocab, seed=batch, tree=True)}
+        drafters = {
+            "model": check.model("drafter", dtype),
+            "oracle": Oracle(refs, 0.7, vocab, seed=batch),
+            "oracle_tree": Oracle(refs, 0.5, vocab, seed=batch, tree=True),
+        }
         for ragged in (False, True):
             for name, drafter in drafters.items():
                 where = {"batch": batch, "dtype": str(dtype).removeprefix("torch."), "packed": ragged, "drafter": name}
@@ -327,7 +441,9 @@ def identity(check: Check) -> dict:
                     print(f"{label} ERROR {r['error']}")
                 else:
                     margins = ", ".join(f"margin {d['margin']:.3f} at {d['generated_index']}" for d in r["differences"])
-                    print(f"{label} {r['identical_rows']}/{batch} identical, accepted {r['accepted']}/{r['drafted']}, failures {r['failures']} {margins}")
+                    print(
+                        f"{label} {r['identical_rows']}/{batch} identical, accepted {r['accepted']}/{r['drafted']}, failures {r['failures']} {margins}"
+                    )
     exact = [r for r in results if r.get("dtype") == str(cfg["dtype"]).removeprefix("torch.") and "skipped" not in r]
     return {"runs": results, "exact_identical": all(r.get("identical_rows") == r["batch"] for r in exact)}
 
@@ -338,8 +454,15 @@ def identity_run(check: Check, ids, mask, refs, drafter, ragged: bool, dtype) ->
     same = [a == b for a, b in zip(refs, got)]
     counts = DrafterStats.total(stats.drafters.values())
     return {
-        "identical_rows": sum(same), "accepted": counts.accepted, "drafted": counts.drafted, "failures": counts.failures,
-        "differences": [first_difference(check, a, b, len(a) - check.cfg["identity_tokens"], dtype) for a, b, s in zip(refs, got, same) if not s][:4],
+        "identical_rows": sum(same),
+        "accepted": counts.accepted,
+        "drafted": counts.drafted,
+        "failures": counts.failures,
+        "differences": [
+            first_difference(check, a, b, len(a) - check.cfg["identity_tokens"], dtype)
+            for a, b, s in zip(refs, got, same)
+            if not s
+        ][:4],
     }
 
 
@@ -371,7 +494,10 @@ def end_to_end(check: Check) -> dict:
         # the planner decodes plainly, so this is hf_spin's plain step against generate's); token trees
         # (the alpha chain plus the truth as a second branch: up to 2k nodes verified, k accepted every
         # step) on both paths
-        variants = [(ragged, alpha, "off", False) for ragged in (False, True) for alpha in cfg["alphas"]] + [(False, 0.6, "auto", False), (False, 0.0, "auto", False)]
+        variants = [(ragged, alpha, "off", False) for ragged in (False, True) for alpha in cfg["alphas"]] + [
+            (False, 0.6, "auto", False),
+            (False, 0.0, "auto", False),
+        ]
         variants += [(ragged, 0.6, "off", True) for ragged in (False, True)]
         for ragged, alpha, profile, tree in variants:
             where = {"batch": batch, "packed": ragged, "alpha": alpha, "profile": profile, "tree": tree}
@@ -382,7 +508,9 @@ def end_to_end(check: Check) -> dict:
             try:
                 if not check.smoke:  # warm-up: kernel compiles, the profile's measurement
                     spin(check, ids, mask, 4, oracle, ragged, profile=profile)
-                (out, stats), spin_s = timed(check, lambda: spin(check, ids, mask, tokens, oracle, ragged, profile=profile))
+                (out, stats), spin_s = timed(
+                    check, lambda: spin(check, ids, mask, tokens, oracle, ragged, profile=profile)
+                )
             except Exception as e:
                 results.append({**where, "error": f"{type(e).__name__}: {e}"[:600]})
                 print(f"  e2e b={batch} alpha={alpha} profile {profile} ERROR {e}")
@@ -391,10 +519,19 @@ def end_to_end(check: Check) -> dict:
             draft_s = sum(d.draft_seconds for d in stats.drafters.values())
             other_s = stats.wall_seconds - stats.prefill_seconds - stats.verify_seconds - draft_s
             r = {
-                **where, "plain_tok_s": batch * tokens / plain_s, "hf_spin_tok_s": batch * tokens / spin_s,
-                "speedup": plain_s / spin_s, "identical_rows": sum(a == b for a, b in zip(refs, references(out, mask))),
-                "accepted_per_step": stats.mean_accepted_length - 1, "theoretical_accepted_per_step": k if tree else theoretical_accepted(alpha, k),
-                "steps": stats.steps, "ms_per_step": {"draft": 1e3 * draft_s / steps, "verify": 1e3 * stats.verify_seconds / steps, "other": 1e3 * other_s / steps},
+                **where,
+                "plain_tok_s": batch * tokens / plain_s,
+                "hf_spin_tok_s": batch * tokens / spin_s,
+                "speedup": plain_s / spin_s,
+                "identical_rows": sum(a == b for a, b in zip(refs, references(out, mask))),
+                "accepted_per_step": stats.mean_accepted_length - 1,
+                "theoretical_accepted_per_step": k if tree else theoretical_accepted(alpha, k),
+                "steps": stats.steps,
+                "ms_per_step": {
+                    "draft": 1e3 * draft_s / steps,
+                    "verify": 1e3 * stats.verify_seconds / steps,
+                    "other": 1e3 * other_s / steps,
+                },
                 "plain_ms_per_step": 1e3 * plain_s / tokens,
             }
             results.append(r)
@@ -427,8 +564,15 @@ def syncs(check: Check) -> dict:
             with count_syncs() as counter:
                 spin(check, ids, mask, tokens, drafter, ragged)
             r = {
-                "batch": batch, "packed": ragged, "drafter": name, "mode": counter.mode, "per_step": counter.per_step(exclude), "bound": cfg["k"] + 2,
-                "steps": counter.entries["step"], "phases": dict(counter.phases), "top_step_sites": counter.step_sites.most_common(8),
+                "batch": batch,
+                "packed": ragged,
+                "drafter": name,
+                "mode": counter.mode,
+                "per_step": counter.per_step(exclude),
+                "bound": cfg["k"] + 2,
+                "steps": counter.entries["step"],
+                "phases": dict(counter.phases),
+                "top_step_sites": counter.step_sites.most_common(8),
             }
             results.append(r)
             print(
@@ -488,7 +632,10 @@ def kernel_timing(check: Check) -> dict:
         for b, n in enumerate(k_lens):
             kp[b, :, :n] = k[cu_k[b] : cu_k[b + 1]].transpose(0, 1)
             vp[b, :, :n] = v[cu_k[b] : cu_k[b + 1]].transpose(0, 1)
-            allowed[b, 0] = torch.arange(L, device=check.device)[None, :] <= (n - q_len + torch.arange(q_len, device=check.device))[:, None]
+            allowed[b, 0] = (
+                torch.arange(L, device=check.device)[None, :]
+                <= (n - q_len + torch.arange(q_len, device=check.device))[:, None]
+            )
         qp = q.view(rows, q_len, H, D).transpose(1, 2)
         methods = {
             "hf_spin": lambda: varlen_attention(q, k, v, cu_q, cu_k, q_len, L),
@@ -500,7 +647,9 @@ def kernel_timing(check: Check) -> dict:
             gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
             kx, vx = (k, v) if gqa else (k.repeat_interleave(H // H_kv, 1), v.repeat_interleave(H // H_kv, 1))
             extra = {"enable_gqa": True} if gqa else {}
-            methods["torch_varlen_attn" if gqa else "torch_varlen_attn_repeated_kv"] = lambda: varlen_attn(q, kx, vx, cu_q, cu_k, q_len, L, window_size=(-1, 0), **extra)
+            methods["torch_varlen_attn" if gqa else "torch_varlen_attn_repeated_kv"] = lambda: varlen_attn(
+                q, kx, vx, cu_q, cu_k, q_len, L, window_size=(-1, 0), **extra
+            )
         r = {"rows": rows, "keys": k_lens if rows <= 4 else [min(k_lens), max(k_lens)], "ms": {}}
         for name, fn in methods.items():
             try:
@@ -508,23 +657,49 @@ def kernel_timing(check: Check) -> dict:
             except Exception as e:
                 r["ms"][name] = f"{type(e).__name__}: {e}"[:200]
         results.append(r)
-        print(f"  timing rows={rows:<2} keys {lo}-{hi}: " + ", ".join(f"{n} {t:.3f} ms" if isinstance(t, float) else f"{n} {t}" for n, t in r["ms"].items()))
-    return {"head_dim": D, "heads": H, "kv_heads": H_kv, "q_len": q_len, "dtype": str(cfg["timing_dtype"]), "runs": results}
+        print(
+            f"  timing rows={rows:<2} keys {lo}-{hi}: "
+            + ", ".join(f"{n} {t:.3f} ms" if isinstance(t, float) else f"{n} {t}" for n, t in r["ms"].items())
+        )
+    return {
+        "head_dim": D,
+        "heads": H,
+        "kv_heads": H_kv,
+        "q_len": q_len,
+        "dtype": str(cfg["timing_dtype"]),
+        "runs": results,
+    }
 
 
-SECTIONS = {"environment": environment, "kernel": kernel, "identity": identity, "end_to_end": end_to_end, "syncs": syncs, "kernel_timing": kernel_timing}
+SECTIONS = {
+    "environment": environment,
+    "kernel": kernel,
+    "identity": identity,
+    "end_to_end": end_to_end,
+    "syncs": syncs,
+    "kernel_timing": kernel_timing,
+}
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json")
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, the kernel interpreted (TRITON_INTERPRET=1)")
     parser.add_argument(
-        "--cpu-host-bound", action="store_true",
+        "--cpu-smoke", action="store_true", help="tiny shapes on CPU, the kernel interpreted (TRITON_INTERPRET=1)"
+    )
+    parser.add_argument(
+        "--cpu-host-bound",
+        action="store_true",
         help="environment and end to end on CPU, one thread, a 28-layer model of width 64: steps bound by the host's work, as on a GPU",
     )
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS))
-    parser.add_argument("--budget-s", type=float, help="time budget of the whole run (default: 450 s on GPU, 600 s smoke, 900 s host-bound)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help="time budget of the whole run (default: 450 s on GPU, 600 s smoke, 900 s host-bound)",
+    )
     args = parser.parse_args(argv)
     if not (args.cpu_smoke or args.cpu_host_bound) and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --cpu-smoke or --cpu-host-bound on a machine without a GPU")

@@ -21,9 +21,8 @@ from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
 import hf_spin
-from hf_spin import models
-
 from benchmarks.common import DEFAULT_QUESTIONS, load_questions, machine, write_results
+from hf_spin import models
 
 
 def run(engine, requests) -> tuple[float, list[list[int]]]:
@@ -43,7 +42,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2, help="torch threads in all (the pipeline splits them between its two threads)")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="torch threads in all (the pipeline splits them between its two threads)"
+    )
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -58,9 +59,17 @@ def main() -> None:
     def requests():
         out = []
         for q in questions:
-            text = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": q["turns"][0]}], tokenize=False, add_generation_prompt=True
+            )
             ids = tok(text, add_special_tokens=False)["input_ids"]
-            out.append(hf_spin.Request(prompt=ids, max_new_tokens=args.max_new_tokens, stopping_criteria=StoppingCriteriaList([EosTokenCriteria(eos)])))
+            out.append(
+                hf_spin.Request(
+                    prompt=ids,
+                    max_new_tokens=args.max_new_tokens,
+                    stopping_criteria=StoppingCriteriaList([EosTokenCriteria(eos)]),
+                )
+            )
         return out
 
     def pool():
@@ -80,19 +89,36 @@ def main() -> None:
             tokens = sum(len(g) for g in gen)
             rec = {"run": i, "mode": mode, "seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
             if mode == "pipeline":
-                rec.update(pool_wait_s=engine.pool_wait_seconds, target_wait_s=engine.target_wait_seconds, steps=engine.steps)
+                rec.update(
+                    pool_wait_s=engine.pool_wait_seconds, target_wait_s=engine.target_wait_seconds, steps=engine.steps
+                )
             records.append(rec)
             outputs.setdefault(mode, gen)
             print(rec, flush=True)
     same = sum(a == b for a, b in zip(outputs["engine"], outputs["pipeline"]))
-    lines = ["| run | mode | seconds | tokens | tok/s | drafting blocked s | target waiting s |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | mode | seconds | tokens | tok/s | drafting blocked s | target waiting s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in records:
-        lines.append(f"| {r['run']} | {r['mode']} | {r['seconds']:.1f} | {r['tokens']} | {r['tok_s']:.2f} | "
-                     f"{r.get('pool_wait_s', 0):.1f} | {r.get('target_wait_s', 0):.1f} |")
+        lines.append(
+            f"| {r['run']} | {r['mode']} | {r['seconds']:.1f} | {r['tokens']} | {r['tok_s']:.2f} | "
+            f"{r.get('pool_wait_s', 0):.1f} | {r.get('target_wait_s', 0):.1f} |"
+        )
     lines.append(f"\nidentical greedy outputs (pipeline vs engine): {same}/{len(outputs['engine'])}")
     table = "\n".join(lines) + "\n"
     print(table)
-    md = write_results(args.out, "pipeline_bench", {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(), "records": records, "identical": same}, table)
+    md = write_results(
+        args.out,
+        "pipeline_bench",
+        {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "machine": machine(),
+            "records": records,
+            "identical": same,
+        },
+        table,
+    )
     print(f"results: {md}")
 
 

@@ -31,11 +31,19 @@ from accelerate.utils import gather_object
 from tqdm import tqdm
 
 import hf_spin
+from benchmarks.common import (
+    DEFAULT_QUESTIONS,
+    encode,
+    load_questions,
+    machine,
+    new_tokens,
+    save_partial,
+    timed,
+    write_results,
+)
 from hf_spin import models
 from hf_spin.policies import POLICIES, make_draft_length
 from hf_spin.pool import CACHE_LAYOUTS
-
-from benchmarks.common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens, save_partial, timed, write_results
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 # label -> packaged model name (None: prompt lookup)
@@ -57,19 +65,38 @@ def parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentPars
     ap.add_argument("--limit", type=int, default=None, help="cap on the number of questions")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--policies", nargs="+", default=None, help=f"default: every registered policy but 'fixed' ({sorted(POLICIES)})")
+    ap.add_argument(
+        "--policies", nargs="+", default=None, help=f"default: every registered policy but 'fixed' ({sorted(POLICIES)})"
+    )
     ap.add_argument("--draft-length", default="5", help="an int or a DraftLength name, for every hf_spin run")
     ap.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
-    ap.add_argument("--singles", nargs="*", default=None, choices=list(DRAFTERS), help="drafters run alone too (hf_spin's default pool of one, and transformers' assisted generation); default: every --drafters")
-    ap.add_argument("--summarize", type=Path, default=None, help="only rebuild the tables from a partial .jsonl (no models loaded)")
-    ap.add_argument("--resume", type=Path, default=None, help="a partial .jsonl of an interrupted run: its questions are not run again")
     ap.add_argument(
-        "--cache", default="rectangular", choices=CACHE_LAYOUTS,
+        "--singles",
+        nargs="*",
+        default=None,
+        choices=list(DRAFTERS),
+        help="drafters run alone too (hf_spin's default pool of one, and transformers' assisted generation); default: every --drafters",
+    )
+    ap.add_argument(
+        "--summarize", type=Path, default=None, help="only rebuild the tables from a partial .jsonl (no models loaded)"
+    )
+    ap.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="a partial .jsonl of an interrupted run: its questions are not run again",
+    )
+    ap.add_argument(
+        "--cache",
+        default="rectangular",
+        choices=CACHE_LAYOUTS,
         help="hf_spin's KV cache layout (AssistantPool(cache=...)): rectangular, or packed rows",
     )
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation runs")
     ap.add_argument(
-        "--policy-warmup", type=int, default=0,
+        "--policy-warmup",
+        type=int,
+        default=0,
         help="held-out questions per task (the ones after the measured ones) run through every hf_spin pool at each batch size before it is measured, "
         "not recorded: the learned state of a pool that has served requests (0: the pools start cold)",
     )
@@ -101,16 +128,30 @@ class Bench:
             model, tok = models.load(name, dtype=dtype)
             same = tok.get_vocab() == self.tok.get_vocab()
             # named drafter objects: the statistics say "qwen-0.5b", not a cache path
-            self.entries[label] = hf_spin.ModelDrafter(model, name=label) if same else hf_spin.TranslatingDrafter(model, tok, self.tok, name=label)
-            self.assist[label] = {"assistant_model": model} if same else {"assistant_model": model, "tokenizer": self.tok, "assistant_tokenizer": tok}
+            self.entries[label] = (
+                hf_spin.ModelDrafter(model, name=label)
+                if same
+                else hf_spin.TranslatingDrafter(model, tok, self.tok, name=label)
+            )
+            self.assist[label] = (
+                {"assistant_model": model}
+                if same
+                else {"assistant_model": model, "tokenizer": self.tok, "assistant_tokenizer": tok}
+            )
         draft_length = int(args.draft_length) if args.draft_length.isdigit() else args.draft_length
         policies = args.policies or sorted(p for p in POLICIES if p != "fixed")
         options = dict(tokenizer=self.tok, cache=args.cache)
         singles = args.drafters if args.singles is None else args.singles
         self.assist = {label: kwargs for label, kwargs in self.assist.items() if label in singles}
-        self.pools = {f"spin:{label}": hf_spin.AssistantPool([entry], draft_length=make_draft_length(draft_length), **options) for label, entry in self.entries.items() if label in singles}
+        self.pools = {
+            f"spin:{label}": hf_spin.AssistantPool([entry], draft_length=make_draft_length(draft_length), **options)
+            for label, entry in self.entries.items()
+            if label in singles
+        }
         for policy in policies:
-            self.pools[f"policy:{policy}"] = hf_spin.AssistantPool(list(self.entries.values()), policy=policy, draft_length=make_draft_length(draft_length), **options)
+            self.pools[f"policy:{policy}"] = hf_spin.AssistantPool(
+                list(self.entries.values()), policy=policy, draft_length=make_draft_length(draft_length), **options
+            )
         self.gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=self.tok.pad_token_id)
 
     def spin(self, batch: dict, pool: hf_spin.AssistantPool):
@@ -138,7 +179,13 @@ class Bench:
         plain, t_plain = timed(lambda: self.target.generate(**batch, **self.gen))
         ref = new_tokens(plain, P, pad)
         records = [
-            {"question_id": q["question_id"], "task": q["group"], "batch_size": len(questions), "new_tokens": len(r), "methods": {"plain": {"seconds": t_plain, "identical": True}}}
+            {
+                "question_id": q["question_id"],
+                "task": q["group"],
+                "batch_size": len(questions),
+                "new_tokens": len(r),
+                "methods": {"plain": {"seconds": t_plain, "identical": True}},
+            }
             for q, r in zip(questions, ref)
         ]
         if len(questions) == 1 and not self.args.no_assisted:
@@ -148,7 +195,10 @@ class Bench:
                 except Exception as err:  # noqa: BLE001
                     records[0]["methods"][f"assisted:{label}"] = {"error": repr(err)[:300]}
                     continue
-                records[0]["methods"][f"assisted:{label}"] = {"seconds": t, "identical": new_tokens(out, P, pad)[0] == ref[0]}
+                records[0]["methods"][f"assisted:{label}"] = {
+                    "seconds": t,
+                    "identical": new_tokens(out, P, pad)[0] == ref[0],
+                }
         for method, pool in self.pools.items():
             out, t = timed(lambda: self.spin(batch, pool))
             stats = pool.last_stats
@@ -185,6 +235,7 @@ def oracle_pick(r: dict, singles: list[str]) -> str:
 def summarize(records: list[dict]) -> dict:
     """Per batch size, per task and ALL: speed-ups, rates, choices and oracle fractions."""
     out = {}
+
     def requested(r):  # the last chunk of a run may be smaller than the batch size asked for
         return r.get("requested_batch_size", r["batch_size"])
 
@@ -202,7 +253,11 @@ def summarize(records: list[dict]) -> dict:
             tasks["ALL"].append(r)
         table = {}
         for task, group in tasks.items():
-            row = {"n": len(group), "plain_tok_s": statistics.mean(speed(r, "plain") for r in group), "oracle_choice": dict(Counter(r["oracle"]["method"] for r in group))}
+            row = {
+                "n": len(group),
+                "plain_tok_s": statistics.mean(speed(r, "plain") for r in group),
+                "oracle_choice": dict(Counter(r["oracle"]["method"] for r in group)),
+            }
             for m in methods:
                 ran = [r for r in group if "seconds" in r["methods"].get(m, {})]  # a crashed baseline is left out
                 if not ran:
@@ -246,7 +301,11 @@ def markdown(summary: dict, env: dict) -> str:
         tasks = sorted((t for t in table if t != "ALL")) + ["ALL"]
         methods = [m for m in table["ALL"] if isinstance(table["ALL"][m], dict) and "errors" in table["ALL"][m]]
         lines += ["", f"### batch {bs}: speed-up over plain `generate` (Spec-Bench: mean speed / mean plain speed)", ""]
-        lines += ["| method | " + " | ".join(tasks) + " | acceptance | mean accepted len | goodput tok/s | oracle fraction | identical | crashed |"]
+        lines += [
+            "| method | "
+            + " | ".join(tasks)
+            + " | acceptance | mean accepted len | goodput tok/s | oracle fraction | identical | crashed |"
+        ]
         lines += ["|---" * (len(tasks) + 7) + "|"]
         for m in methods:
             a = table["ALL"][m]
@@ -255,19 +314,33 @@ def markdown(summary: dict, env: dict) -> str:
                 continue
             speeds = [f"{table[t][m]['speedup']:.2f}" if "speedup" in table[t].get(m, {}) else "crashed" for t in tasks]
             lines.append(
-                f"| {m} | " + " | ".join(speeds)
+                f"| {m} | "
+                + " | ".join(speeds)
                 + f" | {fmt(a['acceptance_rate'], '.1%')} | {fmt(a['mean_accepted_length'], '.2f')} | {a['goodput']:.2f} | {a['oracle_fraction']:.2f} | {a['identical']} | {a['errors']} |"
             )
-        lines.append("| plain tok/s | " + " | ".join(f"{table[t]['plain_tok_s']:.2f}" for t in tasks) + " | | | | | | |")
-        lines += ["", f"### batch {bs}: which drafter each policy chose (share of row-steps), and the oracle's choice", ""]
+        lines.append(
+            "| plain tok/s | " + " | ".join(f"{table[t]['plain_tok_s']:.2f}" for t in tasks) + " | | | | | | |"
+        )
+        lines += [
+            "",
+            f"### batch {bs}: which drafter each policy chose (share of row-steps), and the oracle's choice",
+            "",
+        ]
         lines += ["| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
         for m in [m for m in methods if m.startswith("policy:")]:
             cells = []
             for t in tasks:
                 chosen = table[t][m].get("chosen", {})
-                cells.append(", ".join(f"{k.split('/')[-1]} {v:.0%}" for k, v in sorted(chosen.items(), key=lambda kv: -kv[1])) or "plain")
+                cells.append(
+                    ", ".join(f"{k.split('/')[-1]} {v:.0%}" for k, v in sorted(chosen.items(), key=lambda kv: -kv[1]))
+                    or "plain"
+                )
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
-        lines.append("| oracle | " + " | ".join(", ".join(f"{k} x{v}" for k, v in table[t]["oracle_choice"].items()) for t in tasks) + " |")
+        lines.append(
+            "| oracle | "
+            + " | ".join(", ".join(f"{k} x{v}" for k, v in table[t]["oracle_choice"].items()) for t in tasks)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -291,7 +364,11 @@ def workload(args) -> tuple[list[dict], list[dict]]:
     """The questions measured (`--per-task` per task) and the held-out ones the pools learn from
     first (`--policy-warmup` per task)."""
     measured = load_questions(args.questions, args.per_task, None, group_by="task")
-    held_out = [q for q in load_questions(args.questions, args.per_task + args.policy_warmup, None, group_by="task") if q not in measured]
+    held_out = [
+        q
+        for q in load_questions(args.questions, args.per_task + args.policy_warmup, None, group_by="task")
+        if q not in measured
+    ]
     questions = measured[: args.limit]  # --limit caps the measured ones; the held-out ones stay those after them
     return questions, held_out
 

@@ -33,19 +33,21 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import DEFAULT_QUESTIONS, load_questions
 from hf_spin import models
 from hf_spin.cache import PackedCache, RectangularCache
 from hf_spin.kernels.decomposition import plan_decomposition
 from hf_spin.policies import DEFAULT_DRAFT_LENGTH
 
-from benchmarks.common import DEFAULT_QUESTIONS, load_questions
 PATHS = ("padded", "holes", "decomposed", "packed")
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", choices=models.NAMES, help="tokenizer and KV dimensions")
+    ap.add_argument(
+        "--model", default="qwen2.5-coder-1.5b-instruct", choices=models.NAMES, help="tokenizer and KV dimensions"
+    )
     ap.add_argument("--batch-sizes", type=int, nargs="*", default=[8, 16])
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--draft-length", type=int, default=DEFAULT_DRAFT_LENGTH)
@@ -81,7 +83,9 @@ def prompt_lengths(path: Path, tokenizer, seed: int) -> list[tuple[str, int]]:
     random.Random(seed).shuffle(records)
     out = []
     for r in records:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": r["turns"][0]}], tokenize=False, add_generation_prompt=True
+        )
         out.append((r["category"], len(tokenizer(text)["input_ids"])))
     return out
 
@@ -198,7 +202,11 @@ def main() -> None:
                 )
             )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ragged_counts.json").write_text(json.dumps(dict(args={k: str(v) for k, v in vars(args).items()}, bytes_per_token=per_token, rows=rows), indent=1))
+    (args.out / "ragged_counts.json").write_text(
+        json.dumps(
+            dict(args={k: str(v) for k, v in vars(args).items()}, bytes_per_token=per_token, rows=rows), indent=1
+        )
+    )
     table = markdown(rows, args, per_token)
     (args.out / "ragged_counts.md").write_text(table)
     print(table)

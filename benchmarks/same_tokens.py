@@ -22,9 +22,8 @@ from pathlib import Path
 import torch
 
 import hf_spin
-from hf_spin import models
-
 from benchmarks.common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens
+from hf_spin import models
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFTER = "qwen2.5-coder-0.5b-instruct"
@@ -58,7 +57,11 @@ def run(args) -> dict:
         for layout in LAYOUTS:
             pool = hf_spin.AssistantPool(
                 [hf_spin.ModelDrafter(draft, name="qwen-0.5b"), "prompt_lookup"],
-                policy="round_robin", draft_length=8, profile="off", tokenizer=tok, **layout_option(layout),
+                policy="round_robin",
+                draft_length=8,
+                profile="off",
+                tokenizer=tok,
+                **layout_option(layout),
             )
             rows, counts = [], []
             for batch in batches:

@@ -91,9 +91,29 @@ class Server:
     def __init__(self, mode: str, args):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "hf_spin", "serve", "--host", "127.0.0.1", "--port", str(self.port), "--model", args.model,
-               "--policy", args.policy, "--threads", str(args.threads), "--max-batch-size", str(max(args.concurrency)),
-               "--max-queue", str(max(args.requests, 1)), "--log-level", "warning", *MODES[mode]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hf_spin",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--model",
+            args.model,
+            "--policy",
+            args.policy,
+            "--threads",
+            str(args.threads),
+            "--max-batch-size",
+            str(max(args.concurrency)),
+            "--max-queue",
+            str(max(args.requests, 1)),
+            "--log-level",
+            "warning",
+            *MODES[mode],
+        ]
         for d in args.drafter or []:
             cmd += ["--drafter", d]
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -127,8 +147,13 @@ class Server:
 
 async def one_request(client: httpx.AsyncClient, messages: list[dict], max_new_tokens: int) -> dict:
     """Stream one chat completion; returns status, latency, TTFT, generated tokens and text."""
-    body = {"messages": messages, "max_tokens": max_new_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": max_new_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     out = {"status": "lost", "latency": None, "ttft": None, "tokens": 0, "text": "", "error": None}
     pieces = []
@@ -164,13 +189,16 @@ async def one_request(client: httpx.AsyncClient, messages: list[dict], max_new_t
     return out
 
 
-async def run_cell(url: str, prompts: list[list[dict]], clients: int, max_new_tokens: int, time_limit: float) -> tuple[list[dict], float]:
+async def run_cell(
+    url: str, prompts: list[list[dict]], clients: int, max_new_tokens: int, time_limit: float
+) -> tuple[list[dict], float]:
     """`clients` workers take prompts in order until none is left or the time limit passed."""
     todo = list(enumerate(prompts))
     results: list[dict | None] = [None] * len(prompts)
     start = time.perf_counter()
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_SECONDS, limits=limits) as client:
+
         async def worker():
             while todo and time.perf_counter() - start < time_limit:
                 i, prompt = todo.pop(0)
@@ -194,11 +222,20 @@ def summarize(mode: str, clients: int, results: list[dict], wall: float, skipped
     lat = [r["latency"] for r in ok]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     return {
-        "mode": mode, "clients": clients, "sent": len(results), "not_sent_time_limit": skipped,
-        "ok": len(ok), "failed": sum(r["status"] == "failed" for r in results), "lost": sum(r["status"] == "lost" for r in results),
-        "tokens": tokens, "wall_s": wall, "throughput_tok_s": tokens / wall if wall else 0.0,
-        "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "mode": mode,
+        "clients": clients,
+        "sent": len(results),
+        "not_sent_time_limit": skipped,
+        "ok": len(ok),
+        "failed": sum(r["status"] == "failed" for r in results),
+        "lost": sum(r["status"] == "lost" for r in results),
+        "tokens": tokens,
+        "wall_s": wall,
+        "throughput_tok_s": tokens / wall if wall else 0.0,
+        "latency_p50_s": percentile(lat, 50),
+        "latency_p99_s": percentile(lat, 99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
         "errors": sorted({r["error"] for r in results if r["error"]})[:5],
     }
 
@@ -219,9 +256,15 @@ def table(cells: list[dict], memory: dict, same: dict) -> str:
             f"{fmt(c['throughput_tok_s'])} | {fmt(c['latency_p50_s'])} | {fmt(c['latency_p99_s'])} | {fmt(c['ttft_p50_s'])} | {fmt(c['ttft_p99_s'])} | "
             f"{same.get(key, '-')} |"
         )
-    lines += ["", "| mode | RSS at start MB | peak MB | at end MB | end - first cell's end MB |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| mode | RSS at start MB | peak MB | at end MB | end - first cell's end MB |",
+        "|---|---|---|---|---|",
+    ]
     for mode, m in memory.items():
-        lines.append(f"| {mode} | {fmt(m['start_mb'], 0)} | {fmt(m['peak_mb'], 0)} | {fmt(m['end_mb'], 0)} | {fmt(m['growth_mb'], 0)} |")
+        lines.append(
+            f"| {mode} | {fmt(m['start_mb'], 0)} | {fmt(m['peak_mb'], 0)} | {fmt(m['end_mb'], 0)} | {fmt(m['growth_mb'], 0)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -241,26 +284,49 @@ def load_prompts(workload: str, questions: Path, requests: int) -> list[list[dic
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
-    ap.add_argument("--workload", default="spec_bench", choices=["spec_bench", "schema"],
-                    help="the prompts: Spec-Bench first turns mixed over categories, or the repeated-schema requests of benchmarks/workloads.py")
+    ap.add_argument(
+        "--workload",
+        default="spec_bench",
+        choices=["spec_bench", "schema"],
+        help="the prompts: Spec-Bench first turns mixed over categories, or the repeated-schema requests of benchmarks/workloads.py",
+    )
     ap.add_argument("--requests", type=int, default=32, help="requests per (mode, clients) cell (default 32)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--time-limit", type=float, default=1800.0, help="seconds per cell after which no new request is sent (default 1800)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="concurrent clients (default 1 4 16)")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="speculation off / on / on with pipelining")
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=1800.0,
+        help="seconds per cell after which no new request is sent (default 1800)",
+    )
+    ap.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 4, 16], help="concurrent clients (default 1 4 16)"
+    )
+    ap.add_argument(
+        "--modes", nargs="+", default=list(MODES), choices=list(MODES), help="speculation off / on / on with pipelining"
+    )
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--drafter", action="append", help="as hf-spin serve --drafter (default: the server's default pool)")
+    ap.add_argument(
+        "--drafter", action="append", help="as hf-spin serve --drafter (default: the server's default pool)"
+    )
     ap.add_argument("--policy", default="round_robin")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads in the server (set it: an oversubscribed CPU collapses)")
-    ap.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to load its models")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="torch threads in the server (set it: an oversubscribed CPU collapses)"
+    )
+    ap.add_argument(
+        "--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to load its models"
+    )
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args()
     if args.requests < 1 or args.max_new_tokens < 1 or min(args.concurrency) < 1:
         ap.error("--requests, --max-new-tokens and --concurrency must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
     if "suffix" in (args.drafter or []) and len(args.concurrency) > 1 and set(args.modes) - {"off"}:
-        print("warning: the suffix drafter learns across requests and every cell sends the same prompts: the cells after the first "
-              "replay answers the server has seen; give one --concurrency value per run", file=sys.stderr, flush=True)
+        print(
+            "warning: the suffix drafter learns across requests and every cell sends the same prompts: the cells after the first "
+            "replay answers the server has seen; give one --concurrency value per run",
+            file=sys.stderr,
+            flush=True,
+        )
 
     prompts = load_prompts(args.workload, args.questions, args.requests)
 
@@ -279,23 +345,36 @@ def main() -> int:
             cell_ends = []
             for clients in args.concurrency:
                 sampler.cell = f"{mode}/{clients}"
-                results, wall = asyncio.run(run_cell(server.url, prompts, clients, args.max_new_tokens, args.time_limit))
+                results, wall = asyncio.run(
+                    run_cell(server.url, prompts, clients, args.max_new_tokens, args.time_limit)
+                )
                 cell_ends.append(rss_mb(server.proc.pid))
                 summary = summarize(mode, clients, results, wall, len(prompts) - len(results))
                 cells.append(summary)
                 texts[f"{mode}/{clients}"] = [r["text"] if r["status"] == "ok" else None for r in results]
-                print(f"[{mode}] {clients} clients: {summary['ok']}/{summary['sent']} ok, {summary['failed']} failed, {summary['lost']} lost, "
-                      f"{fmt(summary['throughput_tok_s'])} tok/s, p50 latency {fmt(summary['latency_p50_s'])}s, p50 TTFT {fmt(summary['ttft_p50_s'])}s", flush=True)
+                print(
+                    f"[{mode}] {clients} clients: {summary['ok']}/{summary['sent']} ok, {summary['failed']} failed, {summary['lost']} lost, "
+                    f"{fmt(summary['throughput_tok_s'])} tok/s, p50 latency {fmt(summary['latency_p50_s'])}s, p50 TTFT {fmt(summary['ttft_p50_s'])}s",
+                    flush=True,
+                )
             metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-            leftover = [line for line in metrics.splitlines() if line.startswith(("hf_spin_queue_depth ", "hf_spin_batch_size "))]
+            leftover = [
+                line
+                for line in metrics.splitlines()
+                if line.startswith(("hf_spin_queue_depth ", "hf_spin_batch_size "))
+            ]
         finally:
             sampler.done.set()
             rc = server.stop()
         mb = [s[2] for s in sampler.samples if s[1] not in ("startup",)]
         memory[mode] = {
-            "start_mb": mb[0] if mb else None, "peak_mb": max(mb) if mb else None, "end_mb": mb[-1] if mb else None,
+            "start_mb": mb[0] if mb else None,
+            "peak_mb": max(mb) if mb else None,
+            "end_mb": mb[-1] if mb else None,
             "growth_mb": (cell_ends[-1] - cell_ends[0]) if len(cell_ends) > 1 and None not in cell_ends else None,
-            "after_cells_mb": cell_ends, "server_exit_code": rc, "leftover_gauges": leftover,
+            "after_cells_mb": cell_ends,
+            "server_exit_code": rc,
+            "leftover_gauges": leftover,
         }
     same = {}
     for key, outs in texts.items():
@@ -305,8 +384,15 @@ def main() -> int:
             pairs = [(a, b) for a, b in zip(outs, ref) if a is not None and b is not None]
             same[key] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
     bad = sum(c["failed"] + c["lost"] for c in cells)
-    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(), "commands": commands, "cells": cells, "memory": memory,
-               "same_as_off": same, "failed_or_lost": bad}
+    payload = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": machine(),
+        "commands": commands,
+        "cells": cells,
+        "memory": memory,
+        "same_as_off": same,
+        "failed_or_lost": bad,
+    }
     md = write_results(args.out, "serve_load", payload, table(cells, memory, same))
     print(table(cells, memory, same))
     print(f"results: {md} (and .json); failed or lost requests: {bad}")

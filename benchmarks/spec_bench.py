@@ -23,10 +23,18 @@ from accelerate.utils import gather_object
 from tqdm import tqdm
 
 import hf_spin
+from benchmarks.common import (
+    DEFAULT_QUESTIONS,
+    encode,
+    load_questions,
+    machine,
+    new_tokens,
+    save_partial,
+    timed,
+    write_results,
+)
 from hf_spin import models
 from hf_spin.policies import FixedLength
-
-from benchmarks.common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens, save_partial, timed, write_results
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,7 +47,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--draft-length", type=int, default=hf_spin.policies.DEFAULT_DRAFT_LENGTH, help="hf_spin's k")
-    ap.add_argument("--min-confidence", type=float, default=hf_spin.policies.DEFAULT_MIN_CONFIDENCE, help="hf_spin's confidence stop (transformers' assistant default: 0.4 with k <= 20)")
+    ap.add_argument(
+        "--min-confidence",
+        type=float,
+        default=hf_spin.policies.DEFAULT_MIN_CONFIDENCE,
+        help="hf_spin's confidence stop (transformers' assistant default: 0.4 with k <= 20)",
+    )
     ap.add_argument("--batch-sizes", type=int, nargs="*", default=[4, 8], help="batched comparisons (besides batch 1)")
     ap.add_argument("--skip-batch1", action="store_true", help="only the batched comparisons")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
@@ -57,7 +70,9 @@ def run_batch1(target, drafter, tok, questions, args) -> list[dict]:
         plain, t_plain = timed(lambda: target.generate(**batch, **gen))
         assisted, t_assisted = timed(lambda: target.generate(**batch, assistant_model=drafter, **gen))
         pool = hf_spin.AssistantPool([drafter], draft_length=FixedLength(args.draft_length, args.min_confidence))
-        spin, t_spin = timed(lambda: target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **gen))
+        spin, t_spin = timed(
+            lambda: target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **gen)
+        )
         ref = new_tokens(plain, P, tok.pad_token_id)[0]
         stats = pool.last_stats
         records.append(
@@ -106,8 +121,12 @@ def run_batched(target, drafter, tok, questions, batch_size, args) -> list[dict]
             "seconds": {"plain": t_plain},
         }
         for variant, options in BATCHED_VARIANTS.items():
-            pool = hf_spin.AssistantPool([drafter], draft_length=FixedLength(args.draft_length, args.min_confidence), **options)
-            spin, t_spin = timed(lambda: target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **gen))
+            pool = hf_spin.AssistantPool(
+                [drafter], draft_length=FixedLength(args.draft_length, args.min_confidence), **options
+            )
+            spin, t_spin = timed(
+                lambda: target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **gen)
+            )
             stats = pool.last_stats
             record["seconds"][variant] = t_spin
             record[variant] = {
@@ -153,7 +172,12 @@ def summarize(records: list[dict], batched: dict[int, list[dict]]) -> dict:
     for bs, rs in batched.items():
         tokens = sum(r["new_tokens"] for r in rs)
         plain_s = sum(r["seconds"]["plain"] for r in rs)
-        row = {"batches": len(rs), "plain_tok_s": tokens / plain_s, "padded_prompt_fraction": 1 - sum(r["prompt_tokens"] for r in rs) / sum(r["padded_prompt_tokens"] for r in rs)}
+        row = {
+            "batches": len(rs),
+            "plain_tok_s": tokens / plain_s,
+            "padded_prompt_fraction": 1
+            - sum(r["prompt_tokens"] for r in rs) / sum(r["padded_prompt_tokens"] for r in rs),
+        }
         for variant in BATCHED_VARIANTS:
             total = sum(r["seconds"][variant] for r in rs)
             row[variant] = {
@@ -161,8 +185,11 @@ def summarize(records: list[dict], batched: dict[int, list[dict]]) -> dict:
                 "throughput_ratio": plain_s / total,
                 "acceptance_rate": statistics.mean(r[variant]["acceptance_rate"] for r in rs),
                 "mean_accepted_length": statistics.mean(r[variant]["mean_accepted_length"] for r in rs),
-                "identical_rows": f'{sum(r[variant]["identical_rows"] for r in rs)}/{sum(r["batch_size"] for r in rs)}',
-                **{k: sum(r[variant][k] for r in rs) for k in ("steps", "prefill_seconds", "draft_seconds", "verify_seconds")},
+                "identical_rows": f"{sum(r[variant]['identical_rows'] for r in rs)}/{sum(r['batch_size'] for r in rs)}",
+                **{
+                    k: sum(r[variant][k] for r in rs)
+                    for k in ("steps", "prefill_seconds", "draft_seconds", "verify_seconds")
+                },
             }
         batch_table[bs] = row
     return {"batch1": table, "batched": batch_table}
@@ -237,7 +264,9 @@ def main() -> None:
     }
     summary = summarize(records, batched)
     table = markdown(summary, env)
-    write_results(args.out, "spec_bench", {"env": env, "summary": summary, "records": records, "batched": batched}, table)
+    write_results(
+        args.out, "spec_bench", {"env": env, "summary": summary, "records": records, "batched": batched}, table
+    )
     print(table)
 
 

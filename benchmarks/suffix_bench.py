@@ -34,7 +34,11 @@ from . import workloads
 from .common import DEFAULT_QUESTIONS, machine, new_tokens, save_partial, timed, write_results
 
 METHODS = ("plain", "transformers_lookup", "hf_spin_lookup", "hf_spin_suffix", "hf_spin_pool")
-SPIN = {"hf_spin_lookup": "lookup", "hf_spin_suffix": "suffix", "hf_spin_pool": "pool"}  # hf_spin methods -> column label
+SPIN = {
+    "hf_spin_lookup": "lookup",
+    "hf_spin_suffix": "suffix",
+    "hf_spin_pool": "pool",
+}  # hf_spin methods -> column label
 WARM_UP_TOKENS = 4  # every method once on the first prompt, unrecorded: one-off costs (and cost profiles) land there
 
 
@@ -42,22 +46,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     ap.add_argument("--workloads", nargs="+", default=list(workloads.WORKLOADS), choices=workloads.WORKLOADS)
-    ap.add_argument("--per-group", type=int, default=2, help="spec_bench: questions per task group; multi_turn: conversations per MT-Bench category")
+    ap.add_argument(
+        "--per-group",
+        type=int,
+        default=2,
+        help="spec_bench: questions per task group; multi_turn: conversations per MT-Bench category",
+    )
     ap.add_argument("--schema-requests", type=int, default=24, help="requests of the schema workload (at most 48)")
     ap.add_argument("--limit", type=int, default=None, help="cap on the conversations of each workload (quick runs)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=8, help="tokens drafted per row and step: hf_spin's draft_length (the planner's upper bound), transformers' prompt_lookup_num_tokens")
+    ap.add_argument(
+        "--k",
+        type=int,
+        default=8,
+        help="tokens drafted per row and step: hf_spin's draft_length (the planner's upper bound), transformers' prompt_lookup_num_tokens",
+    )
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="plain always runs (the reference)")
-    ap.add_argument("--profile", default="auto", choices=["auto", "off"], help="hf_spin pools: the planner's cost profile (auto) or the k given every step (off)")
+    ap.add_argument(
+        "--methods", nargs="+", default=list(METHODS), choices=METHODS, help="plain always runs (the reference)"
+    )
+    ap.add_argument(
+        "--profile",
+        default="auto",
+        choices=["auto", "off"],
+        help="hf_spin pools: the planner's cost profile (auto) or the k given every step (off)",
+    )
     ap.add_argument("--policy", default="lbss", help="hf_spin_pool's policy")
     ap.add_argument(
-        "--cache", default="rectangular", choices=CACHE_LAYOUTS,
+        "--cache",
+        default="rectangular",
+        choices=CACHE_LAYOUTS,
         help="hf_spin's KV cache layout: rectangular, or packed rows (the varlen kernel)",
     )
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", choices=models.NAMES)
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", choices=models.NAMES, help="hf_spin_pool's draft model")
+    ap.add_argument(
+        "--draft", default="qwen2.5-coder-0.5b-instruct", choices=models.NAMES, help="hf_spin_pool's draft model"
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
@@ -69,7 +94,9 @@ def build_workloads(args) -> dict[str, list[workloads.Conversation]]:
     builders = {
         "spec_bench": lambda: workloads.spec_bench(args.questions, args.per_group, args.limit),
         "multi_turn": lambda: workloads.multi_turn(args.questions, args.per_group, args.limit),
-        "schema": lambda: workloads.schema(min(args.schema_requests, args.limit if args.limit is not None else args.schema_requests)),
+        "schema": lambda: workloads.schema(
+            min(args.schema_requests, args.limit if args.limit is not None else args.schema_requests)
+        ),
     }
     return {name: builders[name]() for name in args.workloads}
 
@@ -101,7 +128,9 @@ class Bench:
             out, seconds = timed(lambda: self.target.generate(**batch, prompt_lookup_num_tokens=self.args.k, **gen))
             return out, seconds, None
         pool = pools[method]
-        out, seconds = timed(lambda: self.target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **gen))
+        out, seconds = timed(
+            lambda: self.target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pool, **gen)
+        )
         return out, seconds, pool.last_stats
 
     def methods(self, batch_size: int) -> list[str]:
@@ -116,11 +145,18 @@ class Bench:
         for method in self.methods(1):
             self.call(method, batch, pools, {**self.gen, "max_new_tokens": WARM_UP_TOKENS})
 
-    def run(self, workload: str, conversations: list[workloads.Conversation], batch_size: int, partial: Path | None = None) -> list[dict]:
+    def run(
+        self, workload: str, conversations: list[workloads.Conversation], batch_size: int, partial: Path | None = None
+    ) -> list[dict]:
         """One record per call (method x batch x turn). Batches of spec_bench keep to one task group."""
-        pools = {m: self.pool(m) for m in self.methods(batch_size) if m in SPIN}  # one per method for the whole workload
+        pools = {
+            m: self.pool(m) for m in self.methods(batch_size) if m in SPIN
+        }  # one per method for the whole workload
         records = []
-        for chunk in tqdm(batches(conversations, batch_size, by_group=workload == "spec_bench"), desc=f"{workload}, batch {batch_size}"):
+        for chunk in tqdm(
+            batches(conversations, batch_size, by_group=workload == "spec_bench"),
+            desc=f"{workload}, batch {batch_size}",
+        ):
             answers: list[list[str]] = [[] for _ in chunk]  # plain decoding's answers, turn by turn
             for turn in range(max(len(c.turns) for c in chunk)):
                 rows = [i for i, c in enumerate(chunk) if turn < len(c.turns)]
@@ -136,9 +172,15 @@ class Bench:
                         for i, t in zip(rows, texts):
                             answers[i].append(self.tok.decode(t, skip_special_tokens=True))
                     record = {
-                        "workload": workload, "batch_size": batch_size, "method": method, "turn": turn + 1,
-                        "ids": [chunk[i].id for i in rows], "groups": groups, "prompt_tokens": int(batch["attention_mask"].sum()),
-                        "seconds": seconds, "new_tokens": sum(map(len, texts)),
+                        "workload": workload,
+                        "batch_size": batch_size,
+                        "method": method,
+                        "turn": turn + 1,
+                        "ids": [chunk[i].id for i in rows],
+                        "groups": groups,
+                        "prompt_tokens": int(batch["attention_mask"].sum()),
+                        "seconds": seconds,
+                        "new_tokens": sum(map(len, texts)),
                         "identical": sum(a == b for a, b in zip(texts, reference)),
                         **(spin_counts(stats) if stats is not None else {}),
                     }
@@ -178,7 +220,21 @@ def summarize(records: list[dict]) -> dict:
         for key in keys:
             cell = out.setdefault(r["workload"], {}).setdefault(r["batch_size"], {}).setdefault(key, {})
             m = cell.setdefault(r["method"], Counter())
-            m.update({k: r[k] for k in ("seconds", "new_tokens", "identical", "drafted", "accepted", "target_forwards", "stats_new_tokens") if k in r})
+            m.update(
+                {
+                    k: r[k]
+                    for k in (
+                        "seconds",
+                        "new_tokens",
+                        "identical",
+                        "drafted",
+                        "accepted",
+                        "target_forwards",
+                        "stats_new_tokens",
+                    )
+                    if k in r
+                }
+            )
             m["rows"] += len(r["ids"])
             m.update({f"chosen:{name}": n for name, n in r.get("chosen", {}).items()})
     for per_bs in out.values():
@@ -195,7 +251,9 @@ def derive(cell: dict[str, Counter]) -> dict:
         chosen = {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith("chosen:")}
         row[method] = {
             "speedup": plain / c["seconds"] if c["seconds"] else None,
-            "tokens_per_forward": (c["stats_new_tokens"] / c["target_forwards"] if c["target_forwards"] else None) if method in SPIN else (1.0 if method == "plain" else None),
+            "tokens_per_forward": (c["stats_new_tokens"] / c["target_forwards"] if c["target_forwards"] else None)
+            if method in SPIN
+            else (1.0 if method == "plain" else None),
             "acceptance_rate": c["accepted"] / c["drafted"] if c["drafted"] else (0.0 if method in SPIN else None),
             "identical": f"{c['identical']}/{c['rows']}",
             "chosen": {k: v / sum(chosen.values()) for k, v in chosen.items()} if chosen else None,
@@ -229,18 +287,39 @@ def markdown(summary: dict, env: dict) -> str:
             spin = [m for m in methods if m in SPIN]
             header = ["group", "rows"] + [f"speed-up {SPIN.get(m, 'transformers lookup')}" for m in methods]
             header += [f"tok/fwd {SPIN[m]}" for m in spin] + [f"accept {SPIN[m]}" for m in spin]
-            header += ["suffix/lookup speed", "suffix/lookup tok/fwd", "identical " + ", ".join(SPIN.get(m, "transformers") for m in methods)]
+            header += [
+                "suffix/lookup speed",
+                "suffix/lookup tok/fwd",
+                "identical " + ", ".join(SPIN.get(m, "transformers") for m in methods),
+            ]
             if "hf_spin_pool" in spin:
                 header.append("pool's choices (row-steps)")
-            lines += ["", f"### {workload}, batch {bs}", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+            lines += [
+                "",
+                f"### {workload}, batch {bs}",
+                "",
+                "| " + " | ".join(header) + " |",
+                "|---" * len(header) + "|",
+            ]
             for group, row in groups.items():
                 cells = [group, str(row["rows"])] + [fmt(row[m]["speedup"]) for m in methods]
-                cells += [fmt(row[m]["tokens_per_forward"]) for m in spin] + [fmt(row[m]["acceptance_rate"], ".0%") for m in spin]
+                cells += [fmt(row[m]["tokens_per_forward"]) for m in spin] + [
+                    fmt(row[m]["acceptance_rate"], ".0%") for m in spin
+                ]
                 ratio = row.get("suffix_over_lookup", {})
-                cells += [fmt(ratio.get("speed")), fmt(ratio.get("tokens_per_forward")), ", ".join(row[m]["identical"] for m in methods)]
+                cells += [
+                    fmt(ratio.get("speed")),
+                    fmt(ratio.get("tokens_per_forward")),
+                    ", ".join(row[m]["identical"] for m in methods),
+                ]
                 if "hf_spin_pool" in spin:
                     chosen = row["hf_spin_pool"]["chosen"] or {}
-                    cells.append(", ".join(f"{k.split('/')[-1]} {v:.0%}" for k, v in sorted(chosen.items(), key=lambda kv: -kv[1])) or "plain")
+                    cells.append(
+                        ", ".join(
+                            f"{k.split('/')[-1]} {v:.0%}" for k, v in sorted(chosen.items(), key=lambda kv: -kv[1])
+                        )
+                        or "plain"
+                    )
                 lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -35,7 +35,16 @@ from .common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_toke
 METHODS = ("plain", "transformers_lookup", "transformers_assisted", "hf_spin_chain", "hf_spin_tree")
 
 
-def run_method(method: str, model, batch: dict, k: int, max_new_tokens: int, cache: str = "packed", drafter=None, profile: str = "off"):
+def run_method(
+    method: str,
+    model,
+    batch: dict,
+    k: int,
+    max_new_tokens: int,
+    cache: str = "packed",
+    drafter=None,
+    profile: str = "off",
+):
     """(output ids, seconds, tokens per target forward or None). drafter: a draft model, or None for
     prompt lookup; profile "off": k verified tokens a step (the tree cut to k nodes), else the planner's."""
     kwargs = dict(**batch, max_new_tokens=max_new_tokens, do_sample=False)
@@ -50,8 +59,11 @@ def run_method(method: str, model, batch: dict, k: int, max_new_tokens: int, cac
         return out, seconds, None
     tree = False if method == "hf_spin_chain" else (k if profile == "off" else "auto")
     pool = hf_spin.AssistantPool(
-        [drafter if drafter is not None else "prompt_lookup"], draft_length=FixedLength(k, min_confidence=0.0),
-        cache=cache, profile=profile, tree=tree,
+        [drafter if drafter is not None else "prompt_lookup"],
+        draft_length=FixedLength(k, min_confidence=0.0),
+        cache=cache,
+        profile=profile,
+        tree=tree,
     )
     out, seconds = timed(lambda: model.generate(**kwargs, custom_generate=hf_spin.generate, assistant_pool=pool))
     return out, seconds, pool.last_stats.mean_accepted_length
@@ -62,13 +74,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS)
     parser.add_argument("--per-group", type=int, default=2, help="questions per Spec-Bench task group")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, default=8, help="verified tokens per row and step: the chain's length, the tree's nodes")
+    parser.add_argument(
+        "--k", type=int, default=8, help="verified tokens per row and step: the chain's length, the tree's nodes"
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--cache", choices=["packed", "rectangular"], default="packed", help="hf_spin's target cache: packed rows (the kernel's tree masks) or the rectangular cache (a 4D mask)")
-    parser.add_argument("--drafter", default="prompt_lookup", help="prompt_lookup, or a draft model's name (hf_spin.models)")
-    parser.add_argument("--profile", choices=["off", "auto"], default="off", help="off: k verified tokens a step; auto: the planner sizes chains and trees")
+    parser.add_argument(
+        "--cache",
+        choices=["packed", "rectangular"],
+        default="packed",
+        help="hf_spin's target cache: packed rows (the kernel's tree masks) or the rectangular cache (a 4D mask)",
+    )
+    parser.add_argument(
+        "--drafter", default="prompt_lookup", help="prompt_lookup, or a draft model's name (hf_spin.models)"
+    )
+    parser.add_argument(
+        "--profile",
+        choices=["off", "auto"],
+        default="off",
+        help="off: k verified tokens a step; auto: the planner sizes chains and trees",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     return parser.parse_args(argv)
 
@@ -81,7 +107,14 @@ def main(argv=None) -> None:
     records = run(model, tok, drafter, questions, args)
     table = summarize(records)
     print(table)
-    print(write_results(args.out, "tree_bench", {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "records": records}, table))
+    print(
+        write_results(
+            args.out,
+            "tree_bench",
+            {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "records": records},
+            table,
+        )
+    )
 
 
 def run(model, tok, drafter, questions: list[dict], args) -> list[dict]:
@@ -96,15 +129,27 @@ def run(model, tok, drafter, questions: list[dict], args) -> list[dict]:
             L = batch["input_ids"].shape[1]
             reference = None
             for method in METHODS:
-                if method.startswith("transformers") and bs > 1 or method == "transformers_assisted" and drafter is None:
+                if (
+                    method.startswith("transformers")
+                    and bs > 1
+                    or method == "transformers_assisted"
+                    and drafter is None
+                ):
                     continue  # transformers' assisted generation runs at batch 1 only, with a draft model
-                out, seconds, per_forward = run_method(method, model, batch, args.k, args.max_new_tokens, args.cache, drafter, args.profile)
+                out, seconds, per_forward = run_method(
+                    method, model, batch, args.k, args.max_new_tokens, args.cache, drafter, args.profile
+                )
                 texts = new_tokens(out, L, tok.pad_token_id)
                 if method == "plain":
                     reference = texts
                 record = {
-                    "batch_size": bs, "method": method, "groups": [q["group"] for q in group], "seconds": seconds,
-                    "tokens": sum(map(len, texts)), "per_forward": per_forward, "identical": sum(a == b for a, b in zip(texts, reference)),
+                    "batch_size": bs,
+                    "method": method,
+                    "groups": [q["group"] for q in group],
+                    "seconds": seconds,
+                    "tokens": sum(map(len, texts)),
+                    "per_forward": per_forward,
+                    "identical": sum(a == b for a, b in zip(texts, reference)),
                 }
                 records.append(record)
                 save_partial(partial, record)
@@ -128,9 +173,18 @@ def summarize(records: list[dict]) -> str:
                 by["ALL"][r["method"]].append(r)
         for group, methods in sorted(by.items(), key=lambda item: item[0] == "ALL"):  # ALL last
             plain = sum(r["seconds"] for r in methods["plain"])
-            pf = {m: statistics.mean(r["per_forward"] for r in methods[m]) for m in ("hf_spin_chain", "hf_spin_tree") if methods[m]}
-            speed = {m: plain / sum(r["seconds"] for r in methods[m]) if methods[m] else float("nan") for m in METHODS[1:]}
-            same = {m: f"{sum(r['identical'] for r in methods[m])}/{sum(len(r['groups']) for r in methods[m])}" for m in ("hf_spin_chain", "hf_spin_tree")}
+            pf = {
+                m: statistics.mean(r["per_forward"] for r in methods[m])
+                for m in ("hf_spin_chain", "hf_spin_tree")
+                if methods[m]
+            }
+            speed = {
+                m: plain / sum(r["seconds"] for r in methods[m]) if methods[m] else float("nan") for m in METHODS[1:]
+            }
+            same = {
+                m: f"{sum(r['identical'] for r in methods[m])}/{sum(len(r['groups']) for r in methods[m])}"
+                for m in ("hf_spin_chain", "hf_spin_tree")
+            }
             lines.append(
                 f"| {group} | {pf['hf_spin_chain']:.2f} | {pf['hf_spin_tree']:.2f} | {pf['hf_spin_tree'] / pf['hf_spin_chain']:.2f} | "
                 f"{speed['hf_spin_chain']:.2f} | {speed['hf_spin_tree']:.2f} | {speed['transformers_lookup']:.2f} | {speed['transformers_assisted']:.2f} | "

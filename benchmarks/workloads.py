@@ -63,24 +63,91 @@ def multi_turn(path: Path, per_category: int, limit: int | None = None) -> list[
 # record kind -> (the JSON shape the system prompt gives, the entities asked about, in order)
 SCHEMAS: dict[str, tuple[dict, list[str]]] = {
     "city": (
-        {"name": "string", "country": "string", "population": "integer", "founded": "integer year or null",
-         "landmarks": ["string"], "climate": "string", "is_capital": "boolean"},
-        ["Lisbon", "Nairobi", "Osaka", "Toronto", "Cusco", "Tbilisi", "Hanoi", "Marrakesh",
-         "Reykjavik", "Adelaide", "Bergen", "Valparaiso", "Krakow", "Chennai", "Quebec City", "Bruges"],
+        {
+            "name": "string",
+            "country": "string",
+            "population": "integer",
+            "founded": "integer year or null",
+            "landmarks": ["string"],
+            "climate": "string",
+            "is_capital": "boolean",
+        },
+        [
+            "Lisbon",
+            "Nairobi",
+            "Osaka",
+            "Toronto",
+            "Cusco",
+            "Tbilisi",
+            "Hanoi",
+            "Marrakesh",
+            "Reykjavik",
+            "Adelaide",
+            "Bergen",
+            "Valparaiso",
+            "Krakow",
+            "Chennai",
+            "Quebec City",
+            "Bruges",
+        ],
     ),
     "book": (
-        {"title": "string", "author": "string", "year": "integer", "genre": "string", "pages": "integer",
-         "original_language": "string", "summary": "string (one sentence)"},
-        ["Moby-Dick", "Pride and Prejudice", "One Hundred Years of Solitude", "The Trial", "Things Fall Apart",
-         "Don Quixote", "The Tale of Genji", "Middlemarch", "Beloved", "The Master and Margarita",
-         "Invisible Cities", "Frankenstein", "The Name of the Rose", "Dune", "Wuthering Heights", "Ficciones"],
+        {
+            "title": "string",
+            "author": "string",
+            "year": "integer",
+            "genre": "string",
+            "pages": "integer",
+            "original_language": "string",
+            "summary": "string (one sentence)",
+        },
+        [
+            "Moby-Dick",
+            "Pride and Prejudice",
+            "One Hundred Years of Solitude",
+            "The Trial",
+            "Things Fall Apart",
+            "Don Quixote",
+            "The Tale of Genji",
+            "Middlemarch",
+            "Beloved",
+            "The Master and Margarita",
+            "Invisible Cities",
+            "Frankenstein",
+            "The Name of the Rose",
+            "Dune",
+            "Wuthering Heights",
+            "Ficciones",
+        ],
     ),
     "scientist": (
-        {"name": "string", "born": "integer year", "died": "integer year or null", "nationality": "string",
-         "field": "string", "known_for": ["string"], "nobel_prize": "boolean"},
-        ["Marie Curie", "Alan Turing", "Rosalind Franklin", "Srinivasa Ramanujan", "Niels Bohr", "Ada Lovelace",
-         "Dmitri Mendeleev", "Emmy Noether", "Gregor Mendel", "Chien-Shiung Wu", "Michael Faraday",
-         "Lise Meitner", "Louis Pasteur", "Barbara McClintock", "Alexander von Humboldt", "Tu Youyou"],
+        {
+            "name": "string",
+            "born": "integer year",
+            "died": "integer year or null",
+            "nationality": "string",
+            "field": "string",
+            "known_for": ["string"],
+            "nobel_prize": "boolean",
+        },
+        [
+            "Marie Curie",
+            "Alan Turing",
+            "Rosalind Franklin",
+            "Srinivasa Ramanujan",
+            "Niels Bohr",
+            "Ada Lovelace",
+            "Dmitri Mendeleev",
+            "Emmy Noether",
+            "Gregor Mendel",
+            "Chien-Shiung Wu",
+            "Michael Faraday",
+            "Lise Meitner",
+            "Louis Pasteur",
+            "Barbara McClintock",
+            "Alexander von Humboldt",
+            "Tu Youyou",
+        ],
     ),
 }
 SCHEMA_REQUESTS = sum(len(entities) for _, entities in SCHEMAS.values())  # 48: each entity once
@@ -103,7 +170,11 @@ def schema(n: int = 24) -> list[Conversation]:
         shape, entities = SCHEMAS[kind]
         entity = entities[i // len(kinds)]
         system = SCHEMA_SYSTEM.format(kind=kind, schema=json.dumps(shape, indent=1))
-        out.append(Conversation(f"{kind}-{i // len(kinds)}", kind, [SCHEMA_USER.format(kind=kind, entity=entity)], system=system))
+        out.append(
+            Conversation(
+                f"{kind}-{i // len(kinds)}", kind, [SCHEMA_USER.format(kind=kind, entity=entity)], system=system
+            )
+        )
     return out
 
 

@@ -26,14 +26,20 @@ import httpx
 
 
 def tgi(client: httpx.Client, prompt: str, max_new_tokens: int) -> None:
-    r = client.post("/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "details": True}})
+    r = client.post(
+        "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "details": True}}
+    )
     r.raise_for_status()
     body = r.json()
-    print(f"--- /generate ({body['details']['generated_tokens']} tokens, {body['details']['finish_reason']}, "
-          f"{r.headers.get('x-total-time')} ms):\n{body['generated_text']}\n")
+    print(
+        f"--- /generate ({body['details']['generated_tokens']} tokens, {body['details']['finish_reason']}, "
+        f"{r.headers.get('x-total-time')} ms):\n{body['generated_text']}\n"
+    )
 
     print("--- /generate_stream:")
-    with client.stream("POST", "/generate_stream", json={"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}) as r:
+    with client.stream(
+        "POST", "/generate_stream", json={"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}
+    ) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data:"):
@@ -52,7 +58,9 @@ def openai_chat(client: httpx.Client, prompt: str, max_new_tokens: int) -> None:
     r = client.post("/v1/chat/completions", json=body)
     r.raise_for_status()
     answer = r.json()
-    print(f"--- /v1/chat/completions ({answer['usage']['completion_tokens']} tokens):\n{answer['choices'][0]['message']['content']}\n")
+    print(
+        f"--- /v1/chat/completions ({answer['usage']['completion_tokens']} tokens):\n{answer['choices'][0]['message']['content']}\n"
+    )
 
     print("--- /v1/chat/completions, stream:")
     with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
@@ -78,7 +86,9 @@ def main() -> None:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with httpx.Client(base_url=args.url, headers=headers, timeout=600) as client:
         info = client.get("/info").json()
-        print(f"server: {info['model_id']}, drafters {[d['name'] for d in info['drafters']]}, policy {info['policy']}\n")
+        print(
+            f"server: {info['model_id']}, drafters {[d['name'] for d in info['drafters']]}, policy {info['policy']}\n"
+        )
         (openai_chat if args.openai else tgi)(client, args.prompt, args.max_new_tokens)
 
 

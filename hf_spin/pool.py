@@ -17,11 +17,11 @@ import warnings
 
 from .cache import check_packed_support
 from .cache.static_forward import StaticOptions
-from .planning.cost_profile import CostProfile
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, SuffixDrafter, TranslatingDrafter
+from .planning.cost_profile import CostProfile
 from .planning.planner import Planner
-from .policies import DEFAULT_DRAFT_LENGTH, DrafterInfo, DraftLength, Policy, make_policy
 from .planning.profiling import build_profile
+from .policies import DEFAULT_DRAFT_LENGTH, DrafterInfo, DraftLength, Policy, make_policy
 from .stats import DrafterStats, GenerationStats
 
 NAMED_DRAFTERS = {"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter}
@@ -38,8 +38,8 @@ def _cache_layout(cache: str | None, ragged_attention: bool | None) -> str:
     """The layout `AssistantPool(cache=..., ragged_attention=...)` asks for; `ragged_attention` is the old spelling."""
     if ragged_attention is not None:
         warnings.warn(
-            "AssistantPool(ragged_attention=...) is deprecated; use cache=\"packed\" (packed rows) "
-            "or cache=\"rectangular\" (the default)",
+            'AssistantPool(ragged_attention=...) is deprecated; use cache="packed" (packed rows) '
+            'or cache="rectangular" (the default)',
             FutureWarning,
             stacklevel=3,
         )
@@ -58,7 +58,9 @@ def _static_options(layout: str, compile, tree) -> StaticOptions | None:
     """The static layout's options from `AssistantPool(cache=, compile=, tree=)`; None on the other layouts."""
     if layout != "static":
         if compile not in (None, False):
-            raise ValueError(f"compile={compile!r} needs cache='static' (the fixed-shape forwards); got cache={layout!r}")
+            raise ValueError(
+                f"compile={compile!r} needs cache='static' (the fixed-shape forwards); got cache={layout!r}"
+            )
         return None
     if tree is not False and tree != "auto":
         raise ValueError(f"tree={tree!r}: the static cache verifies chains only (for now); use tree='auto' or False")
@@ -78,7 +80,9 @@ def _same_vocab(tok_a, tok_b) -> bool:
 def _check_model(model, role: str) -> None:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{role} {config.model_type!r} is an encoder-decoder model; hf_spin supports decoder-only causal LMs")
+        raise ValueError(
+            f"{role} {config.model_type!r} is an encoder-decoder model; hf_spin supports decoder-only causal LMs"
+        )
     layer_types = set(getattr(config.get_text_config(), "layer_types", None) or [])
     if getattr(model, "_is_stateful", False) or not layer_types <= ATTENTION_LAYER_TYPES:
         raise ValueError(
@@ -147,17 +151,23 @@ class AssistantPool:
         self.tokenizer = tokenizer
         self.cache_layout = _cache_layout(cache, ragged_attention)  # one of CACHE_LAYOUTS
         if not (tree in ("auto", False) or (type(tree) is int and tree >= 1)):
-            raise ValueError(f"tree={tree!r} is not supported; give 'auto', False (chains) or a positive number of nodes")
+            raise ValueError(
+                f"tree={tree!r} is not supported; give 'auto', False (chains) or a positive number of nodes"
+            )
         self.tree = tree
         self.static = _static_options(self.cache_layout, compile, tree)  # None: not the static layout
-        self._vocab_checked: set[int] = set()  # ids of translating drafters already compared with the target's vocabulary
+        self._vocab_checked: set[int] = (
+            set()
+        )  # ids of translating drafters already compared with the target's vocabulary
         self.row_ids = itertools.count()  # request ids, unique over every call: the policy remembers past requests
         self.last_stats: GenerationStats | None = None  # statistics of the latest generate call
         self.totals: dict[str, DrafterStats] = {}  # per drafter, summed over all calls
         self.profile = profile if profile is not None else os.environ.get(PROFILE_ENV, "auto")
         named = isinstance(self.profile, str) and (self.profile in ("auto", "off") or self.profile.endswith(".json"))
         if not (named or isinstance(self.profile, (CostProfile, os.PathLike))):
-            raise ValueError(f"profile={self.profile!r} is not supported; give 'auto', 'off', a path to a .json file or a CostProfile")
+            raise ValueError(
+                f"profile={self.profile!r} is not supported; give 'auto', 'off', a path to a .json file or a CostProfile"
+            )
         self.cost_profile: CostProfile | None = self.profile if isinstance(self.profile, CostProfile) else None
         self.planner: Planner | None = None  # made when the pool first meets a target (bind)
         self._profiled: int | None = None  # id of the target the profile was made for
@@ -242,7 +252,9 @@ class AssistantPool:
                 models = [d.model if isinstance(d, ModelDrafter) else None for d in self.drafters]
                 self.cost_profile = build_profile(target, models, self.names, self.profile)
             elif len(self.profile.drafters) != len(self.drafters):
-                raise ValueError(f"the CostProfile has {len(self.profile.drafters)} drafters, the pool {len(self.drafters)}")
+                raise ValueError(
+                    f"the CostProfile has {len(self.profile.drafters)} drafters, the pool {len(self.drafters)}"
+                )
             self.planner = Planner(self.cost_profile)  # warns once if nothing can pay here
             self.policy.attach_profile(self.cost_profile)
             self._profiled = id(target)

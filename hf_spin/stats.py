@@ -22,7 +22,9 @@ class Counts:
     target_forwards: int = 0  # verification forwards (prefill not counted)
     new_tokens: int = 0  # tokens produced (accepted + recovered/bonus, cut at a stop)
     draft_seconds: float = 0.0
-    longest_draft: int = 0  # most draft tokens verified in one forward (a model drafter's confidence stop keeps it below k)
+    longest_draft: int = (
+        0  # most draft tokens verified in one forward (a model drafter's confidence stop keeps it below k)
+    )
 
     def add(self, drafted: int, accepted: int, new_tokens: int) -> None:
         self.drafted += drafted

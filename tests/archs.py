@@ -15,11 +15,21 @@ PAD, BOS, EOS = 0, 1, 2
 COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False)
 
 # Field sets shared by many architectures: 2 layers, width 32, 4 heads of 8, 2 KV heads.
-_LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+_LLAMA_LIKE = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
 _HEAD8 = dict(_LLAMA_LIKE, head_dim=8)  # configs whose default head_dim (128/256) ignores hidden_size
 _GPT2_LIKE = dict(n_embd=32, n_layer=2, n_head=4, n_positions=128)
 # Multi-head latent attention (DeepSeek-style): compressed KV, separate rope / no-rope query parts.
-_MLA = dict(_LLAMA_LIKE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+_MLA = dict(
+    _LLAMA_LIKE,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+)
 
 # Sliding-window / chunked-attention architectures keep windows longer than any test sequence here
 # (prompt 14 + 24 new tokens); windows shorter than the sequence are covered in tests/test_cache.py,
@@ -49,8 +59,22 @@ ARCHS: dict[str, dict] = {
     "gpt_neox": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
     "gptj": dict(_GPT2_LIKE, rotary_dim=4),
     "codegen": dict(_GPT2_LIKE, n_ctx=128, rotary_dim=4),
-    "opt": dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=128),
-    "falcon": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=4, new_decoder_architecture=False, ffn_hidden_size=64),
+    "opt": dict(
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        word_embed_proj_dim=32,
+        max_position_embeddings=128,
+    ),
+    "falcon": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=4,
+        new_decoder_architecture=False,
+        ffn_hidden_size=64,
+    ),
     "bloom": dict(hidden_size=32, n_layer=2, n_head=4),
     "starcoder2": dict(_LLAMA_LIKE),
     "stablelm": dict(_LLAMA_LIKE),
@@ -59,9 +83,18 @@ ARCHS: dict[str, dict] = {
     "cohere": dict(_LLAMA_LIKE),
     "granite": dict(_LLAMA_LIKE),
     "gpt_bigcode": dict(_GPT2_LIKE),
-    "gpt_neo": dict(hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=256, max_position_embeddings=128),
+    "gpt_neo": dict(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        attention_types=[[["global", "local"], 1]],
+        window_size=256,
+        max_position_embeddings=128,
+    ),
     "mixtral": dict(_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(_LLAMA_LIKE, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        _LLAMA_LIKE, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2
+    ),
     "qwen3_moe": dict(_HEAD8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
     "olmoe": dict(_LLAMA_LIKE, num_experts=4, num_experts_per_tok=2),
     "smollm3": dict(_LLAMA_LIKE),
@@ -76,7 +109,9 @@ ARCHS: dict[str, dict] = {
     "persimmon": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
     "nemotron": dict(_HEAD8),
     "xglm": dict(d_model=32, ffn_dim=64, num_layers=2, attention_heads=4, max_position_embeddings=128),
-    "biogpt": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128),
+    "biogpt": dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128
+    ),
     "diffllama": dict(_HEAD8),
     "seed_oss": dict(_HEAD8),
     "ernie4_5": dict(_HEAD8),
@@ -84,18 +119,46 @@ ARCHS: dict[str, dict] = {
     "phimoe": dict(_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2),
     "olmo3": dict(_LLAMA_LIKE),
     "vaultgemma": dict(_HEAD8, query_pre_attn_scalar=8),
-    "deepseek_v3": dict(_MLA, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "deepseek_v3": dict(
+        _MLA,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
     "minicpm3": dict(_MLA, dim_model_base=32),
     "gpt_oss": dict(_HEAD8, num_local_experts=4, num_experts_per_tok=2, sliding_window=128),  # attention sinks
-    "llama4_text": dict(_HEAD8, intermediate_size_mlp=64, num_local_experts=2, num_experts_per_tok=1),  # chunked attention, no-rope layers
+    "llama4_text": dict(
+        _HEAD8, intermediate_size_mlp=64, num_local_experts=2, num_experts_per_tok=1
+    ),  # chunked attention, no-rope layers
     "gemma3n_text": dict(  # AltUp, LAuReL, per-layer inputs; layer 2 reuses layer 0's KV (KV sharing)
-        _HEAD8, num_hidden_layers=3, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, laurel_rank=4,
-        altup_num_inputs=2, num_kv_shared_layers=1, intermediate_size=[64, 64, 64], activation_sparsity_pattern=[0.0, 0.0, 0.0],
-        layer_types=["full_attention", "sliding_attention", "full_attention"], sliding_window=512,
+        _HEAD8,
+        num_hidden_layers=3,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8,
+        laurel_rank=4,
+        altup_num_inputs=2,
+        num_kv_shared_layers=1,
+        intermediate_size=[64, 64, 64],
+        activation_sparsity_pattern=[0.0, 0.0, 0.0],
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        sliding_window=512,
     ),
     "ctrl": dict(n_embd=32, n_layer=2, n_head=4, dff=64, n_positions=128),  # sinusoidal absolute positions
     "nanochat": dict(_LLAMA_LIKE),
-    "jetmoe": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, kv_channels=8, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+    "jetmoe": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        kv_channels=8,
+        intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
     "doge": dict(_LLAMA_LIKE),  # dynamic mask attention
     "gpt_neox_japanese": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_multiple_size=2),
 }

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hf_spin.planning.estimates import geometric_tokens
 from hf_spin.policies import BatchView, DrafterInfo, Plan, Policy, StepFeedback
 from hf_spin.policies.base import shadow_lengths
-from hf_spin.planning.estimates import geometric_tokens
 from hf_spin.verify.vote_tree import heaviest_path
 
 TRUTH_OFFSET = 1000  # truth(j) = 1000 + j; wrong tokens are 1..9
@@ -41,7 +41,9 @@ class SimDrafter:
     catch_up_seconds: float = 0.0  # per token fed into its cache
     kind: str = "model"
     num_parameters: int = 1
-    matches: dict[str, float] | None = None  # row type -> probability that it drafts at all at a step (all or nothing, as prompt lookup: a match or none); None: always
+    matches: dict[str, float] | None = (
+        None  # row type -> probability that it drafts at all at a step (all or nothing, as prompt lookup: a match or none); None: always
+    )
     # row type -> ((match length, probability, alpha), ...): at a step it finds a match of that length
     # with that probability (the rest: no draft) and proposes at that per-token acceptance, reporting
     # the length (None: drawn alike, not reported); replaces alpha and matches for that row type
@@ -52,7 +54,11 @@ class SimDrafter:
 
     def seconds(self, drafted: list[int], fed: int) -> float:
         """A step's drafting for the rows it serves: [s] tokens drafted per row, `fed` tokens caught up."""
-        return self.forward_seconds * max(drafted, default=0) + self.token_seconds * sum(drafted) + self.catch_up_seconds * fed
+        return (
+            self.forward_seconds * max(drafted, default=0)
+            + self.token_seconds * sum(drafted)
+            + self.catch_up_seconds * fed
+        )
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,9 @@ class Simulator:
         self.step_index = 0
         self.trace = Trace()
 
-    def add_rows(self, policy: Policy, row_types: list[str], prompt_length: int = 32, max_new_tokens: int | None = None) -> None:
+    def add_rows(
+        self, policy: Policy, row_types: list[str], prompt_length: int = 32, max_new_tokens: int | None = None
+    ) -> None:
         """New requests join the batch between steps (continuous batching), announced to the policy."""
         first = len(self.row_ids)
         self.row_ids += list(range(self.next_id, self.next_id + len(row_types)))
@@ -124,7 +132,14 @@ class Simulator:
 
     def view(self) -> BatchView:
         room = None if any(m is None for m in self.limits) else [m - g for m, g in zip(self.limits, self.generated)]
-        return BatchView(list(self.row_ids), list(self.prompt_lengths), list(self.generated), list(self.usable), self.step_index, room)
+        return BatchView(
+            list(self.row_ids),
+            list(self.prompt_lengths),
+            list(self.generated),
+            list(self.usable),
+            self.step_index,
+            room,
+        )
 
     def start(self, policy: Policy) -> Policy:
         policy.bind(self.infos)
@@ -154,7 +169,9 @@ class Simulator:
             if sd.matches is not None and self.rng.random() >= sd.matches[kind]:
                 return [], None
         start = self.lengths[b]
-        return [self._truth(b, start + i) if self.rng.random() < alpha else int(self.rng.integers(1, 10)) for i in range(k)], match
+        return [
+            self._truth(b, start + i) if self.rng.random() < alpha else int(self.rng.integers(1, 10)) for i in range(k)
+        ], match
 
     def _truth(self, b: int, position: int) -> int:
         """The target's greedy token at sequence `position` of row b."""
@@ -191,7 +208,9 @@ class Simulator:
             served = [b for b in range(B) if d in chosen[b] and ks[b] > 0 and d not in proposals[b]]
             if not served:
                 continue
-            noise = self._noisy(1.0)  # drawn before the proposals: the tests' seeded random streams depend on that order
+            noise = self._noisy(
+                1.0
+            )  # drawn before the proposals: the tests' seeded random streams depend on that order
             for b in served:
                 proposals[b][d], match = self._propose(b, d, ks[b])
                 if match is not None:
@@ -200,7 +219,9 @@ class Simulator:
             draft_seconds[d] = noise * sd.seconds([len(proposals[b][d]) for b in served], fed)
         # 4b. Shadow drafts (Plan.shadow): proposed for rows the drafter does not serve, never verified.
         for d, wanted in plan.shadow.items():
-            served = [b for b in wanted if self.usable[d] and d not in chosen[b] and d not in shadows[b] and wanted[b] > 0]
+            served = [
+                b for b in wanted if self.usable[d] and d not in chosen[b] and d not in shadows[b] and wanted[b] > 0
+            ]
             for b in served:
                 shadows[b][d], match = self._propose(b, d, wanted[b])
                 if match is not None:
@@ -240,7 +261,9 @@ class Simulator:
                 draft_seconds[d] += self._noisy(self.drafters[d].catch_up_seconds * fed)
                 for b in rows:
                     self.covered[b][d] = self.lengths[b]
-        executed = Plan(list(chosen), ks, plan.min_confidence, plan.vote_weights, plan.catch_up, shadow_lengths(plan, shadows))
+        executed = Plan(
+            list(chosen), ks, plan.min_confidence, plan.vote_weights, plan.catch_up, shadow_lengths(plan, shadows)
+        )
         feedback = StepFeedback(
             row_ids=list(self.row_ids),
             plan=executed,
@@ -265,7 +288,9 @@ class Simulator:
 
     def _retire(self, policy: Policy) -> None:
         """Rows that reached their max_new_tokens leave the batch."""
-        done = [b for b in range(len(self.row_ids)) if self.limits[b] is not None and self.generated[b] >= self.limits[b]]
+        done = [
+            b for b in range(len(self.row_ids)) if self.limits[b] is not None and self.generated[b] >= self.limits[b]
+        ]
         if not done:
             return
         policy.end_rows([self.row_ids[b] for b in done])

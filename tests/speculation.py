@@ -46,7 +46,14 @@ def perturb(model: torch.nn.Module, scale: float = PERTURBATION, seed: int = 1) 
     return model
 
 
-def assert_speculated(stats: GenerationStats | DrafterStats, *, accepted: bool = True, rejected: bool = True, longest: int = 2, what: str = "") -> None:
+def assert_speculated(
+    stats: GenerationStats | DrafterStats,
+    *,
+    accepted: bool = True,
+    rejected: bool = True,
+    longest: int = 2,
+    what: str = "",
+) -> None:
     """The call drafted at least one draft of `longest` tokens and, if `accepted` / `rejected`,
     accepted / rejected some draft tokens (a call's stats: summed over its drafters; or one drafter's)."""
     if COUNT_FILE in os.environ:  # docs/testing.md: how many tests assert that speculation happened
@@ -55,7 +62,9 @@ def assert_speculated(stats: GenerationStats | DrafterStats, *, accepted: bool =
     d = stats if isinstance(stats, DrafterStats) else DrafterStats.total(stats.drafters.values())
     context = f"{what}\n{stats}" if what else str(stats)
     assert d.failures == 0, f"a drafter raised during the call: {context}"
-    assert d.longest_draft >= longest, f"longest draft {d.longest_draft} < {longest}: multi-token drafts not exercised: {context}"
+    assert d.longest_draft >= longest, (
+        f"longest draft {d.longest_draft} < {longest}: multi-token drafts not exercised: {context}"
+    )
     if accepted:
         assert d.accepted > 0, f"no draft token accepted: the acceptance path was not exercised: {context}"
     if rejected:
@@ -110,4 +119,6 @@ def greedy_case(target, batch: int, prompt_length: int, max_new_tokens: int) -> 
             found = [x or y for x, y in zip(found, lookup_would_speculate(prompt + generated, len(prompt)))]
         if all(found):
             return inputs, reference
-    raise AssertionError(f"{target.config.model_type}: no prompt seed runs to the end with prompt lookup drafts right and wrong")
+    raise AssertionError(
+        f"{target.config.model_type}: no prompt seed runs to the end with prompt lookup drafts right and wrong"
+    )

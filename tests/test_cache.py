@@ -14,12 +14,15 @@ import hf_spin
 from hf_spin.cache import PackedCache, RectangularCache, RowCache, needs_contiguous_slots
 
 from .archs import COMMON, ragged_batch, tiny_model
-from .speculation import assert_speculated, perturb, pool as spin_pool
+from .speculation import assert_speculated, perturb
+from .speculation import pool as spin_pool
 
 
 def mpt() -> torch.nn.Module:
     torch.manual_seed(0)
-    config = AutoConfig.for_model("mpt", d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=128, **COMMON)
+    config = AutoConfig.for_model(
+        "mpt", d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=128, **COMMON
+    )
     return AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -112,4 +115,7 @@ def test_both_caches_provide_the_row_cache_protocol():
         for name in members:
             if name != "device":
                 wanted = list(inspect.signature(getattr(RowCache, name)).parameters)
-                assert list(inspect.signature(getattr(type(cache), name)).parameters) == wanted, (type(cache).__name__, name)
+                assert list(inspect.signature(getattr(type(cache), name)).parameters) == wanted, (
+                    type(cache).__name__,
+                    name,
+                )

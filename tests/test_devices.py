@@ -28,7 +28,8 @@ import hf_spin
 from hf_spin.drafters import ModelDrafter
 
 from .archs import ragged_batch
-from .speculation import assert_speculated, pool as spin_pool
+from .speculation import assert_speculated
+from .speculation import pool as spin_pool
 
 OTHER = torch.device("meta")  # the simulated second device
 
@@ -56,7 +57,9 @@ class OnOtherDevice(torch.Tensor):
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         real = [t for t in tensors if not isinstance(t, OnOtherDevice) and t.dim() > 0]
         if real:
-            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two: {OTHER} (simulated) and {real[0].device}")
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two: {OTHER} (simulated) and {real[0].device}"
+            )
         return super().__torch_function__(func, types, args, kwargs)
 
 
@@ -102,7 +105,14 @@ def test_drafter_on_another_device_keeps_speculating_under_processors(target, dr
     """The target's processors hold tensors on the target's device (min_new_tokens: eos ids;
     repetition_penalty: the ids); the drafter's logits are scored there, so it is not dropped."""
     ids, mask = ragged_batch(2, 8)
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=15, do_sample=False, repetition_penalty=1.3, min_new_tokens=10)
+    kwargs = dict(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=15,
+        do_sample=False,
+        repetition_penalty=1.3,
+        min_new_tokens=10,
+    )
     pool = spin_pool([OtherDeviceDrafter(drafter)])
     assert torch.equal(spin(target, pool, **kwargs), target.generate(**kwargs))
     assert_speculated(pool.last_stats)  # no failure, multi-token drafts, accepted and rejected
@@ -132,7 +142,9 @@ class StrictDevices(TorchFunctionMode):
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             devices = {t.device for t in tensors if not (t.dim() == 0 and t.device.type == "cpu")}
             if len(devices) > 1:
-                raise RuntimeError(f"{getattr(func, '__name__', func)} mixes tensors of devices {sorted(map(str, devices))}")
+                raise RuntimeError(
+                    f"{getattr(func, '__name__', func)} mixes tensors of devices {sorted(map(str, devices))}"
+                )
         return func(*args, **kwargs)
 
 
@@ -256,7 +268,10 @@ def test_load_places_the_model_on_the_device_given(cached_tiny, monkeypatch):
     assert models.device_map(None) == "cuda"
 
 
-@pytest.mark.parametrize("device, expected", [("cuda:1", torch.device("cuda", 1)), ("auto", "auto"), ("balanced", "balanced"), (None, "cuda")])
+@pytest.mark.parametrize(
+    "device, expected",
+    [("cuda:1", torch.device("cuda", 1)), ("auto", "auto"), ("balanced", "balanced"), (None, "cuda")],
+)
 def test_load_passes_the_device_to_from_pretrained(cached_tiny, monkeypatch, device, expected):
     from transformers import AutoModelForCausalLM
 
@@ -291,7 +306,9 @@ class _Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("argv, expected", [([], None), (["--device", "cuda:1"], "cuda:1"), (["--device", "auto"], "auto")])
+@pytest.mark.parametrize(
+    "argv, expected", [([], None), (["--device", "cuda:1"], "cuda:1"), (["--device", "auto"], "auto")]
+)
 def test_serve_device_reaches_every_model(monkeypatch, argv, expected):
     """`hf-spin serve --device` is parsed and handed to the target's and each drafter's load."""
     import argparse
@@ -342,11 +359,13 @@ def _attention_seen(model, pause=None):
     layer)` runs at each, to hold a forward mid-way. Returns the record and the hooks to remove."""
     seen, hooks = [], []
     for i, layer in enumerate(model.model.layers):
+
         def hook(module, args, i=i):
             name = threading.current_thread().name
             seen.append((name, i, model.config._attn_implementation))
             if pause is not None:
                 pause(name, i)
+
         hooks.append(layer.self_attn.register_forward_pre_hook(hook))
     return seen, hooks
 
@@ -364,7 +383,10 @@ def _ragged(model, chunk):
 def _run_together(first, second, pause):
     """`first` on thread "a", then `second` on thread "b" once "a" is inside its forward."""
     results = {}
-    threads = [threading.Thread(target=lambda n=n, f=f: results.__setitem__(n, f()), name=n) for n, f in (("a", first), ("b", second))]
+    threads = [
+        threading.Thread(target=lambda n=n, f=f: results.__setitem__(n, f()), name=n)
+        for n, f in (("a", first), ("b", second))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -525,25 +547,42 @@ def test_pipeline_orders_the_drafting_and_target_streams(target, drafter, monkey
     recorded_on = {e[1]: e[2] for e in log if e[0] == "record"}
     proposes = [i for i, e in enumerate(log) if e[0] == "propose"]
     verifies = [i for i, e in enumerate(log) if e[0] == "verify"]
-    assert proposes and verifies and all(log[i][2] == "side" for i in proposes) and all(log[i][2] == "default" for i in verifies)
+    assert (
+        proposes
+        and verifies
+        and all(log[i][2] == "side" for i in proposes)
+        and all(log[i][2] == "default" for i in verifies)
+    )
     for i in verifies:  # the default stream waited for an event on "side" recorded after this lane's drafts
         lane = log[i][1]
         drafted = max(j for j in proposes if j < i and log[j][1] == lane)
         waited = [e[2] for e in log[drafted:i] if e[0] == "wait" and e[1] == "default"]
-        assert any(recorded_on[ev] == "side" and log.index(("record", ev, "side")) > drafted for ev in waited), log[drafted:i]
+        assert any(recorded_on[ev] == "side" and log.index(("record", ev, "side")) > drafted for ev in waited), log[
+            drafted:i
+        ]
     for i in proposes:  # the side stream waited for an event on "default" recorded after the lane's last verify
         lane = log[i][1]
         last = max((j for j in verifies if j < i and log[j][1] == lane), default=-1)
         waited = [e[2] for e in log[last + 1 : i] if e[0] == "wait" and e[1] == "side"]
-        assert any(recorded_on[ev] == "default" and log.index(("record", ev, "default")) > last for ev in waited), log[last + 1 : i]
+        assert any(recorded_on[ev] == "default" and log.index(("record", ev, "default")) > last for ev in waited), log[
+            last + 1 : i
+        ]
     calls = [i for i, e in enumerate(log) if e[0].startswith("drafter.")]
     assert {log[i][0] for i in calls} >= {"drafter.start", "drafter.select_rows"}
     assert all(log[i][2] == "side" for i in calls), [log[i] for i in calls]
-    main = [e[:3] for e in log if (e[0] == "wait_stream" and e[3] == "MainThread") or (e[0].startswith("drafter.") and e[1] == "MainThread")]
+    main = [
+        e[:3]
+        for e in log
+        if (e[0] == "wait_stream" and e[3] == "MainThread") or (e[0].startswith("drafter.") and e[1] == "MainThread")
+    ]
     assert main, "the target thread made no drafter call"
     for i, e in enumerate(main):  # from the target thread: fenced both ways
         if e[0].startswith("drafter."):
-            assert main[i - 1] == ("wait_stream", "side", "default") and main[i + 1] == ("wait_stream", "default", "side"), main
+            assert main[i - 1] == ("wait_stream", "side", "default") and main[i + 1] == (
+                "wait_stream",
+                "default",
+                "side",
+            ), main
 
 
 def test_q_made_on_the_drafting_stream_is_recorded_on_the_target_stream():
@@ -596,9 +635,18 @@ def test_cuda_pipeline_greedy_equals_plain_generate(cache):
     pipe = Pipeline(target, spin_pool([draft, "prompt_lookup"], policy="round_robin", cache=cache), micro_batches=2)
     assert pipe.streams.stream is not None
     ps, lengths = prompts(6, seed=11), [18, 6, 14, 20, 9, 3]
-    rows = run(pipe, {0: [request(ps[i], lengths[i]) for i in range(4)], 3: [request(ps[4], lengths[4]), request(ps[5], lengths[5])]})
+    rows = run(
+        pipe,
+        {
+            0: [request(ps[i], lengths[i]) for i in range(4)],
+            3: [request(ps[4], lengths[4]), request(ps[5], lengths[5])],
+        },
+    )
     for row, p, n in zip(rows, ps, lengths):
-        assert row.generated == _plain_generate(target, p, n)[: len(row.generated)] and len(row.generated) in (n, len(_plain_generate(target, p, n)))
+        assert row.generated == _plain_generate(target, p, n)[: len(row.generated)] and len(row.generated) in (
+            n,
+            len(_plain_generate(target, p, n)),
+        )
     assert_speculated(hf_spin.stats.DrafterStats.total(pipe.drafter_stats.values()))
 
 
@@ -610,7 +658,14 @@ def test_cuda_target_with_a_cpu_drafter_under_processors():
 
     target, draft = tiny_model("llama", seed=0).cuda(), perturbed("llama")
     ids, mask = ragged_batch(2, 8)
-    kwargs = dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=15, do_sample=False, repetition_penalty=1.3, min_new_tokens=10)
+    kwargs = dict(
+        input_ids=ids.cuda(),
+        attention_mask=mask.cuda(),
+        max_new_tokens=15,
+        do_sample=False,
+        repetition_penalty=1.3,
+        min_new_tokens=10,
+    )
     pool = spin_pool([draft])
     assert torch.equal(spin(target, pool, **kwargs), target.generate(**kwargs))
     assert_speculated(pool.last_stats)
@@ -630,7 +685,9 @@ def test_cuda_model_split_over_devices_keeps_its_caches_exact(cache):
     ids, mask = ids.cuda(), mask.cuda()
     ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False)
     eos = [EOS, int(ref[0, 14]), int(ref[2, 18])]  # rows stop at different steps: retirement
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    kwargs = dict(
+        input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )
     pool = spin_pool([draft], cache=cache)
     out = spin(target, pool, **kwargs)
     assert target.model.layers[-1].self_attn.q_proj.weight.device.type == "cpu"

@@ -26,7 +26,8 @@ from hf_spin.drafters.fuzzy import SUPPORTED_MODEL_TYPES, LayerParallelForward, 
 from hf_spin.drafters.streaming import StreamingCache
 
 from .archs import VOCAB, ragged_batch, tiny_model
-from .speculation import assert_speculated, perturbed, pool as spin_pool
+from .speculation import assert_speculated, perturbed
+from .speculation import pool as spin_pool
 
 LAYERS = 6  # enough for sets of 2, 3 and 4 between the first and last layer
 MAX_NEW_TOKENS = 24
@@ -78,8 +79,12 @@ FUZZY_KINDS = {
 # Kinds whose drafts may all be right (fuzzy N = 2 of the target itself can match it exactly).
 MAY_BE_EXACT = {"self-N2", "self-N2-per-layer"}
 STREAMING_KINDS = {
-    "self": lambda target, other: hf_spin.StreamingDrafter(target, sink_tokens=2, window_tokens=6),  # seeded from the target
-    "self-window<k": lambda target, other: hf_spin.StreamingDrafter(target, sink_tokens=1, window_tokens=2),  # row rebuilds
+    "self": lambda target, other: hf_spin.StreamingDrafter(
+        target, sink_tokens=2, window_tokens=6
+    ),  # seeded from the target
+    "self-window<k": lambda target, other: hf_spin.StreamingDrafter(
+        target, sink_tokens=1, window_tokens=2
+    ),  # row rebuilds
     "other": lambda target, other: hf_spin.StreamingDrafter(other, sink_tokens=2, window_tokens=6),  # its own prefill
 }
 
@@ -125,7 +130,9 @@ def test_round_robin_catch_up(kind):
 def test_streaming_without_eviction_is_the_plain_drafter(arch):
     """A budget larger than any row never evicts: acceptance equals the plain self-drafter's (all accepted)."""
     target = _models(arch)[0]
-    stats = _assert_lossless(arch, 4, hf_spin.StreamingDrafter(target, sink_tokens=4, window_tokens=100), rejected=False)
+    stats = _assert_lossless(
+        arch, 4, hf_spin.StreamingDrafter(target, sink_tokens=4, window_tokens=100), rejected=False
+    )
     assert stats.acceptance_rate == 1.0, str(stats)
 
 
@@ -146,7 +153,16 @@ def test_sampling_runs_with_fuzzy_q():
 
 
 def test_layer_sets():
-    assert layer_sets(24, 4) == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20], [21, 22], [23]]
+    assert layer_sets(24, 4) == [
+        [0],
+        [1, 2, 3, 4],
+        [5, 6, 7, 8],
+        [9, 10, 11, 12],
+        [13, 14, 15, 16],
+        [17, 18, 19, 20],
+        [21, 22],
+        [23],
+    ]
     assert layer_sets(6, 3) == [[0], [1, 2, 3], [4], [5]]
     assert layer_sets(6, 1) == [[i] for i in range(6)]
     assert layer_sets(2, 4) == [[0], [1]] and layer_sets(1, 4) == [[0]]
@@ -157,7 +173,10 @@ def _two_forwards(model, forward) -> list[torch.Tensor]:
     ids, mask = ragged_batch(3, 10)
     cache = RectangularCache(torch.zeros(3, 0, dtype=torch.bool))
     prompts = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
-    return [forward_ragged(model, cache, prompts, forward=forward), forward_ragged(model, cache, [[5], [6, 7], [8]], forward=forward)]
+    return [
+        forward_ragged(model, cache, prompts, forward=forward),
+        forward_ragged(model, cache, [[5], [6, 7], [8]], forward=forward),
+    ]
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_MODEL_TYPES)

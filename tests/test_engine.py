@@ -13,13 +13,14 @@ from transformers.generation.stopping_criteria import EosTokenCriteria
 
 import hf_spin
 from hf_spin.drafters import Draft, Drafter
-from hf_spin.step.engine import SpinEngine
 from hf_spin.policies.base import Preempt
-from hf_spin.step.rows import CANCELLED, ERROR, LENGTH, STOPPED, Request
 from hf_spin.stats import DrafterStats
+from hf_spin.step.engine import SpinEngine
+from hf_spin.step.rows import CANCELLED, ERROR, LENGTH, STOPPED, Request
 
 from .archs import EOS, VOCAB
-from .speculation import assert_speculated, pool as spin_pool
+from .speculation import assert_speculated
+from .speculation import pool as spin_pool
 
 POISON = 77  # a token id the fault-injection tests refuse on
 
@@ -44,7 +45,9 @@ def alone(target, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 def request(prompt, n, **kwargs) -> Request:
-    return Request(prompt=prompt, max_new_tokens=n, stopping_criteria=StoppingCriteriaList([EosTokenCriteria(EOS)]), **kwargs)
+    return Request(
+        prompt=prompt, max_new_tokens=n, stopping_criteria=StoppingCriteriaList([EosTokenCriteria(EOS)]), **kwargs
+    )
 
 
 def engine_totals(engine: SpinEngine) -> DrafterStats:
@@ -71,8 +74,12 @@ def test_rows_joining_at_different_steps_match_plain_generate_alone(target, draf
     engine = SpinEngine(target, pool)
     ps = prompts(6)
     lengths = [20, 7, 16, 1, 12, 18]  # rows stop at different steps too
-    schedule = {0: [request(ps[0], lengths[0]), request(ps[1], lengths[1])], 3: [request(ps[2], lengths[2])],
-                4: [request(ps[3], lengths[3]), request(ps[4], lengths[4])], 9: [request(ps[5], lengths[5])]}
+    schedule = {
+        0: [request(ps[0], lengths[0]), request(ps[1], lengths[1])],
+        3: [request(ps[2], lengths[2])],
+        4: [request(ps[3], lengths[3]), request(ps[4], lengths[4])],
+        9: [request(ps[5], lengths[5])],
+    }
     rows = run(engine, schedule)
     for row, p, n in zip(rows, ps, lengths):
         assert row.generated == alone(target, p, n), f"row {row.id}"
@@ -149,7 +156,10 @@ def test_seeded_sampling_keeps_the_target_distribution(target, drafter):
     procs = LogitsProcessorList([lp.TemperatureLogitsWarper(1.5), lp.TopKLogitsWarper(4)])
     engine = SpinEngine(target, spin_pool([drafter]))
     n = 3000
-    rows = run(engine, {0: [Request(prompt=prompt, max_new_tokens=4, do_sample=True, processors=procs, seed=s) for s in range(n)]})
+    rows = run(
+        engine,
+        {0: [Request(prompt=prompt, max_new_tokens=4, do_sample=True, processors=procs, seed=s) for s in range(n)]},
+    )
     assert_speculated(engine_totals(engine))
     # fewer rows share a longer prefix (3000, ~900, ~170): looser bounds, ~3x the expected TV of each count
     prefix, bound = [], {0: 0.04, 1: 0.08, 2: 0.15}
@@ -287,7 +297,9 @@ class ShadowingPolicy(hf_spin.policies.Policy):
             expected = lookup.lookup(seq, min(4, row.request.max_length - len(row.request.padding) - len(seq) - 1))
             committed = row.sequence[len(seq) : len(seq) + feedback.accepted[b] + 1]
             got_p, got_m = feedback.shadow_proposed[b].get(1, 0), feedback.shadow_matched[b].get(1, 0)
-            n = next((i for i, (x, y) in enumerate(zip(expected, committed)) if x != y), min(len(expected), len(committed)))
+            n = next(
+                (i for i, (x, y) in enumerate(zip(expected, committed)) if x != y), min(len(expected), len(committed))
+            )
             assert (got_p, got_m) == (len(expected), n)
             self.checked += bool(expected)
             self.hits += n
@@ -296,7 +308,9 @@ class ShadowingPolicy(hf_spin.policies.Policy):
 def test_shadow_drafts_are_compared_with_the_committed_tokens_and_never_verified(target, drafter):
     """Plan.shadow: prompt lookup drafts every row unverified; the feedback's counts are what its
     draft shares with the committed tokens, and the output is plain generate's."""
-    pool = spin_pool([drafter, "prompt_lookup"], tree=False)  # chains: a tree would end the run in too few steps to count
+    pool = spin_pool(
+        [drafter, "prompt_lookup"], tree=False
+    )  # chains: a tree would end the run in too few steps to count
     engine = SpinEngine(target, pool)
     policy = engine.policy = ShadowingPolicy(lambda: engine.rows)
     ps = [p * 3 for p in prompts(3, seed=2)]  # repeated prompts: prompt lookup finds matches
@@ -317,7 +331,11 @@ class PreemptingPolicy(ShadowingPolicy):
 
     def plan(self, view):
         plan = super().plan(view)
-        return hf_spin.policies.Plan(plan.drafters, plan.k, preempt={1: {b: Preempt(4, self.least, self.min_match) for b in range(view.batch_size)}})
+        return hf_spin.policies.Plan(
+            plan.drafters,
+            plan.k,
+            preempt={1: {b: Preempt(4, self.least, self.min_match) for b in range(view.batch_size)}},
+        )
 
     def update(self, feedback):
         lookup = hf_spin.drafters.PromptLookupDrafter()
@@ -326,8 +344,14 @@ class PreemptingPolicy(ShadowingPolicy):
             expected, match = lookup.find(seq, room)
             if room > 0:
                 assert feedback.match_lengths[b].get(1) == match
-            if len(expected) >= self.least and match >= self.min_match:  # served by lookup, its draft verified; drafter 0 skipped the row
-                assert feedback.plan.drafters[b] == (1,) and feedback.proposed[b] == {1: len(expected)} and feedback.drafted[b] == len(expected)
+            if (
+                len(expected) >= self.least and match >= self.min_match
+            ):  # served by lookup, its draft verified; drafter 0 skipped the row
+                assert (
+                    feedback.plan.drafters[b] == (1,)
+                    and feedback.proposed[b] == {1: len(expected)}
+                    and feedback.drafted[b] == len(expected)
+                )
                 assert 1 not in feedback.shadow_proposed[b]
                 self.preempted += 1
             else:  # too short, or a too short match: drafter 0 serves, the lookup draft counts as a shadow draft

@@ -36,11 +36,11 @@ import hf_spin
 import hf_spin.cache.rectangular
 import hf_spin.step.engine
 import hf_spin.step.faults
-
 from hf_spin.stats import DrafterStats
 
 from .archs import ARCHS, tiny_model
-from .speculation import assert_speculated, greedy_case, multi_token, perturbed, pool as spin_pool
+from .speculation import assert_speculated, greedy_case, multi_token, perturbed
+from .speculation import pool as spin_pool
 from .tiny_tokenizers import PROMPTS, bpe_tokenizer, char_tokenizer
 
 MAX_NEW_TOKENS = 24
@@ -74,10 +74,19 @@ def _first_difference(out: torch.Tensor, ref: torch.Tensor) -> str:
     if out.shape != ref.shape:
         return f"shape {tuple(out.shape)} != plain generate's {tuple(ref.shape)}"
     row, col = (out != ref).nonzero()[0].tolist()
-    return f"row {row} differs first at position {col}: {out[row, col]} != plain generate's {ref[row, col]}\n{out}\n{ref}"
+    return (
+        f"row {row} differs first at position {col}: {out[row, col]} != plain generate's {ref[row, col]}\n{out}\n{ref}"
+    )
 
 
-def _assert_lossless(target, inputs: dict, reference: torch.Tensor, pool: hf_spin.AssistantPool, rejected: bool = True, speculated: bool = True) -> hf_spin.GenerationStats:
+def _assert_lossless(
+    target,
+    inputs: dict,
+    reference: torch.Tensor,
+    pool: hf_spin.AssistantPool,
+    rejected: bool = True,
+    speculated: bool = True,
+) -> hf_spin.GenerationStats:
     """Output equal to plain generate's, no drafter failed (a drafter that raises is dropped and the
     output stays right, hiding the bug), and (`speculated`) speculation exercised: multi-token
     drafts, accepted tokens, and rejected ones unless the drafter cannot be wrong (`rejected=False`)."""
@@ -139,7 +148,10 @@ def test_policy_equivalence(arch, batch, policy, draft_length, monkeypatch):
     drafts from measured seconds see drafting and verification cost the same at any k, and draft
     several tokens on every run instead of whatever this machine's timings say."""
     clock = itertools.count().__next__
-    for module in (hf_spin.step.engine, hf_spin.step.faults):  # verify and prefill timed in one, drafter calls in the other
+    for module in (
+        hf_spin.step.engine,
+        hf_spin.step.faults,
+    ):  # verify and prefill timed in one, drafter calls in the other
         monkeypatch.setattr(module, "perf_counter", clock)
     target, other = _models(arch)
     self_drafter = hf_spin.ModelDrafter(target, name="self")
@@ -161,7 +173,9 @@ def test_compaction_equivalence(arch, monkeypatch):
     monkeypatch.setattr(hf_spin.cache.rectangular, "COMPACT_HOLE_FRACTION", 0.0)  # RectangularCache.rollback reads it
     compactions = []
     real_compact = hf_spin.cache.rectangular.RectangularCache.compact
-    monkeypatch.setattr(hf_spin.cache.rectangular.RectangularCache, "compact", lambda self: compactions.append(1) or real_compact(self))
+    monkeypatch.setattr(
+        hf_spin.cache.rectangular.RectangularCache, "compact", lambda self: compactions.append(1) or real_compact(self)
+    )
     target, other = _models(arch)
     pool = spin_pool([other, "prompt_lookup"], policy="round_robin")
     _assert_lossless(target, *_case(arch, 4), pool)
@@ -182,7 +196,9 @@ def _mirror_drafter(arch: str) -> torch.nn.Module:
     `char_tokenizer(reverse=True)`'s: rows of the input and output embeddings permuted, so its logits
     are the perturbed target's, permuted: translated drafts the target often accepts, not always."""
     target_tok, mirror_tok = char_tokenizer(), char_tokenizer(reverse=True)
-    to_mirror = torch.tensor(mirror_tok.convert_tokens_to_ids(target_tok.convert_ids_to_tokens(list(range(len(target_tok))))))
+    to_mirror = torch.tensor(
+        mirror_tok.convert_tokens_to_ids(target_tok.convert_ids_to_tokens(list(range(len(target_tok)))))
+    )
     model = perturbed(arch)
     with torch.no_grad():
         for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
@@ -194,7 +210,9 @@ def _mirror_drafter(arch: str) -> torch.nn.Module:
 
 def _text_inputs(batch: int) -> dict:
     enc = char_tokenizer()(PROMPTS[:batch], padding=True, return_tensors="pt")
-    return dict(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    return dict(
+        input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=MAX_NEW_TOKENS, do_sample=False
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -220,7 +238,10 @@ def test_translation_equivalence(arch, drafter, batch):
     """A random BPE model agrees with the target by chance only: its drafts test the rejection path
     across another segmentation; the perturbed mirror's translated drafts are accepted and rejected."""
     target = _models(arch)[0]
-    models = {"bpe": (_bpe_drafter(arch), bpe_tokenizer()), "mirror": (_mirror_drafter(arch), char_tokenizer(reverse=True))}
+    models = {
+        "bpe": (_bpe_drafter(arch), bpe_tokenizer()),
+        "mirror": (_mirror_drafter(arch), char_tokenizer(reverse=True)),
+    }
     first, *rest = drafter.split("+")
     entries = [models[first], *(["prompt_lookup"] if rest else [])]
     pool = spin_pool(entries, policy="round_robin" if rest else "fixed", tokenizer=char_tokenizer())

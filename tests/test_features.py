@@ -8,7 +8,8 @@ import hf_spin
 from hf_spin.drafters import Drafter
 
 from .archs import EOS, ragged_batch, tiny_model
-from .speculation import assert_speculated, pool as spin_pool
+from .speculation import assert_speculated
+from .speculation import pool as spin_pool
 
 
 def spin(model, pool, **kwargs):
@@ -18,8 +19,18 @@ def spin(model, pool, **kwargs):
 def test_return_dict_carries_stats(target, drafter):
     ids, mask = ragged_batch(3, 10)
     pool = spin_pool([drafter, "prompt_lookup"], policy="round_robin")
-    out = spin(target, pool, input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
-    ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    out = spin(
+        target,
+        pool,
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=12,
+        do_sample=False,
+        return_dict_in_generate=True,
+    )
+    ref = target.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, return_dict_in_generate=True
+    )
     assert isinstance(out, hf_spin.SpinGenerateOutput) and torch.equal(out.sequences, ref.sequences)
     stats = out.stats
     assert stats is pool.last_stats and len(stats.rows) == 3
@@ -39,7 +50,9 @@ def test_eos_list_and_rows_leaving_the_batch(target, drafter):
     ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False)
     # pick tokens the reference emits mid-way as extra EOS ids: rows then stop at different steps
     eos = [EOS, int(ref[0, 14]), int(ref[2, 18])]
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    kwargs = dict(
+        input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )
     ref = target.generate(**kwargs)
     pool = spin_pool([drafter])
     out = spin(target, pool, **kwargs)
@@ -50,7 +63,14 @@ def test_eos_list_and_rows_leaving_the_batch(target, drafter):
 
 def test_min_new_tokens_and_repetition_penalty(target, drafter):
     ids, mask = ragged_batch(2, 8)
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=15, do_sample=False, repetition_penalty=1.3, min_new_tokens=10)
+    kwargs = dict(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=15,
+        do_sample=False,
+        repetition_penalty=1.3,
+        min_new_tokens=10,
+    )
     pool = spin_pool([drafter, "prompt_lookup"], policy="round_robin")
     assert torch.equal(spin(target, pool, **kwargs), target.generate(**kwargs))
     assert_speculated(pool.last_stats)
@@ -68,7 +88,9 @@ class StopAfter(StoppingCriteria):
 
 def test_custom_stopping_criteria(target):
     ids = ragged_batch(1, 8, seed=1)[0]
-    kwargs = dict(input_ids=ids, max_new_tokens=30, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfter(15)]))
+    kwargs = dict(
+        input_ids=ids, max_new_tokens=30, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfter(15)])
+    )
     pool = spin_pool([target])
     out = spin(target, pool, **kwargs)
     assert torch.equal(out, target.generate(**kwargs)) and out.shape[1] == 15
@@ -138,6 +160,7 @@ def test_failing_drafter_is_dropped_and_output_stays_exact(target, drafter):
 
 # --- refused input, each with a message saying what was given and what is supported ---------------
 
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -149,13 +172,21 @@ def test_failing_drafter_is_dropped_and_output_stays_exact(target, drafter):
 )
 def test_refused_generate_arguments(target, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        spin(target, hf_spin.AssistantPool(["prompt_lookup"]), input_ids=torch.randint(3, 90, (1, 6)), max_new_tokens=4, **kwargs)
+        spin(
+            target,
+            hf_spin.AssistantPool(["prompt_lookup"]),
+            input_ids=torch.randint(3, 90, (1, 6)),
+            max_new_tokens=4,
+            **kwargs,
+        )
 
 
 def test_refused_model_inputs(target):
     ids = torch.randint(3, 90, (1, 6))
     with pytest.raises(ValueError, match=r"model inputs \['token_type_ids'\] are not supported"):
-        hf_spin.generate(target, ids, assistant_pool=hf_spin.AssistantPool(["prompt_lookup"]), token_type_ids=torch.zeros_like(ids))
+        hf_spin.generate(
+            target, ids, assistant_pool=hf_spin.AssistantPool(["prompt_lookup"]), token_type_ids=torch.zeros_like(ids)
+        )
 
 
 def test_refused_pool_arguments(target):
@@ -183,7 +214,14 @@ def test_refused_vocab_mismatch_and_missing_tokenizer(target):
 def test_refused_streamer_with_batch_and_missing_pool(target):
     ids, mask = ragged_batch(2, 6)
     with pytest.raises(ValueError, match="streamer supports batch size 1 only, got batch size 2"):
-        spin(target, hf_spin.AssistantPool(["prompt_lookup"]), input_ids=ids, attention_mask=mask, max_new_tokens=4, spin_streamer=Collect())
+        spin(
+            target,
+            hf_spin.AssistantPool(["prompt_lookup"]),
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=4,
+            spin_streamer=Collect(),
+        )
     with pytest.raises(ValueError, match="needs assistant_pool="):
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, custom_generate=hf_spin.generate)
 

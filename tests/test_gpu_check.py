@@ -21,7 +21,12 @@ def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("gpu_check")
     env = {**os.environ, "TRITON_INTERPRET": "1", "HF_SPIN_PROFILES": str(out / "profiles")}
     run = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads((out / "gpu_check.json").read_text())
@@ -41,7 +46,9 @@ def test_kernel_cases_pass_against_the_reference(report):
 def test_identity_covers_both_cache_paths_and_drafts_that_get_cut(report):
     runs = report["identity"]["runs"]
     assert report["identity"]["exact_identical"]
-    assert {(r["packed"], r["drafter"]) for r in runs} == {(p, d) for p in (False, True) for d in ("model", "oracle", "oracle_tree")}
+    assert {(r["packed"], r["drafter"]) for r in runs} == {
+        (p, d) for p in (False, True) for d in ("model", "oracle", "oracle_tree")
+    }
     oracle = [r for r in runs if r["drafter"].startswith("oracle")]
     assert all(0 < r["accepted"] < r["drafted"] and r["failures"] == 0 for r in oracle), oracle
 
@@ -60,7 +67,9 @@ def test_timings_of_every_method(report):
 
 def test_syncs_per_step_within_the_budget(report):
     runs = report["syncs"]["runs"]
-    assert {(r["batch"], r["packed"], r["drafter"]) for r in runs} == {(b, p, d) for b in (1, 16) for p in (False, True) for d in ("oracle", "model")}
+    assert {(r["batch"], r["packed"], r["drafter"]) for r in runs} == {
+        (b, p, d) for b in (1, 16) for p in (False, True) for d in ("oracle", "model")
+    }
     assert all(r["mode"] == "instrumented" and r["steps"] > 0 and r["per_step"] <= r["bound"] for r in runs), runs
 
 

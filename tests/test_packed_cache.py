@@ -22,7 +22,8 @@ from hf_spin.step.engine import SpinEngine
 from hf_spin.step.rows import Request
 
 from .archs import ragged_batch, tiny_model
-from .speculation import assert_speculated, greedy_case, multi_token, perturbed, pool as spin_pool
+from .speculation import assert_speculated, greedy_case, multi_token, perturbed
+from .speculation import pool as spin_pool
 
 ARCHS_CHECKED = ("llama", "qwen2", "mistral", "gpt2")
 PROMPT_LENGTH, MAX_NEW_TOKENS = 14, 24
@@ -61,7 +62,12 @@ def packed_calls(monkeypatch):
 def test_greedy_output_equals_plain_generate(arch, batch, drafter, packed_calls):
     target, other = _models(arch)
     inputs, reference = _case(arch, batch)
-    drafters = {"other": [other], "self": [target], "prompt_lookup": ["prompt_lookup"], "round_robin": [other, "prompt_lookup"]}[drafter]
+    drafters = {
+        "other": [other],
+        "self": [target],
+        "prompt_lookup": ["prompt_lookup"],
+        "round_robin": [other, "prompt_lookup"],
+    }[drafter]
     pool = spin_pool(drafters, policy="round_robin" if drafter == "round_robin" else "fixed", cache="packed")
     implementation = target.config._attn_implementation
     out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
@@ -172,7 +178,9 @@ def test_sampling_runs_on_the_packed_path(packed_calls):
     inputs, _ = _case("llama", 4)
     torch.manual_seed(0)
     pool = spin_pool([other], cache="packed")
-    out = target.generate(**{**inputs, "do_sample": True, "temperature": 0.8}, custom_generate=hf_spin.generate, assistant_pool=pool)
+    out = target.generate(
+        **{**inputs, "do_sample": True, "temperature": 0.8}, custom_generate=hf_spin.generate, assistant_pool=pool
+    )
     assert torch.equal(out[:, :PROMPT_LENGTH], inputs["input_ids"]) and out.shape[1] <= PROMPT_LENGTH + MAX_NEW_TOKENS
     assert len(packed_calls) > 0
     assert_speculated(pool.last_stats)
@@ -215,7 +223,9 @@ def test_conflicting_or_unknown_cache_layouts_are_refused():
         conflict = f"cache={cache!r} and ragged_attention={ragged_attention} conflict"
         with pytest.warns(FutureWarning), pytest.raises(ValueError, match=conflict):
             hf_spin.AssistantPool(["prompt_lookup"], cache=cache, ragged_attention=ragged_attention)
-    with pytest.raises(ValueError, match=r"^cache='ragged' is not supported; give one of 'rectangular', 'packed', 'static'$"):
+    with pytest.raises(
+        ValueError, match=r"^cache='ragged' is not supported; give one of 'rectangular', 'packed', 'static'$"
+    ):
         hf_spin.AssistantPool(["prompt_lookup"], cache="ragged")
     with pytest.raises(ValueError, match="cache=True is not supported"):
         hf_spin.AssistantPool(["prompt_lookup"], cache=True)

@@ -11,15 +11,15 @@ from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
 
 from hf_spin.drafters import Draft, Drafter
-from hf_spin.step.engine import SpinEngine
 from hf_spin.policies.micro_batches import WINDOW_SECONDS, WINDOW_STEPS, MicroBatchCount
+from hf_spin.stats import DrafterStats
+from hf_spin.step.engine import SpinEngine
 from hf_spin.step.pipeline import Pipeline
 from hf_spin.step.rows import Request
-from hf_spin.stats import DrafterStats
 
-from .speculation import assert_speculated, pool as spin_pool
+from .speculation import assert_speculated
+from .speculation import pool as spin_pool
 from .test_engine import Wrapped, alone, prompts, request, run
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,7 +33,11 @@ def test_pipelined_greedy_equals_plain_generate(target, drafter, micro_batches, 
     pipe = Pipeline(target, pool, micro_batches=micro_batches)
     ps = prompts(7, seed=11)
     lengths = [18, 6, 14, 20, 9, 3, 16]
-    schedule = {0: [request(ps[i], lengths[i]) for i in range(3)], 2: [request(ps[3], lengths[3])], 5: [request(ps[i], lengths[i]) for i in (4, 5, 6)]}
+    schedule = {
+        0: [request(ps[i], lengths[i]) for i in range(3)],
+        2: [request(ps[3], lengths[3])],
+        5: [request(ps[i], lengths[i]) for i in (4, 5, 6)],
+    }
     rows = run(pipe, schedule)
     for row, p, n in zip(rows, ps, lengths):
         assert row.generated == alone(target, p, n), f"row {row.id}"
@@ -44,10 +48,17 @@ def test_pipelined_greedy_equals_plain_generate(target, drafter, micro_batches, 
 
 def test_pipelined_seeded_sampling_equals_the_unpipelined_engine(target, drafter):
     ps = prompts(4, seed=12)
-    procs = LogitsProcessorList([lp.TemperatureLogitsWarper(0.9), lp.TopKLogitsWarper(3)])  # top-3: greedy drafts are sometimes the sampled token
+    procs = LogitsProcessorList(
+        [lp.TemperatureLogitsWarper(0.9), lp.TopKLogitsWarper(3)]
+    )  # top-3: greedy drafts are sometimes the sampled token
 
     def reqs():
-        return {0: [Request(prompt=p, max_new_tokens=12, do_sample=True, processors=procs, seed=100 + i) for i, p in enumerate(ps)]}
+        return {
+            0: [
+                Request(prompt=p, max_new_tokens=12, do_sample=True, processors=procs, seed=100 + i)
+                for i, p in enumerate(ps)
+            ]
+        }
 
     pipe = Pipeline(target, spin_pool([drafter]), micro_batches=2)
     piped = run(pipe, reqs())
@@ -99,7 +110,9 @@ class FakeClock:
         return self.now
 
 
-def drive(count: MicroBatchCount, clock: FakeClock, throughput: dict[int, float], rows: int = 16, windows: int = 10) -> None:
+def drive(
+    count: MicroBatchCount, clock: FakeClock, throughput: dict[int, float], rows: int = 16, windows: int = 10
+) -> None:
     """Feed `windows` windows of verification steps at the throughput each count gets."""
     for _ in range(windows):
         steps = WINDOW_STEPS * count.current

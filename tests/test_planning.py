@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import hf_spin
-from hf_spin.planning.cost_profile import CostProfile, ForwardCost, measure
 from hf_spin.drafters import Draft, Drafter
-from hf_spin.planning.planner import LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance, Planner, plan_k
+from hf_spin.planning.cost_profile import CostProfile, ForwardCost, measure
 from hf_spin.planning.estimates import acceptance_with_prior
+from hf_spin.planning.planner import LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance, Planner, plan_k
 from hf_spin.planning.profiling import build_profile
 from hf_spin.verify.token_tree import TokenTree
 
@@ -84,14 +84,24 @@ def case(batch: int, new_tokens: int = 40, seed: int = 0):
     target = tiny_model("llama", seed=0)
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, VOCAB, (batch, 8), generator=g)
-    plain = target.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS)
+    plain = target.generate(
+        prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS
+    )
     return target, prompts, plain, [row.tolist() for row in plain]
 
 
 def run(target, prompts, pool, clock, monkeypatch, new_tokens=40):
     for module in (hf_spin.step.engine, hf_spin.step.faults):
         monkeypatch.setattr(module, "perf_counter", clock)
-    return target.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS, custom_generate=hf_spin.generate, assistant_pool=pool)
+    return target.generate(
+        prompts,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=EOS,
+        custom_generate=hf_spin.generate,
+        assistant_pool=pool,
+    )
 
 
 def profile_of(target_cost: ForwardCost, drafters: list[ForwardCost | None], names: list[str]) -> CostProfile:
@@ -195,7 +205,9 @@ def test_long_drafts_when_verification_is_flat(monkeypatch):
     target, prompts, plain, refs = case(batch=1)
     clock = CostClock()
     clock.hook(target, table(flat))
-    pool = hf_spin.AssistantPool([Scripted(refs, [0.6])], draft_length=8, profile=profile_of(table(flat), [None], ["scripted"]))
+    pool = hf_spin.AssistantPool(
+        [Scripted(refs, [0.6])], draft_length=8, profile=profile_of(table(flat), [None], ["scripted"])
+    )
     out = run(target, prompts, pool, clock, monkeypatch)
     assert torch.equal(out, plain)
     d = pool.last_stats.drafters["scripted"]
@@ -211,7 +223,9 @@ def test_model_drafter_sized_by_its_cost(monkeypatch):
     clock.hook(target, table(flat))
     clock.hook(drafter, table(lambda n: 0.005 * n))
     profile = profile_of(table(flat), [table(lambda n: 0.005 * n)], ["drafter"])
-    pool = hf_spin.AssistantPool([drafter], draft_length=hf_spin.policies.FixedLength(6, min_confidence=0), profile=profile)
+    pool = hf_spin.AssistantPool(
+        [drafter], draft_length=hf_spin.policies.FixedLength(6, min_confidence=0), profile=profile
+    )
     out = run(target, prompts, pool, clock, monkeypatch)
     assert torch.equal(out, plain)
     d = pool.last_stats.drafters[pool.names[0]]
@@ -226,15 +240,23 @@ def test_batch_budget_goes_to_the_rows_most_likely_to_survive(monkeypatch):
     budget = table(lambda n: 0.1 if n <= 24 else 0.1 * (1 + (n - 24) / 4), knots=(1, 2, 4, 8, 16, 24, 32, 64))
     clock.hook(target, budget)
     acceptance = [0.95] * 4 + [0.2] * 4
-    pool = hf_spin.AssistantPool([Scripted(refs, acceptance)], draft_length=8, cache="packed", profile=profile_of(budget, [None], ["scripted"]))
+    pool = hf_spin.AssistantPool(
+        [Scripted(refs, acceptance)], draft_length=8, cache="packed", profile=profile_of(budget, [None], ["scripted"])
+    )
     trims = []
     trim = Planner.trim
-    monkeypatch.setattr(Planner, "trim", lambda self, *a, **kw: trims.append(trim(self, *a, **kw)[0]) or (trims[-1], [None] * len(trims[-1])))
+    monkeypatch.setattr(
+        Planner,
+        "trim",
+        lambda self, *a, **kw: trims.append(trim(self, *a, **kw)[0]) or (trims[-1], [None] * len(trims[-1])),
+    )
     out = run(target, prompts, pool, clock, monkeypatch, new_tokens=60)
     assert torch.equal(out, plain)
     full = [ks for ks in trims[3:] if len(ks) == 8]  # after a few steps of learning, while every row runs
     high, low = sum(sum(ks[:4]) for ks in full), sum(sum(ks[4:]) for ks in full)
-    assert len(full) >= 3 and high > 3 * low, f"verified draft tokens: likely rows {high}, unlikely rows {low} over {len(full)} steps"
+    assert len(full) >= 3 and high > 3 * low, (
+        f"verified draft tokens: likely rows {high}, unlikely rows {low} over {len(full)} steps"
+    )
     assert all(8 + sum(ks) <= 28 for ks in full)  # within the flat part, give or take one slot
 
 
@@ -244,7 +266,9 @@ def test_a_pool_that_cannot_win_says_so_once_and_decodes_plainly(monkeypatch):
     clock = CostClock()
     clock.hook(target, table(lambda n: 0.1 * n))
     clock.hook(drafter, table(lambda n: 0.02 * n))
-    pool = hf_spin.AssistantPool([drafter], profile=profile_of(table(lambda n: 0.1 * n), [table(lambda n: 0.02 * n)], ["drafter"]))
+    pool = hf_spin.AssistantPool(
+        [drafter], profile=profile_of(table(lambda n: 0.1 * n), [table(lambda n: 0.02 * n)], ["drafter"])
+    )
     with pytest.warns(UserWarning, match="speculation cannot pay here"):
         out = run(target, prompts, pool, clock, monkeypatch)
     assert torch.equal(out, plain)
@@ -282,7 +306,9 @@ def test_a_request_that_holds_the_pools_evidence_is_not_counted_twice():
     alone = Acceptance(1)
     for _ in range(3):
         alone.observe(0, row=0, proposed=4, matched=0, committed=1)
-    assert alone.conditional(0, 0, 1) == pytest.approx(alone.conditional(0, 1, 1))  # as a request with no evidence of its own
+    assert alone.conditional(0, 0, 1) == pytest.approx(
+        alone.conditional(0, 1, 1)
+    )  # as a request with no evidence of its own
     assert alone.conditional(0, 0, 1) > 0.3  # counted twice: 0.20
     among = Acceptance(1)
     for _ in range(30):
@@ -309,7 +335,9 @@ def test_each_level_reads_its_own_counts_once():
 def test_planner_sizes_zero_and_full():
     flat_planner = Planner(profile_of(table(flat), [None], ["lookup"]))
     assert flat_planner.size([0, 1], [{}, {}], [None, None], [(0,), (0,)], [8, 8], padded=False) == [8, 8]
-    with pytest.warns(UserWarning, match="speculation cannot pay here"):  # even free drafts cannot beat proportional costs
+    with pytest.warns(
+        UserWarning, match="speculation cannot pay here"
+    ):  # even free drafts cannot beat proportional costs
         linear_planner = Planner(profile_of(table(lambda n: 0.1 * n), [None], ["lookup"]))
     assert linear_planner.size([0, 1], [{}, {}], [None, None], [(0,), (0,)], [8, 8], padded=False) == [0, 0]
     assert linear_planner.trim([0, 1], [[5, 6], [7]], [(0,), (0,)], [{}, {}], padded=False)[0] == [0, 0]
@@ -434,8 +462,12 @@ def test_a_drafter_reads_a_long_prompt_only_where_the_answer_pays_for_it(new_tok
     clock.hook(target, table(flat))
     clock.hook(drafter, table(lambda n: 0.01 * n))
     profile = profile_of(table(flat), [table(lambda n: 0.01 * n)], ["drafter"])
-    pool = hf_spin.AssistantPool([drafter], draft_length=hf_spin.policies.FixedLength(4, min_confidence=0), profile=profile)
-    plain = target.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS)
+    pool = hf_spin.AssistantPool(
+        [drafter], draft_length=hf_spin.policies.FixedLength(4, min_confidence=0), profile=profile
+    )
+    plain = target.generate(
+        prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS
+    )
     out = run(target, prompts, pool, clock, monkeypatch, new_tokens=new_tokens)
     assert torch.equal(out, plain)
     assert (pool.last_stats.drafters[pool.names[0]].drafted > 0) == drafts
@@ -452,7 +484,9 @@ class ScriptedTree(Scripted):
             for row, chain in zip(request.rows, draft.tokens):
                 seq = request.sequences[row]
                 truth = next(ref for ref in self.references if ref[: len(seq)] == seq)[len(seq) : len(seq) + len(chain)]
-                trees.append(TokenTree.merge([TokenTree.chain(chain, weight=2.0), TokenTree.chain(truth)]) if chain else None)
+                trees.append(
+                    TokenTree.merge([TokenTree.chain(chain, weight=2.0), TokenTree.chain(truth)]) if chain else None
+                )
             draft.trees = trees
         return draft
 
@@ -473,13 +507,27 @@ def test_trees_cost_what_the_planner_lets_a_chain_cost(costs, monkeypatch):
     monkeypatch.setattr(tree_step, "verify", lambda engine, trees: seen.extend(trees) or real(engine, trees))
     for module in (hf_spin.step.engine, hf_spin.step.faults):
         monkeypatch.setattr(module, "perf_counter", clock)
-    pool = hf_spin.AssistantPool([ScriptedTree(refs, [0.6, 0.6])], draft_length=6, cache="packed", profile=profile_of(table(fn), [None], ["scripted"]))
-    out = target.generate(prompts, max_new_tokens=30, do_sample=False, eos_token_id=EOS, custom_generate=hf_spin.generate, assistant_pool=pool)
+    pool = hf_spin.AssistantPool(
+        [ScriptedTree(refs, [0.6, 0.6])],
+        draft_length=6,
+        cache="packed",
+        profile=profile_of(table(fn), [None], ["scripted"]),
+    )
+    out = target.generate(
+        prompts,
+        max_new_tokens=30,
+        do_sample=False,
+        eos_token_id=EOS,
+        custom_generate=hf_spin.generate,
+        assistant_pool=pool,
+    )
     assert torch.equal(out, plain)
     stats = pool.last_stats
     if costs == "linear":
         plain_seconds = 30 * table(fn).predict(2, 1)  # a plain packed step: both rows' one token
-        assert stats.verify_seconds <= 1.03 * plain_seconds, f"{stats.verify_seconds:.2f}s vs plain {plain_seconds:.2f}s"
+        assert stats.verify_seconds <= 1.03 * plain_seconds, (
+            f"{stats.verify_seconds:.2f}s vs plain {plain_seconds:.2f}s"
+        )
     else:
         assert any(len(t.children(n)) >= 2 for t in seen for n in range(-1, len(t))), "no tree branched"
         assert stats.mean_accepted_length > 1.5

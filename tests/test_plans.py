@@ -29,7 +29,13 @@ class Scripted(Policy):
 
     def __init__(self, drafters, k=4, weights=None, catch_up=None, min_confidence=0.0):
         super().__init__()
-        self.choice, self.k, self.weights, self.catch_up, self.min_confidence = drafters, k, weights, catch_up or {}, min_confidence
+        self.choice, self.k, self.weights, self.catch_up, self.min_confidence = (
+            drafters,
+            k,
+            weights,
+            catch_up or {},
+            min_confidence,
+        )
         self.started: list[int] = []
         self.ended: list[int] = []
         self.feedback: list[StepFeedback] = []
@@ -63,11 +69,15 @@ def run(target, pool, batch=4):
 def test_vote_follows_the_heavier_drafter_and_stays_lossless(target, other, weights, accurate_wins):
     # drafter 0 is the target itself (always right in fp32), drafter 1 another seed (mostly wrong)
     policy = Scripted((0, 1), weights=weights)
-    pool = hf_spin.AssistantPool([hf_spin.ModelDrafter(target, name="self"), other], policy=policy, tree=False)  # the vote's heaviest path
+    pool = hf_spin.AssistantPool(
+        [hf_spin.ModelDrafter(target, name="self"), other], policy=policy, tree=False
+    )  # the vote's heaviest path
     out, ref = run(target, pool)
     assert torch.equal(out, ref)
     stats = pool.last_stats
-    assert stats.drafters["self"].target_forwards == stats.drafters[pool.names[1]].target_forwards > 0  # both voted every step
+    assert (
+        stats.drafters["self"].target_forwards == stats.drafters[pool.names[1]].target_forwards > 0
+    )  # both voted every step
     # every verified path came from the vote; the self drafter is credited with its own matches
     assert all(set(p) == {0, 1} for f in policy.feedback for p, k in zip(f.proposed, f.plan.k) if k > 0)
     if accurate_wins:
@@ -80,7 +90,9 @@ def test_confidence_stop_shortens_drafts(target, other):
     drafted = {}
     for threshold in (0.0, 0.999):
         policy = Scripted((0,), k=6, min_confidence=threshold)
-        pool = hf_spin.AssistantPool([other], policy=policy, tree=False)  # a chain's stop (a tree keeps a depth's children)
+        pool = hf_spin.AssistantPool(
+            [other], policy=policy, tree=False
+        )  # a chain's stop (a tree keeps a depth's children)
         out, ref = run(target, pool)
         assert torch.equal(out, ref)
         drafted[threshold] = [d for f in policy.feedback for d in f.drafted]

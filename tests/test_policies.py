@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import hf_spin
+from hf_spin.planning.estimates import DecayedMean, geometric_tokens
 from hf_spin.policies import (
     DRAFT_LENGTHS,
     POLICIES,
@@ -42,7 +43,6 @@ from hf_spin.policies import (
     make_draft_length,
     make_policy,
 )
-from hf_spin.planning.estimates import DecayedMean, geometric_tokens
 from hf_spin.policies.lbss import PLAIN, PRIOR_STEPS, Arm, RowState
 from hf_spin.verify.vote_tree import heaviest_path
 
@@ -55,9 +55,27 @@ TYPES = ["A", "B", "C"] * 2  # six rows, two of each type
 def three_drafters(token_scale: float = 1.0) -> list[SimDrafter]:
     """Each row type has its own best drafter: A -> small, B -> medium, C -> large (gaps >= 35%)."""
     return [
-        SimDrafter("small", {"A": 0.85, "B": 0.35, "C": 0.30}, token_seconds=0.5e-3 * token_scale, catch_up_seconds=2e-5, num_parameters=100),
-        SimDrafter("medium", {"A": 0.50, "B": 0.85, "C": 0.45}, token_seconds=1.0e-3 * token_scale, catch_up_seconds=4e-5, num_parameters=300),
-        SimDrafter("large", {"A": 0.50, "B": 0.60, "C": 0.92}, token_seconds=2.0e-3 * token_scale, catch_up_seconds=8e-5, num_parameters=1000),
+        SimDrafter(
+            "small",
+            {"A": 0.85, "B": 0.35, "C": 0.30},
+            token_seconds=0.5e-3 * token_scale,
+            catch_up_seconds=2e-5,
+            num_parameters=100,
+        ),
+        SimDrafter(
+            "medium",
+            {"A": 0.50, "B": 0.85, "C": 0.45},
+            token_seconds=1.0e-3 * token_scale,
+            catch_up_seconds=4e-5,
+            num_parameters=300,
+        ),
+        SimDrafter(
+            "large",
+            {"A": 0.50, "B": 0.60, "C": 0.92},
+            token_seconds=2.0e-3 * token_scale,
+            catch_up_seconds=8e-5,
+            num_parameters=1000,
+        ),
     ]
 
 
@@ -224,7 +242,9 @@ def test_tokens_model_expects_by_prompt_length():
 
     def fitted(with_lengths: bool) -> TokensModel:
         model = TokensModel(2, prior_spread=0.3, prior_rows=2.0, prior_noise=0.5, history=64)
-        for row, (length, speed) in enumerate([(30, 10.0), (1000, 40.0), (60, 20.0), (800, 8.0), (40, 5.0), (900, 30.0)]):
+        for row, (length, speed) in enumerate(
+            [(30, 10.0), (1000, 40.0), (60, 20.0), (800, 8.0), (40, 5.0), (900, 30.0)]
+        ):
             model.start(row, length if with_lengths else None)
             for _ in range(3):
                 model.add(row, 0, speed)
@@ -243,7 +263,9 @@ def test_tokens_model_expects_by_prompt_length():
     assert abs(gap(control, 98)) < 0.1 and abs(gap(control, 99)) < 0.1
 
 
-def run_waves(history: int, seed: int, waves: int = 12, max_new_tokens: int = 48, **config) -> tuple[Simulator, LBSSPolicy, int]:
+def run_waves(
+    history: int, seed: int, waves: int = 12, max_new_tokens: int = 48, **config
+) -> tuple[Simulator, LBSSPolicy, int]:
     """Requests (200-token prompts) arrive in waves of six (two of each type), one wave after the
     other; the simulator, the policy and the first step of the second half of the waves."""
     s = Simulator(three_drafters(), [], SimVerify(0.02, 0.1e-3), seed=seed)
@@ -280,7 +302,9 @@ def test_lbss_warm_start_lowers_regret_on_later_requests():
     warm = sum(late_regret(64, seed) for seed in range(3))
     cold = sum(late_regret(0, seed) for seed in range(3))
     assert warm < 0.7 * cold, (warm / 3, cold / 3)
-    greedy = sum(late_regret(64, seed, optimism=0.0, plain_optimism=0.0) for seed in range(3))  # the posterior mean alone
+    greedy = sum(
+        late_regret(64, seed, optimism=0.0, plain_optimism=0.0) for seed in range(3)
+    )  # the posterior mean alone
     assert warm < 0.85 * greedy, (warm / 3, greedy / 3)
 
 
@@ -353,7 +377,10 @@ def test_lbss_worth_exploring_prices_a_chunk_at_its_drafters_step_time():
     plain = 0.05
     seconds = {PLAIN: plain, 0: plain, 1: plain, 2: plain}
     policy.row_seconds = lambda d, k, B, fill=None: seconds[d]
-    policy.log_goodput = lambda r, d: (math.log(0.85 / plain), 0.4)  # every drafter: mean 0.85 of plain's goodput, sd 0.4
+    policy.log_goodput = lambda r, d: (
+        math.log(0.85 / plain),
+        0.4,
+    )  # every drafter: mean 0.85 of plain's goodput, sd 0.4
     policy.steps_left = lambda r: 20.0
     policy.catch_up_seconds = lambda d: 0.0
     policy.tokens_model.sigma2[1] = 0.25
@@ -378,7 +405,14 @@ def test_lbss_tokens_carry_across_batch_sizes_and_costs_do_not():
 
     batch1, batch4 = [], []
     for seed in range(8):
-        s = Simulator([SimDrafter("model", {"A": 0.6}, num_parameters=100)], ["A"], SimVerify(0.05, 0.01), seed=seed, max_new_tokens=[100], padded=True)
+        s = Simulator(
+            [SimDrafter("model", {"A": 0.6}, num_parameters=100)],
+            ["A"],
+            SimVerify(0.05, 0.01),
+            seed=seed,
+            max_new_tokens=[100],
+            padded=True,
+        )
         assert s.row_goodput("A", 0, K, 1) > 1.3 * s.row_goodput("A", None, K, 1)
         assert s.row_goodput("A", 0, K, 4) < 0.85 * s.row_goodput("A", None, K, 4)
         policy = s.start(lbss(seed=seed))
@@ -442,7 +476,12 @@ def test_lbss_measures_model_free_drafters_by_shadow_drafts():
         (1, 5, 0, 1.0),  # wrong at once: the step would have committed the target's token only
         (1, 5, 1, 2.0),  # one right, then wrong within the committed tokens: exact
         (3, 2, 2, 3.0),  # all proposed right (plus the bonus token): exact
-        (1, 5, 2, 2 + 1 + 0.75 * (1 - 0.75**3) / 0.25),  # censored: 2 matched = all committed, 3 unknown at alpha = (2 + 1) / (2 + 0 + 2)
+        (
+            1,
+            5,
+            2,
+            2 + 1 + 0.75 * (1 - 0.75**3) / 0.25,
+        ),  # censored: 2 matched = all committed, 3 unknown at alpha = (2 + 1) / (2 + 0 + 2)
     ],
 )
 def test_shadow_tokens_hand_built(accepted, proposed, matched, expected):
@@ -649,7 +688,13 @@ def test_lbss_warm_rows_skip_explorations_they_cannot_amortise():
 
 def test_lbss_prices_a_catch_up_it_has_not_measured_by_size():
     policy = lbss()
-    policy.bind([DrafterInfo("small", "model", 100, True), DrafterInfo("large", "model", 400, True), DrafterInfo("lookup", "prompt_lookup", 0, False)])
+    policy.bind(
+        [
+            DrafterInfo("small", "model", 100, True),
+            DrafterInfo("large", "model", 400, True),
+            DrafterInfo("lookup", "prompt_lookup", 0, False),
+        ]
+    )
     assert policy.catch_up_seconds(1) == 0.0  # nothing measured yet
     policy.costs.catch_up[0].add(1e-3, 50)
     assert policy.catch_up_seconds(0) == pytest.approx(1e-3)
@@ -664,7 +709,13 @@ def test_lbss_prices_a_draft_it_has_not_measured_by_the_root_of_its_size():
     most, times the square root of their parameter ratio; prompt lookup stays free, its own
     measurement replaces the prior, and nothing is priced before anything is measured."""
     policy = lbss()
-    policy.bind([DrafterInfo("small", "model", 100, True), DrafterInfo("large", "model", 400, True), DrafterInfo("lookup", "prompt_lookup", 0, False)])
+    policy.bind(
+        [
+            DrafterInfo("small", "model", 100, True),
+            DrafterInfo("large", "model", 400, True),
+            DrafterInfo("lookup", "prompt_lookup", 0, False),
+        ]
+    )
     assert policy.draft_seconds(1, 5, 5) == 0.0  # nothing measured yet
     for forwards, tokens in ((1, 1), (1, 3), (5, 5), (2, 6)):
         policy.costs.draft[0].add([forwards, tokens], 0.01 * forwards + 0.02 * tokens)
@@ -687,13 +738,22 @@ def test_lbss_does_not_serve_an_unmeasured_drafter_as_if_it_were_free():
     small, large = (policy.row_seconds(d, 5, 1, fill=1.0) for d in (0, 1))
     assert small == pytest.approx(0.2 + 0.1 + 0.2, rel=0.01)  # a plain step, 5 positions more, the draft
     assert large == pytest.approx(small + policy.draft_seconds(0, 5, 5))  # twice the small one's draft
+
+
 @pytest.mark.parametrize("prompt_length, tried", [(32, {3}), (3000, {1, 2})])
 def test_lbss_cold_rows_skip_explorations_whose_catch_up_cannot_pay(prompt_length, tried):
     """Cold, a row explores every drafter in its first epoch, unless catching one up on its prompt
     costs more than the steps it has left could save (`pays_off`): on 3000-token prompts with 32
     tokens to generate, the first chunk's drafter prices the others' catch-up (by size: here 2.5x
     and 1.7x too low for the smaller ones) and no row explores all three; on 32-token prompts, every row does."""
-    s = Simulator(three_drafters(), TYPES[:4], SimVerify(0.02, 0.1e-3), prompt_lengths=[prompt_length] * 4, max_new_tokens=32, seed=3)
+    s = Simulator(
+        three_drafters(),
+        TYPES[:4],
+        SimVerify(0.02, 0.1e-3),
+        prompt_lengths=[prompt_length] * 4,
+        max_new_tokens=32,
+        seed=3,
+    )
     policy = s.start(lbss(seed=3))
     s.run(policy, policy.alpha)
     explored = collections.defaultdict(set)  # row -> drafters it served in the first exploration stage
@@ -812,7 +872,9 @@ def test_lbss_catches_up_a_runner_up_only_when_cheap():
     view = BatchView([0], [4000], [0], [True, True], 0)
     policy.start_rows(view, [0])
     row = policy.rows[0]
-    policy.row_seconds = lambda *args: 0.01  # a step of the row takes 10 ms: a runner-up within 10% gains at most 1 ms a step
+    policy.row_seconds = lambda *args: (
+        0.01
+    )  # a step of the row takes 10 ms: a runner-up within 10% gains at most 1 ms a step
     row.arms[1].synced = 4000 - 2  # 1 token behind: 1 ms to catch up
     assert policy._cheap_catch_up(row, 1, K)
     row.arms[1].synced = 4000 - 6  # 5 tokens behind: 5 ms, half a step
@@ -863,7 +925,9 @@ def test_lbss_switching_cost_keeps_a_row_on_its_drafter():
     assert matched_drafter(switch_cost=0.0) == (1,)  # free switching: the better drafter
 
 
-@pytest.mark.parametrize("make", [lambda: lbss(seed=6), lambda: EpsilonGreedyPolicy(FixedLength(K)), lambda: VotePolicy(FixedLength(K))])
+@pytest.mark.parametrize(
+    "make", [lambda: lbss(seed=6), lambda: EpsilonGreedyPolicy(FixedLength(K)), lambda: VotePolicy(FixedLength(K))]
+)
 def test_a_dropped_drafter_is_never_planned_again(make):
     s = sim(seed=6)
     policy = s.start(make())
@@ -918,7 +982,9 @@ def test_vote_weights_move_toward_the_accurate_drafter():
 
 
 def test_vote_weight_update_on_hand_built_feedback():
-    policy = VotePolicy(FixedLength(4), VoteConfig(learning_rate=0.5, reward_threshold=0.6, punish_threshold=0.3, max_weight=2.0))
+    policy = VotePolicy(
+        FixedLength(4), VoteConfig(learning_rate=0.5, reward_threshold=0.6, punish_threshold=0.3, max_weight=2.0)
+    )
     policy.bind([DrafterInfo(n, "model", 1, True) for n in "abcd"])
     plan = Plan([(0, 1, 2, 3)], [4], vote_weights=[1.0] * 4)
     fb = StepFeedback(
@@ -1033,12 +1099,16 @@ def test_heuristic_follows_plus_two_minus_one():
     assert [k for _, k in seen] == [5, 4, 3, 2, 1, 1, 1, 1, 1, 1]
 
 
-def step_feedback(drafted: list[int], verify_seconds: float, padded: bool = False, k: list[int] | None = None) -> StepFeedback:
+def step_feedback(
+    drafted: list[int], verify_seconds: float, padded: bool = False, k: list[int] | None = None
+) -> StepFeedback:
     """Drafter 0 drafts `drafted` tokens per row (0: the row decodes plainly), asked for `k` (default: as drafted)."""
     B = len(drafted)
     plan = Plan([(0,) if x else () for x in drafted], list(k or drafted))
     proposed = [{0: x} if x else {} for x in drafted]
-    return StepFeedback(list(range(B)), plan, drafted, [0] * B, proposed, [{} for _ in drafted], [0.0], verify_seconds, padded=padded)
+    return StepFeedback(
+        list(range(B)), plan, drafted, [0] * B, proposed, [{} for _ in drafted], [0.0], verify_seconds, padded=padded
+    )
 
 
 def test_verified_tokens_count_the_padding_of_a_rectangular_verify():
@@ -1057,7 +1127,11 @@ def test_lbss_row_seconds_share_the_positions_a_draft_adds():
     for drafted in ([0, 0, 0, 0], [5, 5, 5, 5], [5, 0, 0, 0], [2, 2, 0, 0]):
         for padded in (True, False):
             fb = step_feedback(drafted, 0.0, padded=padded)
-            fb = replace(fb, verify_seconds=0.1 + 0.01 * fb.verified_tokens(), draft_seconds=[0.02 * max(drafted) + 0.001 * sum(drafted)])
+            fb = replace(
+                fb,
+                verify_seconds=0.1 + 0.01 * fb.verified_tokens(),
+                draft_seconds=[0.02 * max(drafted) + 0.001 * sum(drafted)],
+            )
             for _ in range(20):
                 policy.costs.update(fb)
     assert policy.costs.draft_seconds(0, 5, 20) == pytest.approx(0.12, rel=0.01)
@@ -1213,7 +1287,11 @@ def test_epsilon_greedy_never_slower():
 
 
 def test_by_prompt_length_sends_longer_prompts_to_larger_drafters():
-    infos = [DrafterInfo("large", "model", 10**9, True), DrafterInfo("lookup", "prompt_lookup", 0, False), DrafterInfo("small", "model", 10**8, True)]
+    infos = [
+        DrafterInfo("large", "model", 10**9, True),
+        DrafterInfo("lookup", "prompt_lookup", 0, False),
+        DrafterInfo("small", "model", 10**8, True),
+    ]
     policy = ByPromptLengthPolicy(FixedLength(K))
     policy.bind(infos)
     view = BatchView(list(range(6)), [50, 10, 400, 30, 90, 20], [0] * 6, [True] * 3, 0)
@@ -1228,7 +1306,11 @@ def test_by_prompt_length_sends_longer_prompts_to_larger_drafters():
 
 
 def test_best_in_hindsight():
-    single = [{"plain": 20.0, "small": 31.0, "large": 27.0}, {"plain": 20.0, "small": 22.0, "large": 35.0}, {"plain": 30.0, "small": 10.0, "large": 12.0}]
+    single = [
+        {"plain": 20.0, "small": 31.0, "large": 27.0},
+        {"plain": 20.0, "small": 22.0, "large": 35.0},
+        {"plain": 30.0, "small": 10.0, "large": 12.0},
+    ]
     report = best_in_hindsight(single, {"lbss": [30.0, 33.0, 30.0], "fixed": [31.0, 22.0, 10.0]})
     assert report.best == ["small", "large", "plain"]
     assert report.best_goodput == [31.0, 35.0, 30.0]
@@ -1247,7 +1329,9 @@ def test_registries_and_pool_names():
         for length in ("minions", "goodput", "heuristic", 3):
             pool = hf_spin.AssistantPool(["prompt_lookup", "prompt_lookup"], policy=name, draft_length=length)
             assert type(pool.policy) is cls and isinstance(pool.policy.draft_length, type(make_draft_length(length)))
-    pool = hf_spin.AssistantPool(["prompt_lookup"], policy=LBSSConfig(alpha=4, seed=3), draft_length=GoodputLengthConfig(max_k=8))
+    pool = hf_spin.AssistantPool(
+        ["prompt_lookup"], policy=LBSSConfig(alpha=4, seed=3), draft_length=GoodputLengthConfig(max_k=8)
+    )
     assert pool.policy.config.alpha == 4 and pool.policy.draft_length.config.max_k == 8
     own = LBSSPolicy(MinionsLength())
     assert hf_spin.AssistantPool(["prompt_lookup"], policy=own).policy is own
@@ -1264,43 +1348,85 @@ def _start(policy, batch):
 
 
 REFUSALS = [
-    (lambda: make_policy("best"), r"policy='best' is not supported; choose one of \['by_prompt_length', 'epsilon_greedy', 'fixed', 'lbss'"),
+    (
+        lambda: make_policy("best"),
+        r"policy='best' is not supported; choose one of \['by_prompt_length', 'epsilon_greedy', 'fixed', 'lbss'",
+    ),
     (lambda: make_policy(3), r"policy=3 is not supported"),
     (lambda: make_policy(LBSSPolicy(), "goodput"), r"draft_length='goodput' cannot be applied to a Policy object"),
-    (lambda: make_draft_length("fast"), r"draft_length='fast' is not supported; give a positive int, one of \['goodput', 'heuristic', 'minions'\]"),
+    (
+        lambda: make_draft_length("fast"),
+        r"draft_length='fast' is not supported; give a positive int, one of \['goodput', 'heuristic', 'minions'\]",
+    ),
     (lambda: make_draft_length(0), r"draft_length must be a positive int"),
     (lambda: make_draft_length(True), r"draft_length must be a positive int"),
-    (lambda: EpsilonGreedyConfig(epsilon=1.5), r"EpsilonGreedyConfig.epsilon must be a number in \[0.0, 1.0\], got 1.5"),
+    (
+        lambda: EpsilonGreedyConfig(epsilon=1.5),
+        r"EpsilonGreedyConfig.epsilon must be a number in \[0.0, 1.0\], got 1.5",
+    ),
     (lambda: EpsilonGreedyConfig(epsilon=-0.1), r"EpsilonGreedyConfig.epsilon"),
     (lambda: EpsilonGreedyConfig(seed="x"), r"EpsilonGreedyConfig.seed must be an int, got 'x'"),
     (lambda: LBSSConfig(beta=0), r"LBSSConfig.beta must be an int >= 1, got 0"),
     (lambda: LBSSConfig(alpha=2, beta=3), r"LBSSConfig.alpha must be an int >= 3, got 2"),
-    (lambda: LBSSConfig(capacities=(2, 0)), r"LBSSConfig.capacities must be a tuple of positive ints \(None: unlimited\), one per drafter, got \(2, 0\)"),
+    (
+        lambda: LBSSConfig(capacities=(2, 0)),
+        r"LBSSConfig.capacities must be a tuple of positive ints \(None: unlimited\), one per drafter, got \(2, 0\)",
+    ),
     (lambda: LBSSConfig(capacities=4), r"LBSSConfig.capacities must be a tuple"),
     (lambda: LBSSConfig(switch_cost=-1.0), r"LBSSConfig.switch_cost must be a number in \[0.0, inf\)"),
     (lambda: LBSSConfig(never_slower="yes"), r"LBSSConfig.never_slower must be True or False"),
     (lambda: LBSSConfig(prefill_margin=1.0), r"LBSSConfig.prefill_margin must be a number in \[0.0, 1.0\)"),
-    (lambda: _bind(LBSSPolicy(config=LBSSConfig(capacities=(2, 2)))), r"LBSSConfig.capacities has 2 entries but the pool has 3 drafters"),
-    (lambda: _bind(LBSSPolicy(config=LBSSConfig(switch_cost=(0.1,)))), r"LBSSConfig.switch_cost has 1 entries but the pool has 3 drafters"),
+    (
+        lambda: _bind(LBSSPolicy(config=LBSSConfig(capacities=(2, 2)))),
+        r"LBSSConfig.capacities has 2 entries but the pool has 3 drafters",
+    ),
+    (
+        lambda: _bind(LBSSPolicy(config=LBSSConfig(switch_cost=(0.1,)))),
+        r"LBSSConfig.switch_cost has 1 entries but the pool has 3 drafters",
+    ),
     (
         lambda: _start(_bind(LBSSPolicy(config=LBSSConfig(capacities=(1, 1, 1)))), 6),
         r"LBSSConfig.capacities=\(1, 1, 1\) let the drafters serve at most 3 rows in one step, but the batch has 6 rows",
     ),
     (lambda: VoteConfig(learning_rate=1.0), r"VoteConfig.learning_rate must be a number in \(0.0, 1.0\)"),
-    (lambda: VoteConfig(punish_threshold=0.7, reward_threshold=0.6), r"VoteConfig.punish_threshold \(0.7\) must be below reward_threshold \(0.6\)"),
+    (
+        lambda: VoteConfig(punish_threshold=0.7, reward_threshold=0.6),
+        r"VoteConfig.punish_threshold \(0.7\) must be below reward_threshold \(0.6\)",
+    ),
     (lambda: VoteConfig(min_weight=5.0, max_weight=2.0), r"VoteConfig.max_weight must be a number in \[5.0, inf\)"),
-    (lambda: _bind(VotePolicy(config=VoteConfig(initial_weights=(1.0, 1.0)))), r"VoteConfig.initial_weights has 2 entries but the pool has 3"),
+    (
+        lambda: _bind(VotePolicy(config=VoteConfig(initial_weights=(1.0, 1.0)))),
+        r"VoteConfig.initial_weights has 2 entries but the pool has 3",
+    ),
     (lambda: HeuristicLengthConfig(initial=0), r"HeuristicLengthConfig.initial must be an int >= 1, got 0"),
     (lambda: GoodputLengthConfig(min_k=4, max_k=2), r"GoodputLengthConfig.max_k must be an int >= 4, got 2"),
-    (lambda: GoodputLengthConfig(initial=20), r"GoodputLengthConfig.initial must be in \[min_k, max_k\] = \[1, 16\], got 20"),
-    (lambda: GoodputLengthConfig(prior_acceptance=1.0), r"GoodputLengthConfig.prior_acceptance must be a number in \(0.0, 1.0\)"),
-    (lambda: GoodputLengthConfig(dither_every=1), r"GoodputLengthConfig.dither_every must be 0 \(never\) or >= 2, got 1"),
+    (
+        lambda: GoodputLengthConfig(initial=20),
+        r"GoodputLengthConfig.initial must be in \[min_k, max_k\] = \[1, 16\], got 20",
+    ),
+    (
+        lambda: GoodputLengthConfig(prior_acceptance=1.0),
+        r"GoodputLengthConfig.prior_acceptance must be a number in \(0.0, 1.0\)",
+    ),
+    (
+        lambda: GoodputLengthConfig(dither_every=1),
+        r"GoodputLengthConfig.dither_every must be 0 \(never\) or >= 2, got 1",
+    ),
     (lambda: MinionsLengthConfig(window=10), r"MinionsLengthConfig.window must be >= dwell \+ probe = 16, got 10"),
-    (lambda: MinionsLengthConfig(min_confidence=1.0), r"MinionsLengthConfig.min_confidence must be a number in \[0.0, 1.0\)"),
+    (
+        lambda: MinionsLengthConfig(min_confidence=1.0),
+        r"MinionsLengthConfig.min_confidence must be a number in \[0.0, 1.0\)",
+    ),
     (lambda: best_in_hindsight([]), r"best_in_hindsight needs at least one request"),
-    (lambda: best_in_hindsight([{"a": 1.0}, {"b": 1.0}]), r"single\[1\] has choices \['b'\] but single\[0\] has \['a'\]"),
+    (
+        lambda: best_in_hindsight([{"a": 1.0}, {"b": 1.0}]),
+        r"single\[1\] has choices \['b'\] but single\[0\] has \['a'\]",
+    ),
     (lambda: best_in_hindsight([{"a": -1.0}]), r"single\[0\]\['a'\] must be a finite goodput >= 0"),
-    (lambda: best_in_hindsight([{"a": 1.0}], {"p": [1.0, 2.0]}), r"policies\['p'\] has 2 goodputs but there are 1 requests"),
+    (
+        lambda: best_in_hindsight([{"a": 1.0}], {"p": [1.0, 2.0]}),
+        r"policies\['p'\] has 2 goodputs but there are 1 requests",
+    ),
 ]
 
 
@@ -1358,7 +1484,13 @@ def match_sim(seed: int, reported: bool) -> Simulator:
     length = (lambda n: n) if reported else (lambda n: None)
     drafters = [
         SimDrafter("model", {"doc": 0.8}, forward_seconds=2e-3, catch_up_seconds=2e-5, num_parameters=100),
-        SimDrafter("lookup", {"doc": 0.5}, kind="prompt_lookup", num_parameters=0, by_match={"doc": ((length(3), 0.25, 0.95), (length(1), 0.5, 0.1))}),
+        SimDrafter(
+            "lookup",
+            {"doc": 0.5},
+            kind="prompt_lookup",
+            num_parameters=0,
+            by_match={"doc": ((length(3), 0.25, 0.95), (length(1), 0.5, 0.1))},
+        ),
     ]
     return Simulator(drafters, ["doc"], SimVerify(0.02, 0.1e-3), seed=seed, max_new_tokens=600)
 
@@ -1397,7 +1529,10 @@ def test_lbss_preempt_rule_takes_the_shortest_match_length_that_beats_the_row():
     row = policy._row(view, 0)
     policy.row_seconds = lambda d, k, B, fill=None: 1.0  # a step costs the same whatever it verifies
     policy.by_match[1].by_match = {1: [2, 20], 3: [40, 2]}
-    assert policy.match_acceptance(row, 1) == [(1, pytest.approx(3 / 24)), (3, pytest.approx(41 / 44))]  # every row's, Laplace-smoothed
+    assert policy.match_acceptance(row, 1) == [
+        (1, pytest.approx(3 / 24)),
+        (3, pytest.approx(41 / 44)),
+    ]  # every row's, Laplace-smoothed
     assert policy.preempt_rule(row, 1, 2.0, 1) == (2, 3)  # 1 + 0.93 + 0.86 >= 2 at two tokens
     assert policy.preempt_rule(row, 1, 5.0, 1) is None  # not even five right tokens' worth
     row.arms[1].by_match = {1: [10, 0]}

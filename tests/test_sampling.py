@@ -57,7 +57,10 @@ def test_verifier_first_token_follows_p(with_q):
         first = torch.where(v.accepted > 0, drafts[:, 0], v.next_token)  # the first output token
         counts = torch.bincount(first, minlength=V).float()
         results[n] = (tv(counts, p_one[0]), fits(counts, p_one[0]))
-    print(f"verifier, q given={with_q}: " + "; ".join(f"N={n}: TV {r[0]:.4f}, chi-square p {r[1]:.3f}" for n, r in results.items()))
+    print(
+        f"verifier, q given={with_q}: "
+        + "; ".join(f"N={n}: TV {r[0]:.4f}, chi-square p {r[1]:.3f}" for n, r in results.items())
+    )
     assert results[64000][1] > ALPHA, results
     assert results[64000][0] < results[4000][0], results  # 16x the samples: TV about 4x smaller
     # negative control: the draft distribution itself is far from p and the check says so
@@ -97,6 +100,7 @@ def peaky(seed: int) -> torch.nn.Module:
 
 def exact_joint(model, prompt: torch.Tensor, processors, n: int) -> torch.Tensor:
     """P(t_2, ..., t_{n+1}) [V ** n] of the processed distribution, summing over t_1, by enumeration."""
+
     def probs(seqs):  # [N, L] -> next-token distribution [N, V]
         logits = model(input_ids=seqs).logits[:, -1].float()
         return torch.softmax(processors(seqs, logits), -1)
@@ -140,7 +144,9 @@ def _sampled_counts(target, entry, prompt, n: int, seed: int) -> tuple[torch.Ten
     # chains: the control below patches the chain verifier (trees: tests/test_token_trees.py)
     pool = hf_spin.AssistantPool([entry], draft_length=multi_token(MEASURED), tree=False)
     kwargs = dict(do_sample=True, temperature=0.7, top_k=5, max_new_tokens=SAMPLED_NEW_TOKENS + 1, pad_token_id=0)
-    out = target.generate(input_ids=prompt.expand(n, -1), custom_generate=hf_spin.generate, assistant_pool=pool, **kwargs)
+    out = target.generate(
+        input_ids=prompt.expand(n, -1), custom_generate=hf_spin.generate, assistant_pool=pool, **kwargs
+    )
     cells = torch.zeros(n, dtype=torch.long)
     for j in range(MEASURED):
         cells = cells * SMALL_V + out[:, prompt.shape[1] + 1 + j]
@@ -167,7 +173,10 @@ def test_engine_sampling_matches_target_distribution(drafter):
         counts, stats = _sampled_counts(target, DRAFTERS[drafter](target), PROMPT, n, seed=n)
         results[n] = (tv(counts, exact), fits(counts, exact), stats.acceptance_rate)
         assert_speculated(stats, longest=MEASURED)  # drafts reached position 2; accepted and rejected
-    print(f"engine, {drafter}: " + "; ".join(f"N={n}: TV {r[0]:.4f}, chi-square p {r[1]:.3f}, acceptance {r[2]:.2f}" for n, r in results.items()))
+    print(
+        f"engine, {drafter}: "
+        + "; ".join(f"N={n}: TV {r[0]:.4f}, chi-square p {r[1]:.3f}, acceptance {r[2]:.2f}" for n, r in results.items())
+    )
     assert results[LARGE_N][1] > ALPHA, results
     assert results[LARGE_N][0] < results[SMALL_N][0], results  # 4x the samples: TV about 2x smaller
 
@@ -186,7 +195,14 @@ def test_engine_sampling_negative_control():
     """The same check rejects the drafter's own distribution (what a broken verifier would emit)."""
     draft = peaky(1)
     torch.manual_seed(0)
-    out = draft.generate(input_ids=PROMPT.expand(LARGE_N, -1), do_sample=True, temperature=0.7, top_k=5, max_new_tokens=SAMPLED_NEW_TOKENS, pad_token_id=0)
+    out = draft.generate(
+        input_ids=PROMPT.expand(LARGE_N, -1),
+        do_sample=True,
+        temperature=0.7,
+        top_k=5,
+        max_new_tokens=SAMPLED_NEW_TOKENS,
+        pad_token_id=0,
+    )
     cells = torch.zeros(len(out), dtype=torch.long)
     for j in range(MEASURED):
         cells = cells * SMALL_V + out[:, PROMPT.shape[1] + 1 + j]

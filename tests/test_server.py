@@ -20,7 +20,8 @@ from hf_spin.serving import Limits, build_app
 from hf_spin.serving.server import Server
 from hf_spin.stats import DrafterStats
 
-from .speculation import assert_speculated, pool as spin_pool
+from .speculation import assert_speculated
+from .speculation import pool as spin_pool
 from .test_engine import POISON, PoisonProposer, PoisonTarget
 from .tiny_tokenizers import PROMPTS, char_tokenizer
 
@@ -70,7 +71,17 @@ class Served:
 @pytest.fixture(scope="module")
 def served(target, drafter, tok):
     pool = spin_pool([drafter, "prompt_lookup"], policy="round_robin")
-    s = Served(build_app(target, tok, pool, model_id="tiny-llama", max_batch_size=4, max_queue=16, limits=Limits(max_input_tokens=64, max_total_tokens=128)))
+    s = Served(
+        build_app(
+            target,
+            tok,
+            pool,
+            model_id="tiny-llama",
+            max_batch_size=4,
+            max_queue=16,
+            limits=Limits(max_input_tokens=64, max_total_tokens=128),
+        )
+    )
     yield s
     s.stop()
 
@@ -98,20 +109,32 @@ def sse(lines) -> list:
 
 # --- every route --------------------------------------------------------------------------------------
 
+
 def test_health_info_and_metrics(served):
     with served.client() as c:
         assert c.get("/health").json() == {"status": "ok"}
         info = c.get("/info").json()
         assert info["model_id"] == "tiny-llama" and info["router"] == "hf_spin" and info["speculation"] is True
-        assert [d["kind"] for d in info["drafters"]] == ["model", "prompt_lookup"] and info["policy"] == "RoundRobinPolicy"
+        assert [d["kind"] for d in info["drafters"]] == ["model", "prompt_lookup"] and info[
+            "policy"
+        ] == "RoundRobinPolicy"
         assert info["max_input_tokens"] == 64 and info["max_total_tokens"] == 128 and info["max_batch_size"] == 4
         assert c.post("/generate", json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 8}}).status_code == 200
         r = c.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
-    for name in ("hf_spin_requests_total", "hf_spin_generated_tokens_total", "hf_spin_prompt_tokens_total", "hf_spin_queue_depth",
-                 "hf_spin_batch_size", "hf_spin_step_seconds_bucket", "hf_spin_time_to_first_token_seconds_bucket",
-                 "hf_spin_drafter_acceptance_rate", "hf_spin_drafter_mean_accepted_length", "hf_spin_micro_batches"):
+    for name in (
+        "hf_spin_requests_total",
+        "hf_spin_generated_tokens_total",
+        "hf_spin_prompt_tokens_total",
+        "hf_spin_queue_depth",
+        "hf_spin_batch_size",
+        "hf_spin_step_seconds_bucket",
+        "hf_spin_time_to_first_token_seconds_bucket",
+        "hf_spin_drafter_acceptance_rate",
+        "hf_spin_drafter_mean_accepted_length",
+        "hf_spin_micro_batches",
+    ):
         assert name in text, name
     assert 'hf_spin_requests_total{route="generate",status="ok"}' in text
     assert 'hf_spin_drafter_drafted_tokens_total{drafter="prompt_lookup"}' in text
@@ -125,14 +148,22 @@ def test_generate_greedy_equals_plain_generate_under_concurrency(served, target,
 
     async def go():
         async with served.async_client() as c:
-            return await asyncio.gather(*(
-                c.post("/generate", json={"inputs": p, "parameters": {"max_new_tokens": n, "details": True}}) for p, n in zip(prompts, lengths)
-            ))
+            return await asyncio.gather(
+                *(
+                    c.post("/generate", json={"inputs": p, "parameters": {"max_new_tokens": n, "details": True}})
+                    for p, n in zip(prompts, lengths)
+                )
+            )
 
     before = served_totals(served)
     responses = asyncio.run(go())
     after = served_totals(served)
-    assert_speculated(DrafterStats(**{f: getattr(after, f) - getattr(before, f) for f in ("drafted", "accepted", "failures")}, longest_draft=after.longest_draft))
+    assert_speculated(
+        DrafterStats(
+            **{f: getattr(after, f) - getattr(before, f) for f in ("drafted", "accepted", "failures")},
+            longest_draft=after.longest_draft,
+        )
+    )
     for r, p, n in zip(responses, prompts, lengths):
         assert r.status_code == 200, r.text
         body = r.json()
@@ -149,15 +180,28 @@ def test_generate_greedy_equals_plain_generate_under_concurrency(served, target,
 @pytest.mark.parametrize("pipeline", [2, True], ids=["two_micro_batches", "spin_heuristic"])
 def test_pipelined_server_greedy_equals_plain_generate(target, drafter, tok, pipeline):
     pool = spin_pool([drafter, "prompt_lookup"], policy="round_robin")
-    s = Served(build_app(target, tok, pool, max_batch_size=6, pipeline=pipeline, limits=Limits(max_input_tokens=64, max_total_tokens=128)))
+    s = Served(
+        build_app(
+            target,
+            tok,
+            pool,
+            max_batch_size=6,
+            pipeline=pipeline,
+            limits=Limits(max_input_tokens=64, max_total_tokens=128),
+        )
+    )
     prompts = [p + suffix for p in PROMPTS for suffix in ("", " or")]
     lengths = [20, 7, 15, 25, 11, 6, 18, 22]
     try:
+
         async def go():
             async with s.async_client() as c:
-                return await asyncio.gather(*(
-                    c.post("/generate", json={"inputs": p, "parameters": {"max_new_tokens": n, "details": True}}) for p, n in zip(prompts, lengths)
-                ))
+                return await asyncio.gather(
+                    *(
+                        c.post("/generate", json={"inputs": p, "parameters": {"max_new_tokens": n, "details": True}})
+                        for p, n in zip(prompts, lengths)
+                    )
+                )
 
         for r, p, n in zip(asyncio.run(go()), prompts, lengths):
             assert r.status_code == 200, r.text
@@ -178,16 +222,24 @@ def test_concurrent_requests_share_one_suffix_index_uncorrupted(target, tok, pip
     a rebuild from what it holds, and the second round drafts from the first round's answers."""
     pool = spin_pool(["suffix"])
     options = {"pipeline": pipeline} if pipeline else {}
-    s = Served(build_app(target, tok, pool, max_batch_size=6, limits=Limits(max_input_tokens=64, max_total_tokens=128), **options))
+    s = Served(
+        build_app(
+            target, tok, pool, max_batch_size=6, limits=Limits(max_input_tokens=64, max_total_tokens=128), **options
+        )
+    )
     prompts = [p + suffix for p in PROMPTS for suffix in ("", " or", " and", " so")]
     lengths = [12 + 3 * (i % 5) for i in range(len(prompts))]
     index = pool.drafters[0].index
     try:
+
         async def go():
             async with s.async_client() as c:
-                return await asyncio.gather(*(
-                    c.post("/generate", json={"inputs": p, "parameters": {"max_new_tokens": n, "details": True}}) for p, n in zip(prompts, lengths)
-                ))
+                return await asyncio.gather(
+                    *(
+                        c.post("/generate", json={"inputs": p, "parameters": {"max_new_tokens": n, "details": True}})
+                        for p, n in zip(prompts, lengths)
+                    )
+                )
 
         accepted, generated = [], []
         for _ in range(2):
@@ -209,7 +261,10 @@ def test_concurrent_requests_share_one_suffix_index_uncorrupted(target, tok, pip
 
 
 def test_generate_stream_one_event_per_token(served, target, tok):
-    with served.client() as c, c.stream("POST", "/generate_stream", json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 14}}) as r:
+    with (
+        served.client() as c,
+        c.stream("POST", "/generate_stream", json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 14}}) as r,
+    ):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse(r.iter_lines())
     ids = [e["token"]["id"] for e in events]
@@ -219,24 +274,54 @@ def test_generate_stream_one_event_per_token(served, target, tok):
     last = events[-1]
     assert last["generated_text"] == tok.decode(ids, skip_special_tokens=True)
     with served.client() as c:  # TGI's compat route: either shape by `stream`
-        assert c.post("/", json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 14}}).json()["generated_text"] == last["generated_text"]
-        with c.stream("POST", "/", json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 14}, "stream": True}) as r:
+        assert (
+            c.post("/", json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 14}}).json()["generated_text"]
+            == last["generated_text"]
+        )
+        with c.stream(
+            "POST", "/", json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 14}, "stream": True}
+        ) as r:
             assert [e["token"]["id"] for e in sse(r.iter_lines())] == ids
-    assert last["details"]["generated_tokens"] == len(ids) and last["details"]["input_length"] == len(tok(PROMPTS[1])["input_ids"])
+    assert last["details"]["generated_tokens"] == len(ids) and last["details"]["input_length"] == len(
+        tok(PROMPTS[1])["input_ids"]
+    )
 
 
 def test_openai_completions_and_chat_greedy_stream_and_not(served, target, tok):
     expected = tok.decode(plain(target, tok, PROMPTS[2], 12), skip_special_tokens=True)
-    chat_prompt = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
+    chat_prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+    )
     chat_ids = tok(chat_prompt, add_special_tokens=False)["input_ids"]
-    chat_expected = tok.decode(target.generate(input_ids=torch.tensor([chat_ids]), max_new_tokens=10, do_sample=False)[0, len(chat_ids):], skip_special_tokens=True)
+    chat_expected = tok.decode(
+        target.generate(input_ids=torch.tensor([chat_ids]), max_new_tokens=10, do_sample=False)[0, len(chat_ids) :],
+        skip_special_tokens=True,
+    )
     with served.client() as c:
         r = c.post("/v1/completions", json={"model": "x", "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0})
         body = r.json()
-        assert r.status_code == 200 and body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "x"
+        assert (
+            r.status_code == 200
+            and body["object"] == "text_completion"
+            and body["id"].startswith("cmpl-")
+            and body["model"] == "x"
+        )
         assert body["choices"][0]["text"] == expected and body["choices"][0]["finish_reason"] in ("length", "stop")
-        assert body["usage"]["completion_tokens"] <= 12 and body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
-        with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        assert (
+            body["usage"]["completion_tokens"] <= 12
+            and body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+        )
+        with c.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "prompt": PROMPTS[2],
+                "max_tokens": 12,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as s:
             events = sse(s.iter_lines())
         assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == body["usage"]["completion_tokens"]
         assert "".join(e["choices"][0]["text"] for e in events[:-2]) == expected
@@ -260,17 +345,29 @@ def test_stop_sequences_tgi_keeps_them_openai_cuts_them(served, target, tok):
     stop = text[5:7]  # two characters the model will produce
     cut = text[: text.find(stop)]
     with served.client() as c:
-        r = c.post("/generate", json={"inputs": PROMPTS[3], "parameters": {"max_new_tokens": 30, "stop": [stop], "details": True}}).json()
+        r = c.post(
+            "/generate",
+            json={"inputs": PROMPTS[3], "parameters": {"max_new_tokens": 30, "stop": [stop], "details": True}},
+        ).json()
         assert r["generated_text"] == cut + stop and r["details"]["finish_reason"] == "stop_sequence"
-        r = c.post("/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 30, "temperature": 0, "stop": stop}).json()
+        r = c.post(
+            "/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 30, "temperature": 0, "stop": stop}
+        ).json()
         assert r["choices"][0]["text"] == cut and r["choices"][0]["finish_reason"] == "stop"
-        with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 30, "temperature": 0, "stop": [stop], "stream": True}) as s:
+        with c.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": PROMPTS[3], "max_tokens": 30, "temperature": 0, "stop": [stop], "stream": True},
+        ) as s:
             events = sse(s.iter_lines())
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) == cut
 
 
 def test_seeded_sampling_is_reproducible(served):
-    body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 16, "temperature": 0.9, "top_k": 20, "seed": 11, "details": True}}
+    body = {
+        "inputs": PROMPTS[0],
+        "parameters": {"max_new_tokens": 16, "temperature": 0.9, "top_k": 20, "seed": 11, "details": True},
+    }
     with served.client() as c:
         a, b = c.post("/generate", json=body).json(), c.post("/generate", json=body).json()
         other = c.post("/generate", json={**body, "parameters": {**body["parameters"], "seed": 12}}).json()
@@ -284,35 +381,120 @@ BAD = [
     ("/generate", '{"inputs": "ab", ', 400, r"malformed JSON"),
     ("/generate", "", 422, r"request body must be a JSON object"),
     ("/generate", {"inputs": "ab", "params": {}}, 422, r"params: unknown field; supported: inputs, parameters, stream"),
-    ("/generate", {"inputs": "ab", "parameters": {"max_tokens": 3}}, 422, r"parameters.max_tokens: unknown field; supported: .*max_new_tokens"),
+    (
+        "/generate",
+        {"inputs": "ab", "parameters": {"max_tokens": 3}},
+        422,
+        r"parameters.max_tokens: unknown field; supported: .*max_new_tokens",
+    ),
     ("/generate", {"inputs": 5}, 422, r"inputs: Input should be a valid string \(given: 5\)"),
-    ("/generate", {"inputs": "ab", "parameters": {"max_new_tokens": "ten"}}, 422, r"parameters.max_new_tokens: Input should be a valid integer \(given: 'ten'\)"),
-    ("/generate", {"inputs": "ab", "parameters": {"do_sample": "yes"}}, 422, r"parameters.do_sample: Input should be a valid boolean"),
+    (
+        "/generate",
+        {"inputs": "ab", "parameters": {"max_new_tokens": "ten"}},
+        422,
+        r"parameters.max_new_tokens: Input should be a valid integer \(given: 'ten'\)",
+    ),
+    (
+        "/generate",
+        {"inputs": "ab", "parameters": {"do_sample": "yes"}},
+        422,
+        r"parameters.do_sample: Input should be a valid boolean",
+    ),
     ("/generate", {"parameters": {}}, 422, r"inputs: required field missing"),
     ("/generate", {"inputs": ""}, 422, r"the prompt is empty"),
     ("/generate", {"inputs": "x" * 65}, 422, r"the prompt has 65 tokens; this server takes at most 64"),
-    ("/generate", {"inputs": "ab", "parameters": {"max_new_tokens": 0}}, 422, r"parameters.max_new_tokens: Input should be greater than or equal to 1 \(given: 0\)"),
-    ("/generate", {"inputs": "ab", "parameters": {"max_new_tokens": 500}}, 422, r"max_new_tokens=500 is out of range: .* at most 126 here"),
-    ("/generate", {"inputs": "ab", "parameters": {"temperature": 0}}, 422, r"parameters.temperature: Input should be greater than 0 \(given: 0\)"),
-    ("/generate", {"inputs": "ab", "parameters": {"top_p": 1.5}}, 422, r"parameters.top_p: Input should be less than or equal to 1"),
-    ("/generate", {"inputs": "ab", "parameters": {"top_k": -2}}, 422, r"parameters.top_k: Input should be greater than 0"),
-    ("/generate", {"inputs": "ab", "parameters": {"repetition_penalty": 0}}, 422, r"parameters.repetition_penalty: Input should be greater than 0"),
+    (
+        "/generate",
+        {"inputs": "ab", "parameters": {"max_new_tokens": 0}},
+        422,
+        r"parameters.max_new_tokens: Input should be greater than or equal to 1 \(given: 0\)",
+    ),
+    (
+        "/generate",
+        {"inputs": "ab", "parameters": {"max_new_tokens": 500}},
+        422,
+        r"max_new_tokens=500 is out of range: .* at most 126 here",
+    ),
+    (
+        "/generate",
+        {"inputs": "ab", "parameters": {"temperature": 0}},
+        422,
+        r"parameters.temperature: Input should be greater than 0 \(given: 0\)",
+    ),
+    (
+        "/generate",
+        {"inputs": "ab", "parameters": {"top_p": 1.5}},
+        422,
+        r"parameters.top_p: Input should be less than or equal to 1",
+    ),
+    (
+        "/generate",
+        {"inputs": "ab", "parameters": {"top_k": -2}},
+        422,
+        r"parameters.top_k: Input should be greater than 0",
+    ),
+    (
+        "/generate",
+        {"inputs": "ab", "parameters": {"repetition_penalty": 0}},
+        422,
+        r"parameters.repetition_penalty: Input should be greater than 0",
+    ),
     ("/generate", {"inputs": "ab", "parameters": {"typical_p": 0}}, 422, r"parameters.typical_p"),
-    ("/generate", {"inputs": "ab", "parameters": {"seed": -1}}, 422, r"parameters.seed: Input should be greater than or equal to 0"),
-    ("/generate", {"inputs": "ab", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}, 422, r"at most 4 stop sequences, got 5"),
+    (
+        "/generate",
+        {"inputs": "ab", "parameters": {"seed": -1}},
+        422,
+        r"parameters.seed: Input should be greater than or equal to 0",
+    ),
+    (
+        "/generate",
+        {"inputs": "ab", "parameters": {"stop": ["a", "b", "c", "d", "e"]}},
+        422,
+        r"at most 4 stop sequences, got 5",
+    ),
     ("/generate", {"inputs": "ab", "parameters": {"best_of": 2}}, 422, r"best_of=2 is not supported by hf_spin"),
-    ("/generate_stream", {"inputs": "ab", "parameters": {"top_p": 0}}, 422, r"parameters.top_p: Input should be greater than 0"),
-    ("/v1/completions", {"prompt": "ab", "max_tokens": 0}, 422, r"max_tokens: Input should be greater than or equal to 1"),
-    ("/v1/completions", {"prompt": "ab", "temperature": 2.5}, 422, r"temperature: Input should be less than or equal to 2"),
+    (
+        "/generate_stream",
+        {"inputs": "ab", "parameters": {"top_p": 0}},
+        422,
+        r"parameters.top_p: Input should be greater than 0",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "ab", "max_tokens": 0},
+        422,
+        r"max_tokens: Input should be greater than or equal to 1",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "ab", "temperature": 2.5},
+        422,
+        r"temperature: Input should be less than or equal to 2",
+    ),
     ("/v1/completions", {"prompt": ["a", "b"]}, 422, r"exactly one prompt per request"),
     ("/v1/completions", {"prompt": "ab", "n": 3}, 422, r"n=3 is not supported"),
     ("/v1/completions", {"prompt": "ab", "logprobs": 2}, 422, r"logprobs=2 is not supported"),
     ("/v1/completions", {"prompt": "ab", "top_k": 3}, 422, r"top_k: unknown field"),
     ("/v1/completions", {"prompt": "", "stream": True}, 422, r"the prompt is empty"),
     ("/v1/chat/completions", {"messages": []}, 422, r"messages: List should have at least 1 item"),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 422, r"messages.0.role: Input should be 'system', 'user'"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "text": "x"}]}, 422, r"messages.0.text: unknown field; supported: content, name, role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}, 422, r"max_new_tokens=1000 is out of range"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "robot", "content": "x"}]},
+        422,
+        r"messages.0.role: Input should be 'system', 'user'",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "text": "x"}]},
+        422,
+        r"messages.0.text: unknown field; supported: content, name, role",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000},
+        422,
+        r"max_new_tokens=1000 is out of range",
+    ),
 ]
 
 
@@ -339,18 +521,30 @@ def test_api_key(target, tok):
         with s.client() as c:
             assert c.get("/health").status_code == 200  # open: load balancers probe it
             r = c.post("/generate", json={"inputs": "ab", "parameters": {"max_new_tokens": 2}})
-            assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"] and r.headers["www-authenticate"] == "Bearer"
+            assert (
+                r.status_code == 401
+                and "Authorization: Bearer" in r.json()["error"]
+                and r.headers["www-authenticate"] == "Bearer"
+            )
             r = c.post("/v1/completions", json={"prompt": "ab"}, headers={"Authorization": "Bearer wrong"})
-            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error" and "wrong API key" in r.json()["error"]["message"]
+            assert (
+                r.status_code == 401
+                and r.json()["error"]["type"] == "authentication_error"
+                and "wrong API key" in r.json()["error"]["message"]
+            )
             assert c.get("/info").status_code == 401 and c.get("/metrics").status_code == 401
             ok = {"Authorization": "Bearer sekret"}
-            assert c.post("/generate", json={"inputs": "ab", "parameters": {"max_new_tokens": 2}}, headers=ok).status_code == 200
+            assert (
+                c.post("/generate", json={"inputs": "ab", "parameters": {"max_new_tokens": 2}}, headers=ok).status_code
+                == 200
+            )
             assert c.get("/info", headers=ok).json()["speculation"] is False
     finally:
         s.stop()
 
 
 # --- disconnects, the queue limit, faults, shutdown ------------------------------------------------
+
 
 class SlowDrafter(Drafter):
     """Proposes nothing, slowly: every step takes at least DELAY seconds (time to act between steps)."""
@@ -365,7 +559,16 @@ class SlowDrafter(Drafter):
 
 def slow_server(target, tok, **kwargs) -> Served:
     """One row at a time, >= 30 ms a step, and no EOS: a request runs until its length or its cancellation."""
-    s = Served(build_app(target, tok, spin_pool([SlowDrafter()]), max_batch_size=1, limits=Limits(max_input_tokens=64, max_total_tokens=1024), **kwargs))
+    s = Served(
+        build_app(
+            target,
+            tok,
+            spin_pool([SlowDrafter()]),
+            max_batch_size=1,
+            limits=Limits(max_input_tokens=64, max_total_tokens=1024),
+            **kwargs,
+        )
+    )
     s.service.eos_ids = set()
     return s
 
@@ -408,10 +611,14 @@ def test_queue_limit_answers_503_with_retry_after(slow, target, tok):
 
     async def go():
         async with slow.async_client() as c:
-            async with c.stream("POST", "/generate_stream", json={"inputs": prompt, "parameters": {"max_new_tokens": 900}}) as first:
+            async with c.stream(
+                "POST", "/generate_stream", json={"inputs": prompt, "parameters": {"max_new_tokens": 900}}
+            ) as first:
                 lines = first.aiter_lines()  # keep a reference: a dropped line iterator closes the stream
                 await lines.__anext__()
-                waiting = asyncio.create_task(c.post("/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 3}}))
+                waiting = asyncio.create_task(
+                    c.post("/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 3}})
+                )
                 while scheduler.queue_depth < 1:
                     await asyncio.sleep(0.01)
                 refused = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
@@ -420,7 +627,9 @@ def test_queue_limit_answers_503_with_retry_after(slow, target, tok):
 
     refused, refused_tgi, waiting = asyncio.run(go())
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-    assert refused.json()["error"]["type"] == "server_overloaded" and "queue is full" in refused.json()["error"]["message"]
+    assert (
+        refused.json()["error"]["type"] == "server_overloaded" and "queue is full" in refused.json()["error"]["message"]
+    )
     assert refused_tgi.status_code == 503 and refused_tgi.json()["error_type"] == "overloaded"
     assert waiting.status_code == 200 and waiting.json()["generated_text"]
     assert 'hf_spin_requests_total{route="generate",status="rejected"} 1.0' in slow.service.metrics.render().decode()
@@ -429,8 +638,8 @@ def test_queue_limit_answers_503_with_retry_after(slow, target, tok):
 def test_prefill_budget_spreads_a_burst_of_long_prompts_over_steps():
     """TGI's max_batch_prefill_tokens: rows joining in one step x their longest prompt stay within the
     budget; a prompt longer than the budget joins alone; cancelled jobs leave without counting."""
-    from hf_spin.step.rows import Request
     from hf_spin.serving.scheduler import Job, Scheduler
+    from hf_spin.step.rows import Request
 
     loop = asyncio.new_event_loop()
     try:
@@ -468,18 +677,28 @@ def test_a_failing_request_fails_alone(target, tok):
     mark_char = tok.convert_ids_to_tokens(PoisonProposer.MARK)
     prompts = [PROMPTS[0], PROMPTS[1] + poison_char, mark_char + PROMPTS[2], PROMPTS[3]]
     try:
+
         async def go():
             async with s.async_client() as c:
-                return await asyncio.gather(*(c.post("/generate", json={"inputs": p, "parameters": {"max_new_tokens": 12, "details": True}}) for p in prompts))
+                return await asyncio.gather(
+                    *(
+                        c.post("/generate", json={"inputs": p, "parameters": {"max_new_tokens": 12, "details": True}})
+                        for p in prompts
+                    )
+                )
 
         ok0, bad1, bad2, ok3 = asyncio.run(go())
         for bad in (bad1, bad2):
             assert bad.status_code == 500 and bad.json()["error_type"] == "generation"
             assert "poisoned input (simulated target fault)" in bad.json()["error"]
         for ok, p in ((ok0, prompts[0]), (ok3, prompts[3])):
-            assert ok.status_code == 200 and [t["id"] for t in ok.json()["details"]["tokens"]] == plain(target, tok, p, 12)
+            assert ok.status_code == 200 and [t["id"] for t in ok.json()["details"]["tokens"]] == plain(
+                target, tok, p, 12
+            )
         with s.client() as c:
-            with c.stream("POST", "/generate_stream", json={"inputs": prompts[1], "parameters": {"max_new_tokens": 4}}) as r:
+            with c.stream(
+                "POST", "/generate_stream", json={"inputs": prompts[1], "parameters": {"max_new_tokens": 4}}
+            ) as r:
                 events = sse(r.iter_lines())
             assert events[-1]["error_type"] == "generation" and "poisoned" in events[-1]["error"]
             assert c.get("/health").status_code == 200
@@ -511,7 +730,10 @@ def test_shutdown_cancels_in_flight_requests_cleanly(target, tok):
     results = {}
 
     def stream():
-        with s.client() as c, c.stream("POST", "/generate_stream", json={"inputs": prompt, "parameters": {"max_new_tokens": 900}}) as r:
+        with (
+            s.client() as c,
+            c.stream("POST", "/generate_stream", json={"inputs": prompt, "parameters": {"max_new_tokens": 900}}) as r,
+        ):
             results["events"] = sse(r.iter_lines())  # the stream ends normally: no protocol error
 
     reader = threading.Thread(target=stream)
@@ -524,4 +746,6 @@ def test_shutdown_cancels_in_flight_requests_cleanly(target, tok):
     assert 0.5 <= time.time() - started < 15  # the grace period, then the cancellation
     events = results["events"]
     assert len(events) > 2 and all("token" in e for e in events[:-1])  # tokens while the grace lasted
-    assert events[-1]["error"] == "the server is shutting down; this request was cancelled"  # then a last event saying why
+    assert (
+        events[-1]["error"] == "the server is shutting down; this request was cancelled"
+    )  # then a last event saying why

@@ -27,7 +27,7 @@ def test_incremental_decoder_concatenates_to_the_full_text():
     ids = tok(text, add_special_tokens=False)["input_ids"]
     decoder = IncrementalDecoder(tok, prompt)
     pieces = [decoder.push(t) for t in ids]
-    assert "".join(pieces) == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+    assert "".join(pieces) == tok.decode(prompt + ids)[len(tok.decode(prompt)) :]
 
 
 def test_stop_sequences_criterion_reads_only_generated_text():

@@ -17,7 +17,8 @@ from hf_spin.drafters import DraftRequest
 from hf_spin.drafters.suffix_index import SuffixIndex
 
 from .archs import ARCHS, tiny_model
-from .speculation import assert_speculated, greedy_case, multi_token, perturbed, pool as spin_pool
+from .speculation import assert_speculated, greedy_case, perturbed
+from .speculation import pool as spin_pool
 
 # --- the index ----------------------------------------------------------------------------------------
 
@@ -80,7 +81,11 @@ def test_continuations_are_best_first_bounded_and_cut_by_probability():
     assert [(t, parent) for t, parent, _ in nodes] == [(1, -1), (2, 0), (3, -1), (0, 0)]
     assert [p for _, _, p in nodes] == pytest.approx([0.75, 0.5, 0.25, 0.25])
     assert [t for t, _, _ in index.continuations(match, 9, 3, min_probability=0.3)] == [1, 2]  # 1.2.5 is 1/4
-    assert [t for t, _, _ in index.continuations(match, 9, 3, 0.0, branching=False)] == [1, 2, 5]  # the most frequent child each time
+    assert [t for t, _, _ in index.continuations(match, 9, 3, 0.0, branching=False)] == [
+        1,
+        2,
+        5,
+    ]  # the most frequent child each time
     assert max(len(_path(nodes, i)) for i in range(len(nodes))) <= 3
 
 

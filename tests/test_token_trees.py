@@ -143,7 +143,9 @@ def _grown_trees() -> list[TokenTree]:
         prompts = [[3, i // 5, 4, i % 5] for i in range(16)]
         drafter.start(drafter.model, prompts)
         draft = drafter.draft(DraftRequest(list(range(16)), prompts, [2] * 16, True, None, trees=True))
-        _GROWN.extend(t for t in draft.trees if len(t.children(-1)) == 2 and any(len(t.children(n)) == 2 for n in t.children(-1)))
+        _GROWN.extend(
+            t for t in draft.trees if len(t.children(-1)) == 2 and any(len(t.children(n)) == 2 for n in t.children(-1))
+        )
         assert len(_GROWN) >= 3, f"only {len(_GROWN)} of 16 grown trees branch at both levels"
     return _GROWN
 
@@ -178,7 +180,14 @@ def _lossy(p: torch.Tensor, tree: TokenTree, g):
 
     path, node = [], -1
     while True:
-        chosen = next((c for c in tree.candidates(node) if float(torch.rand(1, generator=g)) < float(p[node + 1, tree.tokens[c]])), None)
+        chosen = next(
+            (
+                c
+                for c in tree.candidates(node)
+                if float(torch.rand(1, generator=g)) < float(p[node + 1, tree.tokens[c]])
+            ),
+            None,
+        )
         if chosen is None:
             return TreeVerdict(path, int(torch.multinomial(p[node + 1], 1, generator=g)))
         path.append(chosen)
@@ -278,8 +287,22 @@ def test_every_tree_slot_scores_its_own_path_and_the_kept_path_decodes_on(arch, 
 # 40-token greedy run repeats itself enough for prompt lookup to find two continuations of a match
 # (gpt_neox, gptj and starcoder2, for one, do not at batch 1 or 4).
 TREE_ARCHS = (
-    "llama", "qwen2", "qwen3", "gemma", "phi", "phi3", "gpt2", "codegen", "opt",
-    "olmo", "olmo2", "cohere", "granite", "mixtral", "deepseek_v3", "glm4",
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "phi",
+    "phi3",
+    "gpt2",
+    "codegen",
+    "opt",
+    "olmo",
+    "olmo2",
+    "cohere",
+    "granite",
+    "mixtral",
+    "deepseek_v3",
+    "glm4",
 )
 # (prompt length, new tokens) per kind: prompt lookup needs a longer run to branch
 CASE = {"lookup": (24, 40), "vote": (12, 20)}
@@ -302,15 +325,21 @@ def verified_trees(monkeypatch):
 
 
 def _pool(arch: str, kind: str, cache: str = "packed"):
-    """"lookup": prompt lookup alone, every distinct continuation of its matches a branch; "vote": two
+    """ "lookup": prompt lookup alone, every distinct continuation of its matches a branch; "vote": two
     noisy copies of the target and prompt lookup, their drafts merged into one tree (branching where
     they disagree)."""
     import hf_spin
 
     from .speculation import multi_token, perturbed
 
-    drafters = ["prompt_lookup"] if kind == "lookup" else [perturbed(arch, seed=1), perturbed(arch, seed=2, scale=0.4), "prompt_lookup"]
-    return hf_spin.AssistantPool(drafters, policy="vote" if kind == "vote" else "fixed", draft_length=multi_token(), cache=cache)
+    drafters = (
+        ["prompt_lookup"]
+        if kind == "lookup"
+        else [perturbed(arch, seed=1), perturbed(arch, seed=2, scale=0.4), "prompt_lookup"]
+    )
+    return hf_spin.AssistantPool(
+        drafters, policy="vote" if kind == "vote" else "fixed", draft_length=multi_token(), cache=cache
+    )
 
 
 @pytest.mark.parametrize("cache_kind", ["packed", "rectangular"])
@@ -380,8 +409,21 @@ def test_sampled_vote_trees_run_in_the_engine(verified_trees):
 
     target = tiny_model("llama")
     ids, mask = ragged_batch(3, 10)
-    pool = hf_spin.AssistantPool([perturbed("llama", seed=1), perturbed("llama", seed=2, scale=0.4), "prompt_lookup"], policy="vote", draft_length=multi_token(), cache="packed")
-    out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=True, top_k=0, custom_generate=hf_spin.generate, assistant_pool=pool)
+    pool = hf_spin.AssistantPool(
+        [perturbed("llama", seed=1), perturbed("llama", seed=2, scale=0.4), "prompt_lookup"],
+        policy="vote",
+        draft_length=multi_token(),
+        cache="packed",
+    )
+    out = target.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=16,
+        do_sample=True,
+        top_k=0,
+        custom_generate=hf_spin.generate,
+        assistant_pool=pool,
+    )
     assert out.shape[0] == 3 and 10 < out.shape[1] <= 26
     stats = pool.last_stats
     assert sum(d.failures for d in stats.drafters.values()) == 0 and stats.acceptance_rate > 0
@@ -428,7 +470,10 @@ def test_seeded_rows_give_the_same_tokens_with_trees_as_with_chains(verified_tre
         pool = hf_spin.AssistantPool(drafters, policy="vote", draft_length=multi_token(), cache="packed", tree=tree)
         engine = SpinEngine(target, pool)
         sharp = LogitsProcessorList([TemperatureLogitsWarper(0.3)])  # drafts accepted often, off the first branch too
-        rows = [engine.add(Request(prompt=p, max_new_tokens=24, do_sample=True, seed=s, processors=sharp)) for s, p in enumerate(prompts)]
+        rows = [
+            engine.add(Request(prompt=p, max_new_tokens=24, do_sample=True, seed=s, processors=sharp))
+            for s, p in enumerate(prompts)
+        ]
         while engine.has_work:
             engine.step()
         return [r.generated for r in rows]

@@ -25,8 +25,24 @@ QUESTIONS = [
 def test_tree_bench_runs_every_method_on_tiny_models(drafter, tmp_path):
     tok = char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
-    args = tree_bench.parse_args(["--k", "4", "--max-new-tokens", "8", "--batch-sizes", "1", "2", "--cache", "rectangular", "--out", str(tmp_path)])
-    records = tree_bench.run(tiny_model("llama"), tok, perturbed("llama") if drafter == "model" else None, QUESTIONS, args)
+    args = tree_bench.parse_args(
+        [
+            "--k",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--batch-sizes",
+            "1",
+            "2",
+            "--cache",
+            "rectangular",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    records = tree_bench.run(
+        tiny_model("llama"), tok, perturbed("llama") if drafter == "model" else None, QUESTIONS, args
+    )
     for bs in (1, 2):
         methods = {r["method"] for r in records if r["batch_size"] == bs}
         expected = set(tree_bench.METHODS) - ({"transformers_assisted"} if drafter == "prompt_lookup" else set())

@@ -81,7 +81,9 @@ def test_after_a_tree_the_drafter_drafts_as_a_fresh_one(arch):
     after it) drafts the same chain as a drafter that never grew a tree."""
     drafter = _drafter(arch, 3, SEQUENCES)
     draft = drafter.draft(_request(SEQUENCES, [0, 1, 2], [4, 3, 2]))
-    later = [s + c[:a] + [50 + a] for s, c, a in zip(SEQUENCES, draft.tokens, (2, 0, 1))]  # accepted 2 / 0 / 1, then a new token
+    later = [
+        s + c[:a] + [50 + a] for s, c, a in zip(SEQUENCES, draft.tokens, (2, 0, 1))
+    ]  # accepted 2 / 0 / 1, then a new token
     again = drafter.draft(_request(later, [0, 1, 2], [3, 3, 3], trees=False))
     fresh = _drafter(arch, 1, later).draft(_request(later, [0, 1, 2], [3, 3, 3], trees=False))
     assert again.tokens == fresh.tokens
@@ -94,7 +96,9 @@ def test_width_one_grows_the_chain_and_stops_where_the_chain_does():
     rows, ks = [0, 1, 2], [5, 3, 5]
     for confidence in (0.0, 0.05):
         request = _request(SEQUENCES, rows, ks, min_confidence=confidence)
-        chain = _drafter("llama", 1, SEQUENCES).draft(_request(SEQUENCES, rows, ks, trees=False, min_confidence=confidence))
+        chain = _drafter("llama", 1, SEQUENCES).draft(
+            _request(SEQUENCES, rows, ks, trees=False, min_confidence=confidence)
+        )
         drafter = _drafter("llama", 1, SEQUENCES)
         grown = grow_trees(drafter, request, *drafter._catch_up(rows, SEQUENCES))
         assert grown.tokens == chain.tokens and [t.tokens for t in grown.trees] == chain.tokens

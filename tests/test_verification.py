@@ -56,7 +56,10 @@ def test_a_step_without_drafts_takes_the_argmax_of_greedy_rows_only():
     assert v.accepted.tolist() == [0, 0] and v.next_token.tolist() == [4, 6]
     # a sampled row samples: with p = softmax(scores) every token has mass, so some draw leaves the argmax
     torch.manual_seed(0)
-    drawn = {verify_rows([0, 1], [RowSampling(True, None, 0)] * 2, scores, [[], []], [None, None]).next_token[0].item() for _ in range(20)}
+    drawn = {
+        verify_rows([0, 1], [RowSampling(True, None, 0)] * 2, scores, [[], []], [None, None]).next_token[0].item()
+        for _ in range(20)
+    }
     assert drawn - {4}
 
 

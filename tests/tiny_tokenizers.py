@@ -41,7 +41,12 @@ PROMPTS = ["a small model", "the sea was", "the quick brown", "it was the best"]
 
 def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>", padding_side="left"
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="left",
     )
 
 
@@ -60,7 +65,9 @@ def bpe_tokenizer(vocab_size: int = 160) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=ALPHABET, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=ALPHABET, show_progress=False
+    )
     tok.train_from_iterator(TEXT.splitlines(), trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", SPECIALS.index("<s>"))])
     return _wrap(tok)

@@ -23,11 +23,10 @@ import torch
 from tqdm import tqdm
 
 import hf_spin
-from hf_spin.policies import make_draft_length
-from hf_spin.policies.lbss import LBSSPolicy
-
 from benchmarks.common import machine, write_results
 from benchmarks.pool_bench import Bench, parse_args, workload
+from hf_spin.policies import make_draft_length
+from hf_spin.policies.lbss import LBSSPolicy
 
 
 class TracedLBSS(LBSSPolicy):
@@ -53,11 +52,29 @@ class TracedLBSS(LBSSPolicy):
             estimates = {}
             for d, info in enumerate(self.drafters):
                 k = self.draft_length.k(d, b, view)
-                estimates[info.name] = {"tokens": self.expected_tokens(row, d, k), "seconds": self.row_seconds(d, k, B), "lag": self.lag(row, d)}
+                estimates[info.name] = {
+                    "tokens": self.expected_tokens(row, d, k),
+                    "seconds": self.row_seconds(d, k, B),
+                    "lag": self.lag(row, d),
+                }
             stage = self.stage(row.age - 1)
-            rows.append({"row_id": rid, "age": row.age - 1, "epoch": stage.epoch, "explore": stage.explore, **before.get(b, {}), "choice": list(choice[b]), "pending": row.pending, "runner_up": row.runner_up, "estimates": estimates})
+            rows.append(
+                {
+                    "row_id": rid,
+                    "age": row.age - 1,
+                    "epoch": stage.epoch,
+                    "explore": stage.explore,
+                    **before.get(b, {}),
+                    "choice": list(choice[b]),
+                    "pending": row.pending,
+                    "runner_up": row.runner_up,
+                    "estimates": estimates,
+                }
+            )
         catch_up = {self.drafters[d].name: batch_rows for d, batch_rows in self._catch_up.items()}
-        self.trace.append({"batch_size": B, "plain_seconds": self.costs.plain_seconds(B), "catch_up": catch_up, "rows": rows})
+        self.trace.append(
+            {"batch_size": B, "plain_seconds": self.costs.plain_seconds(B), "catch_up": catch_up, "rows": rows}
+        )
         return choice
 
     def update(self, feedback):
@@ -116,8 +133,14 @@ def markdown(env: dict, batches: list[dict], calib: dict) -> str:
     ]
     for i, b in enumerate(batches):
         chosen = ", ".join(f"{k} {v}" for k, v in sorted(b["chosen"].items(), key=lambda kv: -kv[1]))
-        lines.append(f"| {i} | {', '.join(b['tasks'])} | {b['plain_seconds']:.1f} | {b['lbss_seconds']:.1f} | {b['plain_seconds'] / b['lbss_seconds']:.2f}x | {chosen} |")
-    lines += ["", "| chosen | steps | predicted tokens | measured tokens | predicted row s | measured row s | predicted goodput | measured goodput |", "|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {i} | {', '.join(b['tasks'])} | {b['plain_seconds']:.1f} | {b['lbss_seconds']:.1f} | {b['plain_seconds'] / b['lbss_seconds']:.2f}x | {chosen} |"
+        )
+    lines += [
+        "",
+        "| chosen | steps | predicted tokens | measured tokens | predicted row s | measured row s | predicted goodput | measured goodput |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, c in sorted(calib.items(), key=lambda kv: -kv[1]["steps"]):
         n = c["steps"]
         pg = c["predicted_tokens"] / c["predicted_seconds"] if c["predicted_seconds"] else float("nan")
@@ -149,18 +172,28 @@ def main() -> None:
         for r in records:
             for name, n in r["methods"]["policy:lbss"]["chosen"].items():
                 chosen[name] += n
-        batches.append({
-            "tasks": [r["task"] for r in records],
-            "plain_seconds": records[0]["methods"]["plain"]["seconds"],
-            "lbss_seconds": records[0]["methods"]["policy:lbss"]["seconds"],
-            "chosen": dict(chosen),
-            "steps": [first, len(policy.trace)],
-        })
-    env = {**machine(), "batch_size": bs, "max_new_tokens": args.max_new_tokens, "policy_warmup": args.policy_warmup, "per_task": args.per_task}
+        batches.append(
+            {
+                "tasks": [r["task"] for r in records],
+                "plain_seconds": records[0]["methods"]["plain"]["seconds"],
+                "lbss_seconds": records[0]["methods"]["policy:lbss"]["seconds"],
+                "chosen": dict(chosen),
+                "steps": [first, len(policy.trace)],
+            }
+        )
+    env = {
+        **machine(),
+        "batch_size": bs,
+        "max_new_tokens": args.max_new_tokens,
+        "policy_warmup": args.policy_warmup,
+        "per_task": args.per_task,
+    }
     calib = calibration(policy.trace)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lbss_trace-steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in policy.trace))
-    md = write_results(args.out, "lbss_trace", {"env": env, "batches": batches, "calibration": calib}, markdown(env, batches, calib))
+    md = write_results(
+        args.out, "lbss_trace", {"env": env, "batches": batches, "calibration": calib}, markdown(env, batches, calib)
+    )
     print(md.read_text())
     print(f"written: {md}")
 

@@ -19,10 +19,9 @@ import torch
 from tqdm import tqdm
 
 import hf_spin
+from benchmarks.common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens, timed, write_results
 from hf_spin import models
 from hf_spin.policies.base import Policy
-
-from benchmarks.common import DEFAULT_QUESTIONS, encode, load_questions, machine, new_tokens, timed, write_results
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 
@@ -55,14 +54,18 @@ def main() -> None:
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     pools = {
         "never drafting": hf_spin.AssistantPool(["prompt_lookup"], policy=NeverDraft(), tokenizer=tok),
-        "never drafting, packed rows": hf_spin.AssistantPool(["prompt_lookup"], policy=NeverDraft(), tokenizer=tok, cache="packed"),
+        "never drafting, packed rows": hf_spin.AssistantPool(
+            ["prompt_lookup"], policy=NeverDraft(), tokenizer=tok, cache="packed"
+        ),
         "prompt lookup, k = 5": hf_spin.AssistantPool(["prompt_lookup"], tokenizer=tok, draft_length=5),
     }
 
     def run(method: str, batch: dict) -> tuple[torch.Tensor, float]:
         if method == "plain":
             return timed(lambda: target.generate(**batch, **gen))
-        return timed(lambda: target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pools[method], **gen))
+        return timed(
+            lambda: target.generate(**batch, custom_generate=hf_spin.generate, assistant_pool=pools[method], **gen)
+        )
 
     methods = ["plain", *pools]
     first = encode(tok, questions[:1])  # one-off allocation costs would bias whichever method runs first
@@ -80,12 +83,19 @@ def main() -> None:
                 got = new_tokens(out, P, tok.pad_token_id)
                 reference = reference or got
                 stats = pools[method].last_stats if method != "plain" else None
-                records.append({
-                    "repeat": rep, "batch": i, "padded_prompt": P, "method": method, "seconds": seconds,
-                    "identical_rows": sum(a == b for a, b in zip(got, reference)), "rows": len(got),
-                    "prefill_seconds": stats.prefill_seconds if stats else None,
-                    "verify_seconds": stats.verify_seconds if stats else None,
-                })
+                records.append(
+                    {
+                        "repeat": rep,
+                        "batch": i,
+                        "padded_prompt": P,
+                        "method": method,
+                        "seconds": seconds,
+                        "identical_rows": sum(a == b for a, b in zip(got, reference)),
+                        "rows": len(got),
+                        "prefill_seconds": stats.prefill_seconds if stats else None,
+                        "verify_seconds": stats.verify_seconds if stats else None,
+                    }
+                )
     plain = {(r["repeat"], r["batch"]): r["seconds"] for r in records if r["method"] == "plain"}
     lines = [
         f"hf_spin decoding plainly vs plain `generate`: batch {args.batch_size}, {len(batches)} batches x {args.repeats} repeats, "
@@ -107,7 +117,12 @@ def main() -> None:
         )
     table = "\n".join(lines) + "\n"
     print(table)
-    md = write_results(args.out, "plain_floor", {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(), "records": records}, table)
+    md = write_results(
+        args.out,
+        "plain_floor",
+        {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(), "records": records},
+        table,
+    )
     print(f"written: {md}")
 
 

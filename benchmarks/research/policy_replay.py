@@ -40,13 +40,12 @@ import torch
 from tqdm import tqdm
 
 import hf_spin
+from benchmarks.common import encode, machine, timed, write_results
+from benchmarks.pool_bench import WARM_UP_TOKENS, Bench, markdown, parser, summarize, workload
 from hf_spin.cache import CACHE_ARG
 from hf_spin.drafters.base import DraftRequest
 from hf_spin.policies import LBSSConfig, make_draft_length, make_policy
 from hf_spin.policies.base import DEFAULT_MIN_CONFIDENCE
-
-from benchmarks.common import encode, machine, timed, write_results
-from benchmarks.pool_bench import WARM_UP_TOKENS, Bench, markdown, parser, summarize, workload
 from tests.sim import SimDrafter, Simulator, SimVerify  # the policy tests' engine (run from the repository root)
 
 POWERS = [p / 20 for p in range(4, 21)]  # exponents tried in the verify fit, 0.2..1.0
@@ -70,7 +69,9 @@ def verify_seconds(target, batch: dict, continuations: list[list[int]], most: in
         ids = torch.tensor([(c + [c[-1]] * n)[:n] for c in continuations])  # [B, n]
         mask = torch.cat([batch["attention_mask"], torch.ones(B, n, dtype=torch.long)], dim=1)  # [B, P + n]
         for _ in range(VERIFY_REPEATS):
-            points.append([n, timed(lambda: target(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE_ARG: cache}))[1]])
+            points.append(
+                [n, timed(lambda: target(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE_ARG: cache}))[1]]
+            )
             cache.crop(-n)
     return prefill, points
 
@@ -86,8 +87,12 @@ def record(args) -> dict:
     for q in tqdm(held_out + questions, desc="recording"):
         batch = encode(bench.tok, [q])
         ids = batch["input_ids"][0].tolist()
-        gen, plain = timed(lambda: bench.target.generate(**batch, max_new_tokens=args.max_new_tokens + K, do_sample=False, pad_token_id=bench.tok.pad_token_id))
-        out = gen[0, len(ids):].tolist()
+        gen, plain = timed(
+            lambda: bench.target.generate(
+                **batch, max_new_tokens=args.max_new_tokens + K, do_sample=False, pad_token_id=bench.tok.pad_token_id
+            )
+        )
+        out = gen[0, len(ids) :].tolist()
         prefill, verify = verify_seconds(bench.target, batch, [out], K + 1)
         positions = min(args.max_new_tokens, len(out))
         drafts, calls, matches = {}, {}, {}
@@ -100,13 +105,28 @@ def record(args) -> dict:
                 drafts[name].append(draft.tokens[0])
                 matches[name].append(draft.match_lengths[0] if draft.match_lengths else None)
                 calls[name].append(seconds)
-        requests.append({
-            "question_id": q["question_id"], "task": q["group"], "held_out": q in held_out, "prompt_length": len(ids),
-            "plain_seconds": plain, "prefill_seconds": prefill, "verify": verify, "out": out, "positions": positions,
-            "drafts": drafts, "draft_seconds": calls, "match_lengths": matches,
-        })
+        requests.append(
+            {
+                "question_id": q["question_id"],
+                "task": q["group"],
+                "held_out": q in held_out,
+                "prompt_length": len(ids),
+                "plain_seconds": plain,
+                "prefill_seconds": prefill,
+                "verify": verify,
+                "out": out,
+                "positions": positions,
+                "drafts": drafts,
+                "draft_seconds": calls,
+                "match_lengths": matches,
+            }
+        )
     infos = [{"name": i.name, "kind": i.kind, "num_parameters": i.num_parameters} for i in pool.infos]
-    return {"env": {**machine(), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "draft_length": K}, "drafters": infos, "requests": requests}
+    return {
+        "env": {**machine(), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "draft_length": K},
+        "drafters": infos,
+        "requests": requests,
+    }
 
 
 def chunks(args, bs: int) -> list[tuple[list[dict], bool]]:
@@ -131,11 +151,19 @@ def record_batch(bench, pool, questions: list[dict], outs: list[list[int]], K: i
         drafter.start(bench.target, prompts)
         calls = []
         for g in range(1, DRAFT_CALLS + 2):  # the first call feeds the prompts: left out
-            request = DraftRequest(list(range(B)), [p + o[:g] for p, o in zip(prompts, outs)], [K] * B, False, None, DEFAULT_MIN_CONFIDENCE)
+            request = DraftRequest(
+                list(range(B)), [p + o[:g] for p, o in zip(prompts, outs)], [K] * B, False, None, DEFAULT_MIN_CONFIDENCE
+            )
             draft, seconds = timed(lambda: drafter.draft(request))
             calls.append(seconds / max(1, max(map(len, draft.tokens))))
         per_forward[name] = statistics.median(calls[1:])
-    return {"question_ids": [q["question_id"] for q in questions], "plain_seconds": plain, "prefill_seconds": prefill, "verify": verify, "draft_forward_seconds": per_forward}
+    return {
+        "question_ids": [q["question_id"] for q in questions],
+        "plain_seconds": plain,
+        "prefill_seconds": prefill,
+        "verify": verify,
+        "draft_forward_seconds": per_forward,
+    }
 
 
 def record_batches(args, rec: dict, bs: int) -> list[dict]:
@@ -149,12 +177,21 @@ def record_batches(args, rec: dict, bs: int) -> list[dict]:
         outs = {r["question_id"]: r["out"] for r in rec["requests"]}
         missing = [q["question_id"] for qs, _ in todo for q in qs if q["question_id"] not in outs]
         if missing:
-            raise SystemExit(f"questions {missing} are not in the recording {args.drafts}: record with a larger --per-task")
+            raise SystemExit(
+                f"questions {missing} are not in the recording {args.drafts}: record with a larger --per-task"
+            )
         torch.set_num_threads(args.threads)
         bench = Bench(args)
         pool = hf_spin.AssistantPool(list(bench.entries.values()), tokenizer=bench.tok)
         for qs, _ in tqdm(todo, desc=f"recording batch {bs} costs"):
-            c = record_batch(bench, pool, qs, [outs[q["question_id"]] for q in qs], rec["env"]["draft_length"], rec["env"]["max_new_tokens"])
+            c = record_batch(
+                bench,
+                pool,
+                qs,
+                [outs[q["question_id"]] for q in qs],
+                rec["env"]["draft_length"],
+                rec["env"]["max_new_tokens"],
+            )
             stored.append(c)
             have[tuple(c["question_ids"])] = c
         args.drafts.write_text(json.dumps(rec))
@@ -200,16 +237,33 @@ def fit_drafter(info: dict, requests: list[dict]) -> SimDrafter:
     per_forward = statistics.median(
         s / max(1, len(d)) for r in requests for d, s in zip(r["drafts"][name][2:], r["draft_seconds"][name][1:])
     )
-    extra = sum(max(0.0, r["draft_seconds"][name][0] - per_forward * max(1, len(r["drafts"][name][1]))) for r in requests)
+    extra = sum(
+        max(0.0, r["draft_seconds"][name][0] - per_forward * max(1, len(r["drafts"][name][1]))) for r in requests
+    )
     fed = sum(r["prompt_length"] + 1 for r in requests)
-    return SimDrafter(name, {}, forward_seconds=per_forward, catch_up_seconds=extra / fed, kind=info["kind"], num_parameters=info["num_parameters"])
+    return SimDrafter(
+        name,
+        {},
+        forward_seconds=per_forward,
+        catch_up_seconds=extra / fed,
+        kind=info["kind"],
+        num_parameters=info["num_parameters"],
+    )
 
 
 def batch_drafter(d: SimDrafter, forward_seconds: float, rows: int) -> SimDrafter:
     """d's per-forward seconds split into a part paid once per forward and a part per row served,
     from its forward on one row (d.forward_seconds) and on `rows` rows (forward_seconds)."""
     per_row = max(0.0, (forward_seconds - d.forward_seconds) / (rows - 1))
-    return SimDrafter(d.name, {}, token_seconds=per_row, forward_seconds=max(0.0, d.forward_seconds - per_row), catch_up_seconds=d.catch_up_seconds, kind=d.kind, num_parameters=d.num_parameters)
+    return SimDrafter(
+        d.name,
+        {},
+        token_seconds=per_row,
+        forward_seconds=max(0.0, d.forward_seconds - per_row),
+        catch_up_seconds=d.catch_up_seconds,
+        kind=d.kind,
+        num_parameters=d.num_parameters,
+    )
 
 
 def plain_step(request: dict) -> float:
@@ -233,9 +287,14 @@ class Replay(Simulator):
     def __init__(self, run: "Run", names: list[str], noise: float, seed: int, first_id: int):
         requests = run.requests
         super().__init__(
-            [run.drafters[n] for n in names], [r["task"] for r in requests], run.verify,
+            [run.drafters[n] for n in names],
+            [r["task"] for r in requests],
+            run.verify,
             prompt_lengths=[r["prompt_length"] + 1 for r in requests],  # the prefill's forward commits the first token
-            noise=noise, seed=seed, max_new_tokens=[p - 1 for p in run.positions], padded=len(requests) > 1,
+            noise=noise,
+            seed=seed,
+            max_new_tokens=[p - 1 for p in run.positions],
+            padded=len(requests) > 1,
         )
         self.row_ids = list(range(first_id, first_id + len(requests)))
         self.next_id, self.requests = self.row_ids[-1] + 1, dict(zip(self.row_ids, requests))
@@ -285,13 +344,27 @@ def runs(rec: dict, verify: SimVerify, drafters: list[SimDrafter], bs: int, batc
         requests = [by_id[i] for i in c["question_ids"]]
         positions = [r["positions"] for r in requests]
         if len(requests) == 1:
-            out.append(Run(requests, positions, not c["held_out"], verify, alone, requests[0]["prefill_seconds"], plain_seconds(requests[0])))
+            out.append(
+                Run(
+                    requests,
+                    positions,
+                    not c["held_out"],
+                    verify,
+                    alone,
+                    requests[0]["prefill_seconds"],
+                    plain_seconds(requests[0]),
+                )
+            )
             continue
         B = len(requests)
         fitted = {d.name: batch_drafter(d, c["draft_forward_seconds"][d.name], B) for d in drafters}
         steps = max(max(positions) - 1, 1)  # plain batched `generate`'s steps after its prefill
-        padded = sustain(fit_verify([(B * n, s) for n, s in c["verify"]]), [((c["plain_seconds"] - c["prefill_seconds"]) / steps, B)])
-        out.append(Run(requests, positions, not c["held_out"], padded, fitted, c["prefill_seconds"], c["plain_seconds"]))
+        padded = sustain(
+            fit_verify([(B * n, s) for n, s in c["verify"]]), [((c["plain_seconds"] - c["prefill_seconds"]) / steps, B)]
+        )
+        out.append(
+            Run(requests, positions, not c["held_out"], padded, fitted, c["prefill_seconds"], c["plain_seconds"])
+        )
     return out
 
 
@@ -312,7 +385,9 @@ def replay(calls: list[Run], names: list[str], policy, noise: float, seed: int) 
 
 def row_records(steps, rows: list[int], names: list[str], prefill: float) -> list[dict]:
     """Per row of a replayed call: the call's seconds, the row's own (to its last token), its choices and counts."""
-    ends = [prefill + sum(fb.verify_seconds + sum(fb.draft_seconds) for fb in steps[: i + 1]) for i in range(len(steps))]
+    ends = [
+        prefill + sum(fb.verify_seconds + sum(fb.draft_seconds) for fb in steps[: i + 1]) for i in range(len(steps))
+    ]
     records = []
     for rid in rows:
         mine = [(i, fb, fb.row_ids.index(rid)) for i, fb in enumerate(steps) if rid in fb.row_ids]
@@ -320,16 +395,22 @@ def row_records(steps, rows: list[int], names: list[str], prefill: float) -> lis
         for _, fb, b in mine:
             for d in fb.plan.drafters[b]:
                 chosen[names[d]] = chosen.get(names[d], 0) + 1
-        records.append({
-            "seconds": ends[-1] if ends else prefill, "row_seconds": ends[mine[-1][0]] if mine else prefill, "identical": True,
-            "chosen": chosen, "target_forwards": len(mine) + 1,
-            "drafted": sum(fb.drafted[b] for _, fb, b in mine), "accepted": sum(fb.accepted[b] for _, fb, b in mine),
-        })
+        records.append(
+            {
+                "seconds": ends[-1] if ends else prefill,
+                "row_seconds": ends[mine[-1][0]] if mine else prefill,
+                "identical": True,
+                "chosen": chosen,
+                "target_forwards": len(mine) + 1,
+                "drafted": sum(fb.drafted[b] for _, fb, b in mine),
+                "accepted": sum(fb.accepted[b] for _, fb, b in mine),
+            }
+        )
     return records
 
 
 def lbss_config(spec: str, seed: int) -> LBSSConfig:
-    """"optimism=0.5,settle=2" -> LBSSConfig(optimism=0.5, settle=2, seed=seed) ("": the defaults)."""
+    """ "optimism=0.5,settle=2" -> LBSSConfig(optimism=0.5, settle=2, seed=seed) ("": the defaults)."""
     pairs = [kv.split("=", 1) for kv in spec.split(",") if kv.strip()]
     return LBSSConfig(**{"seed": seed, **{k.strip(): ast.literal_eval(v.strip()) for k, v in pairs}})
 
@@ -341,7 +422,10 @@ def methods(drafters: list[SimDrafter], k: int, args) -> dict:
     for name in args.policies:
         out[f"policy:{name}"] = (names, lambda seed, name=name: make_policy(name, k))
     for spec in args.lbss:
-        out[f"policy:lbss[{spec}]" if spec else "policy:lbss"] = (names, lambda seed, spec=spec: make_policy(lbss_config(spec, seed), make_draft_length(k)))
+        out[f"policy:lbss[{spec}]" if spec else "policy:lbss"] = (
+            names,
+            lambda seed, spec=spec: make_policy(lbss_config(spec, seed), make_draft_length(k)),
+        )
     return out
 
 
@@ -350,7 +434,13 @@ def spread(per_seed: dict[int, dict[int, dict[str, float]]], labels: list[str]) 
     seeds = list(per_seed)
     lines = []
     for bs in per_seed[seeds[0]]:
-        lines += ["", f"### batch {bs}: ALL speed-up per seed", "", "| method | mean | sd | " + " | ".join(map(str, seeds)) + " |", "|---" * (len(seeds) + 3) + "|"]
+        lines += [
+            "",
+            f"### batch {bs}: ALL speed-up per seed",
+            "",
+            "| method | mean | sd | " + " | ".join(map(str, seeds)) + " |",
+            "|---" * (len(seeds) + 3) + "|",
+        ]
         for m in labels:
             xs = [per_seed[s][bs][m] for s in seeds]
             sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
@@ -360,13 +450,31 @@ def spread(per_seed: dict[int, dict[int, dict[str, float]]], labels: list[str]) 
 
 def main() -> None:
     ap = parser(__doc__.split("\n\n")[0])
-    ap.add_argument("--drafts", type=Path, default=None, help="a recording (drafts.json) to replay; without it the models record one into --out")
-    ap.add_argument("--lbss", nargs="*", default=[""], help='LBSSConfig settings per LBSS variant, e.g. "" "optimism=0.5,settle=2" ("": the defaults)')
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="cost-noise (and policy) seeds; records of every seed are pooled")
+    ap.add_argument(
+        "--drafts",
+        type=Path,
+        default=None,
+        help="a recording (drafts.json) to replay; without it the models record one into --out",
+    )
+    ap.add_argument(
+        "--lbss",
+        nargs="*",
+        default=[""],
+        help='LBSSConfig settings per LBSS variant, e.g. "" "optimism=0.5,settle=2" ("": the defaults)',
+    )
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2],
+        help="cost-noise (and policy) seeds; records of every seed are pooled",
+    )
     ap.add_argument("--noise", type=float, default=0.05, help="sd of the log-normal noise on every replayed cost")
     ap.set_defaults(batch_sizes=[1])
     args = ap.parse_args()
-    args.policies = [p for p in (args.policies or ["epsilon_greedy", "round_robin"]) if p != "lbss"]  # LBSS runs as --lbss variants
+    args.policies = [
+        p for p in (args.policies or ["epsilon_greedy", "round_robin"]) if p != "lbss"
+    ]  # LBSS runs as --lbss variants
     if args.drafts is None:
         rec = record(args)
         args.out.mkdir(parents=True, exist_ok=True)
@@ -374,33 +482,59 @@ def main() -> None:
         args.drafts.write_text(json.dumps(rec))
         print(f"recorded: {args.drafts}")
     rec = json.loads(args.drafts.read_text())
-    verify = sustain(fit_verify([(n, s) for r in rec["requests"] for n, s in r["verify"]]), [(plain_step(r), 1) for r in rec["requests"]])
+    verify = sustain(
+        fit_verify([(n, s) for r in rec["requests"] for n, s in r["verify"]]),
+        [(plain_step(r), 1) for r in rec["requests"]],
+    )
     drafters = [fit_drafter(info, rec["requests"]) for info in rec["drafters"]]
-    calls = {bs: runs(rec, verify, drafters, bs, record_batches(args, rec, bs) if bs > 1 else []) for bs in args.batch_sizes}
+    calls = {
+        bs: runs(rec, verify, drafters, bs, record_batches(args, rec, bs) if bs > 1 else []) for bs in args.batch_sizes
+    }
     table = methods(drafters, rec["env"]["draft_length"], args)
     records, per_seed = [], {}
     for seed in args.seeds:
         seed_records = []
         for bs, bench_calls in calls.items():
             measured = [
-                {"question_id": r["question_id"], "task": r["task"], "batch_size": len(run.requests), "requested_batch_size": bs,
-                 "new_tokens": p, "methods": {"plain": {"seconds": run.plain_seconds, "identical": True}}}
-                for run in bench_calls if run.kept for r, p in zip(run.requests, run.positions)
+                {
+                    "question_id": r["question_id"],
+                    "task": r["task"],
+                    "batch_size": len(run.requests),
+                    "requested_batch_size": bs,
+                    "new_tokens": p,
+                    "methods": {"plain": {"seconds": run.plain_seconds, "identical": True}},
+                }
+                for run in bench_calls
+                if run.kept
+                for r, p in zip(run.requests, run.positions)
             ]
             for label, (names, make) in tqdm(table.items(), desc=f"seed {seed}, batch {bs}"):
                 for r, m in zip(measured, replay(bench_calls, names, make(seed), args.noise, seed)):
                     r["methods"][label] = m
             seed_records += measured
-        per_seed[seed] = {bs: {m: v["speedup"] for m, v in t["ALL"].items() if isinstance(v, dict) and "speedup" in v} for bs, t in summarize(seed_records).items()}
+        per_seed[seed] = {
+            bs: {m: v["speedup"] for m, v in t["ALL"].items() if isinstance(v, dict) and "speedup" in v}
+            for bs, t in summarize(seed_records).items()
+        }
         records += seed_records
     tasks = {r["task"] for r in rec["requests"]}
-    env = {**rec["env"], "cache": "rectangular", "policy_warmup": sum(r["held_out"] for r in rec["requests"]) // len(tasks)}
-    costs = f"verify ({verify.base:.4f} + {verify.per_token:.4f} n^{verify.power:.2f}) s, x {verify.sustained:.3f} without a draft model; " + "; ".join(
-        f"{d.name} {d.forward_seconds * 1e3:.1f} ms/forward, {d.catch_up_seconds * 1e3:.2f} ms/token caught up" for d in drafters
+    env = {
+        **rec["env"],
+        "cache": "rectangular",
+        "policy_warmup": sum(r["held_out"] for r in rec["requests"]) // len(tasks),
+    }
+    costs = (
+        f"verify ({verify.base:.4f} + {verify.per_token:.4f} n^{verify.power:.2f}) s, x {verify.sustained:.3f} without a draft model; "
+        + "; ".join(
+            f"{d.name} {d.forward_seconds * 1e3:.1f} ms/forward, {d.catch_up_seconds * 1e3:.2f} ms/token caught up"
+            for d in drafters
+        )
     )
     header = f"Replay of {args.drafts} (batch sizes {args.batch_sizes}, seeds {args.seeds}, cost noise {args.noise}); batch-1 costs: {costs}.\n\n"
     md = header + markdown(summarize(records), env) + spread(per_seed, list(table))
-    path = write_results(args.out, "policy_replay", {"env": env, "seeds": args.seeds, "per_seed": per_seed, "records": records}, md)
+    path = write_results(
+        args.out, "policy_replay", {"env": env, "seeds": args.seeds, "per_seed": per_seed, "records": records}, md
+    )
     print(md)
     print(f"written: {path}")
 

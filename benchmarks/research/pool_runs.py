@@ -78,7 +78,11 @@ def spreads(runs: list[dict[int, dict]], qids: list[int], methods: list[str]) ->
     """Per method, one run's sd of log goodput of a request (pairwise differences / sqrt(2))."""
     out = {}
     for m in methods:
-        diffs = [math.log(row_goodput(a[q], m) / row_goodput(b[q], m)) for a, b in itertools.combinations(runs, 2) for q in qids]
+        diffs = [
+            math.log(row_goodput(a[q], m) / row_goodput(b[q], m))
+            for a, b in itertools.combinations(runs, 2)
+            for q in qids
+        ]
         out[m] = statistics.pstdev(diffs) / math.sqrt(2) if diffs else float("nan")
     return out
 
@@ -90,7 +94,9 @@ def oracle_noise(runs: list[dict[int, dict]], qids: list[int]) -> list[float]:
     out = []
     for i, run in enumerate(runs):
         hindsight = sum(oracle_goodput(run[q], singles) for q in qids)
-        crossed = [sum(oracle_goodput(run[q], singles, other[q]) for q in qids) for j, other in enumerate(runs) if j != i]
+        crossed = [
+            sum(oracle_goodput(run[q], singles, other[q]) for q in qids) for j, other in enumerate(runs) if j != i
+        ]
         out.append(hindsight / statistics.mean(crossed))
     return out
 
@@ -124,7 +130,9 @@ def after_first(run: dict[int, dict], qids: list[int], skip: int) -> list[int]:
     return [q for q in run if q in shared][skip:]
 
 
-def learning_curve(run: dict[int, dict], qids: list[int], policy: str, reference: str) -> tuple[list[float], list[float]]:
+def learning_curve(
+    run: dict[int, dict], qids: list[int], policy: str, reference: str
+) -> tuple[list[float], list[float]]:
     """([R] the policy's speed over the reference's per request, [R] the same of their speeds summed
     over the requests so far), the shared requests in the run's (the bench's) order. At batch > 1
     the rows of a batch share its time: each of them repeats the batch's ratio."""
@@ -137,7 +145,9 @@ def learning_curve(run: dict[int, dict], qids: list[int], policy: str, reference
     return ratios, cumulative
 
 
-def plot(out: Path, paths: list[Path], runs: list[dict[int, dict]], qids: list[int], policy: str, reference: str) -> None:
+def plot(
+    out: Path, paths: list[Path], runs: list[dict[int, dict]], qids: list[int], policy: str, reference: str
+) -> None:
     """`learning_curve` of every run, one colour each: points per request, a line for the running sum."""
     try:
         import matplotlib
@@ -155,7 +165,9 @@ def plot(out: Path, paths: list[Path], runs: list[dict[int, dict]], qids: list[i
         ax.plot(x, cumulative, color=f"C{i}", label=f"{path.name} (summed so far)")
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_yscale("log")
-    ax.set_yticks([t for t in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0) if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]])
+    ax.set_yticks(
+        [t for t in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0) if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]]
+    )
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 0.9, not 9 x 10^-1
     ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -168,7 +180,9 @@ def plot(out: Path, paths: list[Path], runs: list[dict[int, dict]], qids: list[i
     plt.close(fig)
 
 
-def markdown(paths: list[Path], bs: int, qids: list[int], runs: list[dict[int, dict]], policy: str, reference: str, skip: int = 0) -> str:
+def markdown(
+    paths: list[Path], bs: int, qids: list[int], runs: list[dict[int, dict]], policy: str, reference: str, skip: int = 0
+) -> str:
     methods = shared_methods(runs, qids)
     lines = [f"{len(runs)} runs at batch {bs}, {len(qids)} requests each: " + ", ".join(str(p) for p in paths), ""]
     lines += ["| method | one run's sd of a request's log goodput |", "|---|---|"]
@@ -176,7 +190,12 @@ def markdown(paths: list[Path], bs: int, qids: list[int], runs: list[dict[int, d
     noise = oracle_noise(runs, qids) if len(runs) > 1 else []
     later_qids = after_first(runs[0], qids, skip)  # the runs share the bench's order (`main` checks)
     warm = f" | {policy} / {reference} after the first {skip}" if skip else ""
-    lines += ["", "| run | oracle in hindsight / oracle chosen in the other runs | " + f"{policy} / {reference} | {policy} oracle fraction{warm} |", "|---|---|---|---|" + ("---|" if skip else "")]
+    lines += [
+        "",
+        "| run | oracle in hindsight / oracle chosen in the other runs | "
+        + f"{policy} / {reference} | {policy} oracle fraction{warm} |",
+        "|---|---|---|---|" + ("---|" if skip else ""),
+    ]
     for i, (path, run) in enumerate(zip(paths, runs)):
         table = per_task([run], qids, policy, reference)["ALL"]
         crossed = f"{noise[i]:.3f}" if noise else "-"
@@ -184,24 +203,54 @@ def markdown(paths: list[Path], bs: int, qids: list[int], runs: list[dict[int, d
         lines.append(f"| {path} | {crossed} | {table[policy]:.3f} | {table['oracle fraction']:.3f}{later} |")
     table = per_task(runs, qids, policy, reference)
     tasks = sorted(t for t in table if t != "ALL") + ["ALL"]
-    lines += ["", f"Summed speed over all runs, / {reference} (oracle fraction: row goodput):", "", "| method | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+    lines += [
+        "",
+        f"Summed speed over all runs, / {reference} (oracle fraction: row goodput):",
+        "",
+        "| method | " + " | ".join(tasks) + " |",
+        "|---|" + "---|" * len(tasks),
+    ]
     for m in methods + ["oracle fraction"]:
         label = f"{policy} oracle fraction" if m == "oracle fraction" else m
         lines.append(f"| {label} | " + " | ".join(f"{table[t][m]:.3f}" for t in tasks) + " |")
     if skip:
         later = per_task(runs, later_qids, policy, reference)["ALL"]
-        lines += ["", f"After the first {skip} requests of each run, over all runs: {policy} / {reference} {later[policy]:.3f}, oracle fraction {later['oracle fraction']:.3f}."]
+        lines += [
+            "",
+            f"After the first {skip} requests of each run, over all runs: {policy} / {reference} {later[policy]:.3f}, oracle fraction {later['oracle fraction']:.3f}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", type=Path, nargs="+", help="pool_bench result directories (their newest pool_bench-*.json) or JSON files")
+    ap.add_argument(
+        "runs",
+        type=Path,
+        nargs="+",
+        help="pool_bench result directories (their newest pool_bench-*.json) or JSON files",
+    )
     ap.add_argument("--policy", default="policy:lbss", help="the method read against the reference and the oracle")
-    ap.add_argument("--reference", default="spin:smollm2-135m", help="the method the per-task ratios divide by (e.g. the best single drafter)")
-    ap.add_argument("--batch-size", type=int, default=None, help="the batch size read (default: the first in the first run)")
-    ap.add_argument("--skip", type=int, default=0, help="also read each run without its first N requests (a cold pool's learning cost)")
-    ap.add_argument("--plot", type=Path, default=None, help="write the policy's per-request ratio to the reference, in the bench's order, to this image (needs matplotlib)")
+    ap.add_argument(
+        "--reference",
+        default="spin:smollm2-135m",
+        help="the method the per-task ratios divide by (e.g. the best single drafter)",
+    )
+    ap.add_argument(
+        "--batch-size", type=int, default=None, help="the batch size read (default: the first in the first run)"
+    )
+    ap.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="also read each run without its first N requests (a cold pool's learning cost)",
+    )
+    ap.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write the policy's per-request ratio to the reference, in the bench's order, to this image (needs matplotlib)",
+    )
     args = ap.parse_args()
     bs, first = load(args.runs[0], args.batch_size)
     runs = [first] + [load(p, bs)[1] for p in args.runs[1:]]
@@ -215,7 +264,9 @@ def main() -> None:
     if not 0 <= args.skip < len(qids):
         raise SystemExit(f"--skip {args.skip} leaves no request of the {len(qids)} the runs share")
     if args.skip and any(after_first(run, qids, 0) != after_first(runs[0], qids, 0) for run in runs):
-        raise SystemExit(f"--skip {args.skip}: the runs ran their shared requests in different orders, so their first requests differ")
+        raise SystemExit(
+            f"--skip {args.skip}: the runs ran their shared requests in different orders, so their first requests differ"
+        )
     print(markdown(args.runs, bs, qids, runs, args.policy, args.reference, args.skip))
     if args.plot:
         plot(args.plot, args.runs, runs, qids, args.policy, args.reference)

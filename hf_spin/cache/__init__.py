@@ -14,7 +14,16 @@ Tuning constants (`rectangular.COMPACT_HOLE_FRACTION`, `packed.RESERVE_TOKENS`, 
 patched, in their own module; they are not re-exported, so a patch of `hf_spin.cache.<name>` fails loudly.
 """
 
-from .forward import CACHE_ARG, CACHE_NAMES, check_packed_support, forward_masked, forward_packed, forward_ragged, forward_tree, takes_4d_masks
+from .forward import (
+    CACHE_ARG,
+    CACHE_NAMES,
+    check_packed_support,
+    forward_masked,
+    forward_packed,
+    forward_ragged,
+    forward_tree,
+    takes_4d_masks,
+)
 from .packed import PackedCache, grow_capacity
 from .protocol import RowCache
 from .rectangular import RectangularCache, compaction_index, gather_slots, needs_contiguous_slots, per_device

@@ -31,7 +31,9 @@ CACHE_NAMES = ("cache", "past_key_values")  # what `generate` may hand a custom 
 CACHE_ARG = CACHE_NAMES[0] if CACHE_NAMES[0] in inspect.signature(create_causal_mask).parameters else CACHE_NAMES[1]
 
 
-def forward_ragged(model, cache: RectangularCache | PackedCache, chunks: list[list[int]], all_logits: bool = True, forward=None) -> torch.Tensor:
+def forward_ragged(
+    model, cache: RectangularCache | PackedCache, chunks: list[list[int]], all_logits: bool = True, forward=None
+) -> torch.Tensor:
     """Run `model` on one chunk of new tokens per row, appending them to `cache`.
 
     chunks: B lists of token ids, any lengths (an empty chunk adds only holes).
@@ -60,7 +62,9 @@ def forward_ragged(model, cache: RectangularCache | PackedCache, chunks: list[li
         position = {j: u for u, j in enumerate(keep)}
         last = [position[j] for j in last]  # [B] index into keep
         extra["logits_to_keep"] = to_device(keep, device, torch.long)
-    cache.single_token_forward = width == 1 and attention_mask is not None  # no host read of the mask for a one-token query (RectangularCache.is_compileable)
+    cache.single_token_forward = (
+        width == 1 and attention_mask is not None
+    )  # no host read of the mask for a one-token query (RectangularCache.is_compileable)
     try:
         with _attention(model):  # the model's own attention, never a packed forward's (another thread's)
             out = (forward or model)(
@@ -179,7 +183,9 @@ def forward_tree(model, cache: RectangularCache | PackedCache, roots: list[int],
     return forward_packed(model, cache, chunks, depths=depths, tree_masks=masks)
 
 
-def _forward_tree_ragged(model, cache: RectangularCache, chunks: list[list[int]], depths: list[list[int]], masks: list[torch.Tensor]) -> torch.Tensor:
+def _forward_tree_ragged(
+    model, cache: RectangularCache, chunks: list[list[int]], depths: list[list[int]], masks: list[torch.Tensor]
+) -> torch.Tensor:
     """`forward_tree` on a `RectangularCache`: the chunks right-padded as `forward_ragged` pads them; a new
     slot sees the row's valid slots and its own path, a pad slot the row and itself (its logits are unused)."""
     (B, S), T = cache.host_mask.shape, max(len(c) for c in chunks)
@@ -193,7 +199,9 @@ def _forward_tree_ragged(model, cache: RectangularCache, chunks: list[list[int]]
     return forward_masked(model, cache, chunks, positions, allowed)
 
 
-def forward_masked(model, cache: RectangularCache, chunks: list[list[int]], positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def forward_masked(
+    model, cache: RectangularCache, chunks: list[list[int]], positions: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
     """Run `model` on one chunk of new tokens per row (right-padded), appended to a `RectangularCache`, each new
     slot at its own position and seeing what `allowed` says, through a 4D additive mask (transformers
     takes one as given). Token trees use it: the target verifying one (`forward_tree`), a model drafter
@@ -208,7 +216,9 @@ def forward_masked(model, cache: RectangularCache, chunks: list[list[int]], posi
     allowed = allowed.clone()
     allowed[:, torch.arange(T), S + torch.arange(T)] = True
     dtype = model.dtype
-    additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]  # [B, 1, T, S + T]
+    additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[
+        :, None
+    ]  # [B, 1, T, S + T]
     cache.add_slots([len(c) for c in chunks], T)
     past = cache.get_seq_length()
     with _attention(model):
@@ -225,7 +235,12 @@ def forward_masked(model, cache: RectangularCache, chunks: list[list[int]], posi
 
 
 def forward_packed(
-    model, cache: PackedCache, chunks: list[list[int]], all_logits: bool = True, depths: list[list[int]] | None = None, tree_masks: list | None = None
+    model,
+    cache: PackedCache,
+    chunks: list[list[int]],
+    all_logits: bool = True,
+    depths: list[list[int]] | None = None,
+    tree_masks: list | None = None,
 ) -> torch.Tensor:
     """`forward_ragged` on a `PackedCache`: one forward over the packed chunks `[1, total_q]`, no padding.
 

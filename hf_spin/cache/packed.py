@@ -146,7 +146,9 @@ class PackedCache(Cache):
         """key_states `[1, H_kv, total_q, D]` (the packed new tokens) -> all keys `[1, H_kv, total_slots, D]`
         (a view of the layer's `[total_slots, H_kv, D]` storage, which the attention function views back)."""
         if self._write is None:
-            raise RuntimeError("PackedCache.update outside forward_packed: run the model through hf_spin.cache.forward_ragged")
+            raise RuntimeError(
+                "PackedCache.update outside forward_packed: run the model through hf_spin.cache.forward_ragged"
+            )
         while len(self.layers) <= layer_idx:
             self.layers.append(_PackedLayer())
         layer = self.layers[layer_idx]
@@ -235,4 +237,3 @@ class PackedCache(Cache):
         """Bytes a rectangular cache `[B, H_kv, max_b length, D]` of the same rows would hold (a lower
         bound for `RectangularCache`, which also keeps holes)."""
         return len(self.lengths) * max(self.lengths, default=0) * self.bytes_per_token()
-

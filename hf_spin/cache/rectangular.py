@@ -68,7 +68,9 @@ class RectangularCache(DynamicCache):
     def __init__(self, slot_mask: torch.Tensor, contiguous: bool = False):
         super().__init__()
         self.slot_mask = slot_mask.bool()  # [B, S] on the device
-        self._host = torch.zeros(slot_mask.shape, dtype=torch.bool) if slot_mask.numel() == 0 else slot_mask.bool().cpu()  # [B, S]
+        self._host = (
+            torch.zeros(slot_mask.shape, dtype=torch.bool) if slot_mask.numel() == 0 else slot_mask.bool().cpu()
+        )  # [B, S]
         self.contiguous = contiguous
         self.single_token_forward = False  # set by forward_ragged around a one-token-per-row forward
 
@@ -230,7 +232,11 @@ class RectangularCache(DynamicCache):
         W = max(S, S2)
 
         def widen(t: torch.Tensor, width: int) -> torch.Tensor:  # [b, H, s, D] -> [b, H, width, D], holes on the left
-            return torch.cat([t.new_zeros(*t.shape[:2], width - t.shape[2], t.shape[3]), t], dim=2) if width > t.shape[2] else t
+            return (
+                torch.cat([t.new_zeros(*t.shape[:2], width - t.shape[2], t.shape[3]), t], dim=2)
+                if width > t.shape[2]
+                else t
+            )
 
         while len(self.layers) < len(other.layers):
             self.layers.append(type(other.layers[len(self.layers)])())
@@ -311,4 +317,3 @@ def compaction_index(slot_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def gather_slots(kv: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """kv [B, H, S, D], src [B, W] slot indices -> [B, H, W, D] (a new tensor)."""
     return kv.gather(2, src[:, None, :, None].expand(-1, kv.shape[1], -1, kv.shape[3]))
-

@@ -68,7 +68,12 @@ def fuzzy_device_map(config, devices: list, group_size: int = DEFAULT_GROUP_SIZE
     """
     c = config.get_text_config()
     home = devices[0]
-    device_map: dict[str, object] = {"model.embed_tokens": home, "model.rotary_emb": home, "model.norm": home, "lm_head": home}
+    device_map: dict[str, object] = {
+        "model.embed_tokens": home,
+        "model.rotary_emb": home,
+        "model.norm": home,
+        "lm_head": home,
+    }
     for layer_set in layer_sets(c.num_hidden_layers, group_size):
         for j, i in enumerate(layer_set):
             device_map[f"model.layers.{i}"] = devices[j % len(devices)]
@@ -85,12 +90,16 @@ def _check_layout(model) -> None:
     inner = getattr(model, "model", None)
     needed = ("embed_tokens", "rotary_emb", "norm", "layers")
     if inner is None or not all(hasattr(inner, n) for n in needed) or not hasattr(model, "lm_head"):
-        raise ValueError(f"FuzzyDrafter needs model.model.{{{', '.join(needed)}}} and model.lm_head; {type(model).__name__} lacks some")
+        raise ValueError(
+            f"FuzzyDrafter needs model.model.{{{', '.join(needed)}}} and model.lm_head; {type(model).__name__} lacks some"
+        )
     for i, layer in enumerate(inner.layers):
         parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
         attn_parts = ("q_proj", "k_proj", "v_proj", "o_proj")
         if not all(hasattr(layer, n) for n in parts) or not all(hasattr(layer.self_attn, n) for n in attn_parts):
-            raise ValueError(f"FuzzyDrafter: decoder layer {i} of {type(model).__name__} lacks one of {parts} / self_attn.{attn_parts}")
+            raise ValueError(
+                f"FuzzyDrafter: decoder layer {i} of {type(model).__name__} lacks one of {parts} / self_attn.{attn_parts}"
+            )
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("FuzzyDrafter cannot run a model with offloaded (meta) weights; load it fully on its devices")
 
@@ -125,7 +134,9 @@ def _fingerprint(attns) -> tuple:
 
 def _stack(attns) -> _StackedSet:
     q, k, v, o = ([getattr(a, name) for a in attns] for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    qkv_weight = torch.stack([torch.cat([qi.weight, ki.weight, vi.weight]).T for qi, ki, vi in zip(q, k, v)]).contiguous()
+    qkv_weight = torch.stack(
+        [torch.cat([qi.weight, ki.weight, vi.weight]).T for qi, ki, vi in zip(q, k, v)]
+    ).contiguous()
 
     def bias(*projs):
         if all(p.bias is None for p in projs):
@@ -183,7 +194,11 @@ class LayerParallelForward:
         kinds = {_layer_kind(self.config, i) for i in range(self.config.num_hidden_layers)}
         masks = {
             kind: MASK_FUNCTIONS[kind](
-                config=self.config, inputs_embeds=h, attention_mask=attention_mask, position_ids=position_ids, **{CACHE_ARG: cache}
+                config=self.config,
+                inputs_embeds=h,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                **{CACHE_ARG: cache},
             )
             for kind in kinds
         }
@@ -320,7 +335,14 @@ class FuzzyDrafter(ModelDrafter):
     batched: one-device sets run their projections as one batched matmul (see LayerParallelForward).
     """
 
-    def __init__(self, model, group_size: int = DEFAULT_GROUP_SIZE, calibrate: bool = True, batched: bool = True, name: str | None = None):
+    def __init__(
+        self,
+        model,
+        group_size: int = DEFAULT_GROUP_SIZE,
+        calibrate: bool = True,
+        batched: bool = True,
+        name: str | None = None,
+    ):
         super().__init__(model, name=name)
         self.fuzzy = LayerParallelForward(model, group_size, batched)
         self.calibrate = calibrate

@@ -78,8 +78,12 @@ class ModelDrafter(Drafter):
         forwards (not a subclass's fuzzy or sparse ones) over a rectangular cache, and a model that takes
         4D masks at consecutive-or-not slots."""
         return (
-            self.tree_width > 1 and self.shares_vocab and type(self)._forward is ModelDrafter._forward and isinstance(self.cache, RectangularCache)
-            and takes_4d_masks(self.model) and not needs_contiguous_slots(self.model.config)
+            self.tree_width > 1
+            and self.shares_vocab
+            and type(self)._forward is ModelDrafter._forward
+            and isinstance(self.cache, RectangularCache)
+            and takes_4d_masks(self.model)
+            and not needs_contiguous_slots(self.model.config)
         )
 
     def _new_cache(self, batch: int) -> RectangularCache | PackedCache:
@@ -115,7 +119,9 @@ class ModelDrafter(Drafter):
     def finish(self) -> None:
         self.cache, self.cached, self.exact = None, [], None
 
-    def _scores(self, logits: torch.Tensor, rows: list[int], prefixes: list[list[int]], request: DraftRequest) -> torch.Tensor:
+    def _scores(
+        self, logits: torch.Tensor, rows: list[int], prefixes: list[list[int]], request: DraftRequest
+    ) -> torch.Tensor:
         """Draft logits [n, V_draft] of `rows` -> scores over the target vocabulary [n, V_target], processed
         like the target's (prefixes: each row's committed + drafted ids)."""
         V = self.target_vocab_size
@@ -123,7 +129,9 @@ class ModelDrafter(Drafter):
         if logits.shape[-1] >= V:
             logits = logits[:, :V]
         else:  # a drafter with a smaller (unpadded) vocabulary never proposes the missing ids
-            logits = torch.cat([logits, logits.new_full((logits.shape[0], V - logits.shape[-1]), float("-inf"))], dim=-1)
+            logits = torch.cat(
+                [logits, logits.new_full((logits.shape[0], V - logits.shape[-1]), float("-inf"))], dim=-1
+            )
         if request.score is None:
             return logits
         return request.score(rows, prefixes, logits)
@@ -142,7 +150,7 @@ class ModelDrafter(Drafter):
             draft_seqs[row] = seq
             # at least one token is fed, so the forward yields the next-token logits
             keep[row] = min(self._keep(row, common_prefix_length(self.cached[row], seq)), len(seq) - 1)
-            chunks[row] = seq[keep[row]:]
+            chunks[row] = seq[keep[row] :]
             self.cached[row] = list(seq)
         self.cache.rollback(keep)
         return self._forward(chunks, keep), draft_seqs
@@ -171,9 +179,13 @@ class ModelDrafter(Drafter):
         sample = dict(zip(request.rows, request.sample or [request.do_sample] * len(request.rows)))
         active = [row for row in request.rows if limit[row] > 0]
         while active:
-            at = logits[:, -1] if active == list(range(B)) else logits[to_device(active, logits.device, torch.long), -1]  # [n, V_draft]
+            at = (
+                logits[:, -1] if active == list(range(B)) else logits[to_device(active, logits.device, torch.long), -1]
+            )  # [n, V_draft]
             if self.shares_vocab:
-                scores = self._scores(at, active, [request.sequences[row] + new_ids[row] for row in active], request)  # [n, V]
+                scores = self._scores(
+                    at, active, [request.sequences[row] + new_ids[row] for row in active], request
+                )  # [n, V]
             else:  # another vocabulary: the target's processors do not apply; greedy proposal
                 scores = at.float()
             drawn = [sample[row] and self.shares_vocab for row in active]  # [n]
@@ -186,7 +198,9 @@ class ModelDrafter(Drafter):
                 picked = to_device([i for i, d in enumerate(drawn) if d], q.device, torch.long)
                 tokens[picked] = torch.multinomial(q[picked], 1)[:, 0]
             if request.min_confidence > 0:  # tokens and their q in one transfer (ids are exact in float64)
-                tokens_host, confidence = torch.stack([tokens.double(), q.gather(1, tokens[:, None])[:, 0].double()]).tolist()
+                tokens_host, confidence = torch.stack(
+                    [tokens.double(), q.gather(1, tokens[:, None])[:, 0].double()]
+                ).tolist()
             else:
                 tokens_host, confidence = tokens.tolist(), None
             next_chunks: list[list[int]] = [[] for _ in range(B)]

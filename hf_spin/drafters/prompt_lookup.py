@@ -31,7 +31,10 @@ class PromptLookupDrafter(Drafter):
         self.max_branches = max_branches  # distinct continuations in a tree (the latest matches)
 
     def draft(self, request: DraftRequest) -> Draft:
-        found = [self.find_all(request.sequences[row], k, self.max_branches if request.trees else 1) for row, k in zip(request.rows, request.k)]
+        found = [
+            self.find_all(request.sequences[row], k, self.max_branches if request.trees else 1)
+            for row, k in zip(request.rows, request.k)
+        ]
         return Draft(
             tokens=[branches[0][0] if branches else [] for branches, _ in found],
             q=[None] * len(found),

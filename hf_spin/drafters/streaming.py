@@ -81,7 +81,9 @@ class StreamingCache(RectangularCache):
         into the evicted middle (keep[b] >= sink + evicted[b] where anything was evicted)."""
         keep = torch.as_tensor(keep, device=self.evicted.device)  # [B] (a list from the drafter)
         reaches = (self.evicted > 0) & (keep > 0) & (keep < self.sink_tokens + self.evicted)
-        assert not bool(reaches.any()), f"rollback into evicted tokens: keep {keep.tolist()}, evicted {self.evicted.tolist()}"
+        assert not bool(reaches.any()), (
+            f"rollback into evicted tokens: keep {keep.tolist()}, evicted {self.evicted.tolist()}"
+        )
         self.evicted = torch.where(keep == 0, 0, self.evicted)
         super().rollback(keep - self.evicted)
 
@@ -95,11 +97,17 @@ class StreamingCache(RectangularCache):
         rank = source.slot_mask.long().cumsum(dim=1)  # [B, S]
         take = source.slot_mask & (rank > (source.lengths - counts)[:, None])  # [B, S] the slots to copy
         cols = torch.arange(take.shape[1], device=take.device).expand_as(take)
-        src = torch.argsort((~take).long() * take.shape[1] + cols, dim=1)[:, :width]  # [B, W] those slots first, in order
+        src = torch.argsort((~take).long() * take.shape[1] + cols, dim=1)[
+            :, :width
+        ]  # [B, W] those slots first, in order
         self.add_slots(counts, width)  # the first counts[b] new slots of row b valid, the rest holes
         src_on = per_device(src)
         for i, layer in enumerate(source.layers):
-            self.update(gather_slots(layer.keys, src_on(layer.keys.device)), gather_slots(layer.values, src_on(layer.keys.device)), i)
+            self.update(
+                gather_slots(layer.keys, src_on(layer.keys.device)),
+                gather_slots(layer.values, src_on(layer.keys.device)),
+                i,
+            )
 
     @classmethod
     def from_cache(cls, cache: RectangularCache, sink_tokens: int, window_tokens: int) -> StreamingCache:
@@ -110,7 +118,11 @@ class StreamingCache(RectangularCache):
         src, new.slot_mask = compaction_index(cache.slot_mask & ~drop)  # [B, W]
         src_on = per_device(src)
         for i, layer in enumerate(cache.layers):
-            new.update(gather_slots(layer.keys, src_on(layer.keys.device)), gather_slots(layer.values, src_on(layer.keys.device)), i)
+            new.update(
+                gather_slots(layer.keys, src_on(layer.keys.device)),
+                gather_slots(layer.values, src_on(layer.keys.device)),
+                i,
+            )
         return new
 
 
@@ -127,7 +139,13 @@ class StreamingDrafter(ModelDrafter):
     drafts and of that last token comes from sparse attention and is dropped at the next catch-up.
     """
 
-    def __init__(self, model, sink_tokens: int = DEFAULT_SINK_TOKENS, window_tokens: int = DEFAULT_WINDOW_TOKENS, name: str | None = None):
+    def __init__(
+        self,
+        model,
+        sink_tokens: int = DEFAULT_SINK_TOKENS,
+        window_tokens: int = DEFAULT_WINDOW_TOKENS,
+        name: str | None = None,
+    ):
         if not isinstance(sink_tokens, int) or sink_tokens < 0:
             raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
         if not isinstance(window_tokens, int) or window_tokens < 1:
@@ -146,7 +164,9 @@ class StreamingDrafter(ModelDrafter):
 
     def _new_cache(self, batch: int) -> StreamingCache:
         empty = torch.zeros(batch, 0, dtype=torch.bool, device=self.model.device)  # [B, 0]
-        return StreamingCache(empty, self.sink_tokens, self.window_tokens, contiguous=needs_contiguous_slots(self.model.config))
+        return StreamingCache(
+            empty, self.sink_tokens, self.window_tokens, contiguous=needs_contiguous_slots(self.model.config)
+        )
 
     def start(self, target, sequences: list[list[int]], target_cache: RectangularCache | None = None) -> None:
         super().start(target, sequences, target_cache)

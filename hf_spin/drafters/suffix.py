@@ -25,16 +25,23 @@ from __future__ import annotations
 import itertools
 import math
 
-from .suffix_index import SuffixIndex
 from ..verify.token_tree import TokenTree
 from .base import Draft, Drafter, DraftRequest
+from .suffix_index import SuffixIndex
 
 
 class SuffixDrafter(Drafter):
     name = "suffix"
     kind = "suffix"
 
-    def __init__(self, max_depth: int = 24, max_requests: int = 1000, max_tokens: int = 200_000, min_probability: float = 0.1, spec_factor: float = 1.0):
+    def __init__(
+        self,
+        max_depth: int = 24,
+        max_requests: int = 1000,
+        max_tokens: int = 200_000,
+        min_probability: float = 0.1,
+        spec_factor: float = 1.0,
+    ):
         if max_requests < 0 or max_tokens < 0:
             raise ValueError(f"max_requests and max_tokens must be >= 0, got {max_requests} and {max_tokens}")
         if not 0.0 <= min_probability <= 1.0:
@@ -60,9 +67,13 @@ class SuffixDrafter(Drafter):
             tokens.append(chain)
             trees.append(tree if any(len(tree.children(n)) > 1 for n in range(-1, len(tree))) else None)
             matches.append(match)
-        return Draft(tokens=tokens, q=[None] * len(tokens), match_lengths=matches, trees=trees if request.trees else None)
+        return Draft(
+            tokens=tokens, q=[None] * len(tokens), match_lengths=matches, trees=trees if request.trees else None
+        )
 
-    def propose(self, index: SuffixIndex, sequence: list[int], k: int, branching: bool) -> tuple[list[int], TokenTree, int]:
+    def propose(
+        self, index: SuffixIndex, sequence: list[int], k: int, branching: bool
+    ) -> tuple[list[int], TokenTree, int]:
         """(the likeliest chain, the proposal as a tree: the chain again unless `branching`, the length
         of the match it continues, 0 without one) for a row's sequence from one index, k nodes at most."""
         empty = ([], TokenTree(), 0)

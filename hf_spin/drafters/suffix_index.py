@@ -175,7 +175,9 @@ class SuffixIndex:
                         return Match(node, length)
             return None
 
-    def continuations(self, match: Match, max_nodes: int, max_depth: int, min_probability: float, branching: bool = True) -> list[tuple[int, int, float]]:
+    def continuations(
+        self, match: Match, max_nodes: int, max_depth: int, min_probability: float, branching: bool = True
+    ) -> list[tuple[int, int, float]]:
         """The likeliest continuations of a match as tree nodes (token, parent index or -1, probability
         of the path from the match through the node), parents first: nodes taken best-first by path
         probability, at most `max_nodes`, `max_depth` deep, none below `min_probability`. A child's
@@ -212,7 +214,10 @@ class SuffixIndex:
             for key, sequence in self._sequences.items():
                 fresh.extend(key, sequence)
             assert _counts(self.root) == _counts(fresh.root), "suffix index counts differ from a rebuild"
-            assert (self.nodes, self.tokens) == (fresh.nodes, fresh.tokens), ((self.nodes, self.tokens), (fresh.nodes, fresh.tokens))
+            assert (self.nodes, self.tokens) == (fresh.nodes, fresh.tokens), (
+                (self.nodes, self.tokens),
+                (fresh.nodes, fresh.tokens),
+            )
 
 
 def _size(node: _Node) -> int:

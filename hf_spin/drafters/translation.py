@@ -32,5 +32,5 @@ class TranslatingDrafter(ModelDrafter):
 
     def to_target_space(self, prefix: list[int], new_ids: list[int], k: int) -> list[int]:
         context = prefix[-DECODE_CONTEXT:]
-        text = self.tokenizer.decode(context + new_ids)[len(self.tokenizer.decode(context)):]
+        text = self.tokenizer.decode(context + new_ids)[len(self.tokenizer.decode(context)) :]
         return self.target_tokenizer(text, add_special_tokens=False)["input_ids"][:k]

@@ -44,13 +44,17 @@ def grow_trees(drafter, request: DraftRequest, logits: torch.Tensor, draft_seqs:
     limit = dict(zip(request.rows, request.k))
     trees = {row: TokenTree() for row in request.rows}
     column = {row: {} for row in request.rows}  # row -> node -> cache column of its KV
-    frontier = {row: [(-1, 0)] for row in request.rows if limit[row] > 0}  # row -> [(node, slot of its logits in `logits`)]
+    frontier = {
+        row: [(-1, 0)] for row in request.rows if limit[row] > 0
+    }  # row -> [(node, slot of its logits in `logits`)]
     depth = 1
     while frontier:
         # 1. The frontier's children: each node's `width` likeliest tokens, scored like the target's.
         at = [(row, node, slot) for row, nodes in frontier.items() for node, slot in nodes]  # [n]
         index = to_device([[row for row, _, _ in at], [slot for _, _, slot in at]], logits.device, torch.long)  # [2, n]
-        prefixes = [request.sequences[row] + [trees[row].tokens[i] for i in trees[row].path(node)] for row, node, _ in at]
+        prefixes = [
+            request.sequences[row] + [trees[row].tokens[i] for i in trees[row].path(node)] for row, node, _ in at
+        ]
         scores = drafter._scores(logits[index[0], index[1]], [row for row, _, _ in at], prefixes, request)  # [n, V]
         top = torch.log_softmax(scores, dim=-1).topk(min(width, scores.shape[-1]), dim=-1)  # [n, w]
         values, tokens = torch.stack([top.values.double(), top.indices.double()]).tolist()  # one transfer: [n, w] each
@@ -81,7 +85,9 @@ def grow_trees(drafter, request: DraftRequest, logits: torch.Tensor, draft_seqs:
         allowed[:, :, : committed.shape[1]] = committed[:, None, :]
         for row, nodes in nodes_of.items():
             for t, node in enumerate(nodes):
-                allowed[row, t, torch.tensor([column[row][a] for a in trees[row].path(node)[:-1]], dtype=torch.long)] = True
+                allowed[
+                    row, t, torch.tensor([column[row][a] for a in trees[row].path(node)[:-1]], dtype=torch.long)
+                ] = True
                 column[row][node] = S + t
             frontier[row] = [(node, t) for t, node in enumerate(nodes)]
         logits = forward_masked(drafter.model, cache, chunks, positions, allowed)  # [B, T, V_draft]
@@ -96,7 +102,9 @@ def grow_trees(drafter, request: DraftRequest, logits: torch.Tensor, draft_seqs:
         trees[row] = trees[row].pruned(width * k)
         chains.append([trees[row].tokens[n] for n in _heaviest_path(trees[row])])
     cache.keep_columns(start, kept)
-    return Draft(tokens=chains, q=[None] * len(chains), trees=[trees[row] if len(trees[row]) else None for row in request.rows])
+    return Draft(
+        tokens=chains, q=[None] * len(chains), trees=[trees[row] if len(trees[row]) else None for row in request.rows]
+    )
 
 
 def _heaviest_path(tree: TokenTree) -> list[int]:

@@ -50,7 +50,9 @@ class VarlenMetadata:
             return self
         if device not in self._copies:
             moved = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
-            self._copies[device] = VarlenMetadata(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+            self._copies[device] = VarlenMetadata(
+                **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
+            )
         return self._copies[device]
 
     @classmethod
@@ -110,15 +112,27 @@ def varlen_attention_forward(
 
 def _packed(query, key, value, meta: VarlenMetadata, causal, scaling, sliding_window) -> torch.Tensor:
     if query.shape[0] != 1 or key.shape[0] != 1:
-        raise ValueError(f"spin_varlen needs packed inputs [1, H, total, D], got query {tuple(query.shape)} and key {tuple(key.shape)}")
+        raise ValueError(
+            f"spin_varlen needs packed inputs [1, H, total, D], got query {tuple(query.shape)} and key {tuple(key.shape)}"
+        )
     q = query[0].transpose(0, 1)  # [total_q, H, D]
     k = key[0].transpose(0, 1)  # [total_k, H_kv, D]
     v = value[0].transpose(0, 1)  # [total_k, H_kv, D_v]
     meta = meta.on(q.device)
     with on_device(q.device):
         out = varlen_attention(
-            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, causal, scaling,
-            tree_mask=meta.tree_mask, seqused_k=meta.seqused_k, sliding_window=sliding_window,
+            q,
+            k,
+            v,
+            meta.cu_seqlens_q,
+            meta.cu_seqlens_k,
+            meta.max_seqlen_q,
+            meta.max_seqlen_k,
+            causal,
+            scaling,
+            tree_mask=meta.tree_mask,
+            seqused_k=meta.seqused_k,
+            sliding_window=sliding_window,
         )
     return out.unsqueeze(0)  # [1, total_q, H, D_v]
 
@@ -145,7 +159,15 @@ def _padded(query, key, value, attention_mask, causal, scaling, sliding_window) 
     query_index = query_valid.nonzero().squeeze(1)
     with on_device(device):
         out_valid = varlen_attention(
-            q[query_index], k[key_index], v[key_index], cu_q, cu_k, int(q_lens.max()), int(k_lens.max()), causal, scaling,
+            q[query_index],
+            k[key_index],
+            v[key_index],
+            cu_q,
+            cu_k,
+            int(q_lens.max()),
+            int(k_lens.max()),
+            causal,
+            scaling,
             sliding_window=sliding_window,
         )
     out = torch.zeros(B * T, H, D_v, dtype=out_valid.dtype, device=device)
@@ -181,7 +203,9 @@ def register(name: str = ATTENTION_NAME) -> None:
     """Register the attention function and its mask builder with transformers under `name` (idempotent)."""
     for bad in ("flash", "sdpa", "flex_attention", "/"):
         if bad in name:
-            raise ValueError(f"attention name {name!r} contains {bad!r}, which transformers special-cases; pick another")
+            raise ValueError(
+                f"attention name {name!r} contains {bad!r}, which transformers special-cases; pick another"
+            )
     AttentionInterface.register(name, varlen_attention_forward)
     AttentionMaskInterface.register(name, varlen_attention_mask)
 

@@ -100,7 +100,9 @@ def plan_decomposition(
     return make_plan(lengths, best)
 
 
-def brute_force_block_width(lengths: list[int], min_width: int | None = None, multiple_of: int = 1, block_overhead: float = 0.0) -> int:
+def brute_force_block_width(
+    lengths: list[int], min_width: int | None = None, multiple_of: int = 1, block_overhead: float = 0.0
+) -> int:
     """Every width in the range, for tests of the pruned search."""
     lengths = [int(L) for L in lengths]
     lo, hi = _range(lengths, min_width, multiple_of)
@@ -130,7 +132,16 @@ def make_plan(lengths: list[int], w: int) -> DecompositionPlan:
 
 
 def decomposed_attention(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True, softmax_scale=None, plan: DecompositionPlan | None = None
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = True,
+    softmax_scale=None,
+    plan: DecompositionPlan | None = None,
 ):
     """`varlen_attention` without the kernel, as Spin runs it: one padded batched attention over the plan's
     blocks `[N, w]` (not over `[B, max L]`), then the Eq. 13 merge of each row's blocks. Pure torch, float32

@@ -66,7 +66,11 @@ def torch_varlen_unsupported(
         return "this torch's varlen_attn has no window_size"
     if seqused_k is not None and "seqused_k" not in _PARAMETERS:
         return "this torch's varlen_attn has no seqused_k"
-    if softmax_scale is not None and "scale" not in _PARAMETERS and not math.isclose(softmax_scale, q.shape[-1] ** -0.5):
+    if (
+        softmax_scale is not None
+        and "scale" not in _PARAMETERS
+        and not math.isclose(softmax_scale, q.shape[-1] ** -0.5)
+    ):
         return "this torch's varlen_attn has no scale argument"
     if not causal and sliding_window is not None:
         return "a sliding window without the causal mask"

@@ -37,6 +37,8 @@ import warnings
 
 import torch
 
+from .torch_varlen import torch_varlen_unsupported, varlen_attention_torch
+from .varlen_inputs import check_inputs
 from .varlen_triton import (
     HAS_TRITON,
     MIN_SPLIT_KEYS,
@@ -46,8 +48,7 @@ from .varlen_triton import (
     _interpret_requested,
     _varlen_attention_triton,
 )
-from .torch_varlen import torch_varlen_unsupported, varlen_attention_torch
-from .varlen_inputs import check_inputs
+
 
 def cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     """[B] lengths -> [B + 1] int32 cumulative starts (flash-attention's cu_seqlens): [2, 3] -> [0, 2, 5]."""
@@ -183,8 +184,19 @@ def varlen_attention(
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         try:
             out, lse = _varlen_attention_triton(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, scale, tree_mask, seqused_k,
-                num_splits, sliding_window,
+                q,
+                k,
+                v,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                int(max_seqlen_q),
+                int(max_seqlen_k),
+                causal,
+                scale,
+                tree_mask,
+                seqused_k,
+                num_splits,
+                sliding_window,
             )
             return (out, lse) if return_lse else out
         except KernelUnavailable as e:
@@ -193,13 +205,35 @@ def varlen_attention(
     elif q.device.type == "cuda":
         if torch_varlen_unsupported(q, k, v, causal, tree_mask, seqused_k, sliding_window, softmax_scale) is None:
             return varlen_attention_torch(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                seqused_k=seqused_k, sliding_window=sliding_window, num_splits=num_splits, return_lse=return_lse,
+                q,
+                k,
+                v,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                causal,
+                scale,
+                seqused_k=seqused_k,
+                sliding_window=sliding_window,
+                num_splits=num_splits,
+                return_lse=return_lse,
             )
     # 3. the reference
     out, lse = varlen_attention_ref(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-        tree_mask=tree_mask, seqused_k=seqused_k, sliding_window=sliding_window, return_lse=True,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        scale,
+        tree_mask=tree_mask,
+        seqused_k=seqused_k,
+        sliding_window=sliding_window,
+        return_lse=True,
     )
     return (out, lse) if return_lse else out
 

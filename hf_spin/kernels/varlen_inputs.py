@@ -12,7 +12,9 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, slid
     """Shapes, dtypes and devices the kernel and the reference both rely on; errors say what was given."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 3:
-            raise ValueError(f"{name} must be [total, heads, head_dim] (flash-attention varlen layout), got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name} must be [total, heads, head_dim] (flash-attention varlen layout), got shape {tuple(x.shape)}"
+            )
         if x.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has dtype {x.dtype}; supported: float16, bfloat16, float32")
     if not (q.dtype == k.dtype == v.dtype):
@@ -31,10 +33,16 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, slid
         if cu.device != q.device:
             raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has {cu_seqlens_k.numel()}; both are [B + 1]")
+        raise ValueError(
+            f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has {cu_seqlens_k.numel()}; both are [B + 1]"
+        )
     B = cu_seqlens_q.numel() - 1
-    if seqused_k is not None and (seqused_k.shape != (B,) or seqused_k.dtype != torch.int32 or seqused_k.device != q.device):
-        raise ValueError(f"seqused_k must be int32 [B] = [{B}] on {q.device}, got shape {tuple(seqused_k.shape)}, dtype {seqused_k.dtype}, device {seqused_k.device}")
+    if seqused_k is not None and (
+        seqused_k.shape != (B,) or seqused_k.dtype != torch.int32 or seqused_k.device != q.device
+    ):
+        raise ValueError(
+            f"seqused_k must be int32 [B] = [{B}] on {q.device}, got shape {tuple(seqused_k.shape)}, dtype {seqused_k.dtype}, device {seqused_k.device}"
+        )
     if tree_mask is not None and (tree_mask.ndim != 1 or tree_mask.dtype != torch.bool or tree_mask.device != q.device):
         raise ValueError(
             f"tree_mask must be a flat bool tensor [sum_b q_len_b ** 2] on {q.device} (see pack_tree_masks), "
@@ -44,4 +52,6 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, slid
         if sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of keys, got {sliding_window}")
         if tree_mask is not None:
-            raise ValueError("sliding_window with a tree_mask is not supported: a tree's tokens are not at consecutive positions")
+            raise ValueError(
+                "sliding_window with a tree_mask is not supported: a tree's tokens are not at consecutive positions"
+            )

@@ -85,8 +85,19 @@ if HAS_TRITON:
 
     @triton.jit(
         do_not_specialize=[
-            "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
-            "stride_os", "stride_ot", "stride_oh", "stride_ls", "stride_lt", "split_size", "window",
+            "stride_qt",
+            "stride_qh",
+            "stride_kt",
+            "stride_kh",
+            "stride_vt",
+            "stride_vh",
+            "stride_os",
+            "stride_ot",
+            "stride_oh",
+            "stride_ls",
+            "stride_lt",
+            "split_size",
+            "window",
         ]
     )
     def _varlen_attention_split_kernel(
@@ -101,11 +112,17 @@ if HAS_TRITON:
         Tree_ptr,  # [sum_b L_q(b)^2] int8 packed tree masks (only read when HAS_TREE)
         cu_tree_ptr,  # [B + 1] int32 start of each row's tree block (only read when HAS_TREE)
         softmax_scale,  # float, multiplies q . k
-        stride_qt, stride_qh,  # Q strides (token, head) in units of STRIDE_ALIGN elements; the head dim is contiguous
-        stride_kt, stride_kh,  # K strides, likewise
-        stride_vt, stride_vh,  # V strides, likewise
-        stride_os, stride_ot, stride_oh,  # O strides (split, token, head), likewise
-        stride_ls, stride_lt,  # Lse strides (split, token) in elements; heads are contiguous
+        stride_qt,
+        stride_qh,  # Q strides (token, head) in units of STRIDE_ALIGN elements; the head dim is contiguous
+        stride_kt,
+        stride_kh,  # K strides, likewise
+        stride_vt,
+        stride_vh,  # V strides, likewise
+        stride_os,
+        stride_ot,
+        stride_oh,  # O strides (split, token, head), likewise
+        stride_ls,
+        stride_lt,  # Lse strides (split, token) in elements; heads are contiguous
         H_KV,  # key / value heads
         D,  # head dim of q and k
         D_V,  # head dim of v
@@ -238,16 +255,30 @@ if HAS_TRITON:
         tl.store(l_ptrs, lse, mask=m_valid)
 
     @triton.jit(
-        do_not_specialize=["stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt", "stride_ot", "stride_oh", "stride_mt", "S"]
+        do_not_specialize=[
+            "stride_ps",
+            "stride_pt",
+            "stride_ph",
+            "stride_ls",
+            "stride_lt",
+            "stride_ot",
+            "stride_oh",
+            "stride_mt",
+            "S",
+        ]
     )
     def _merge_splits_kernel(
         O_part_ptr,  # [S, total_q, H, D_v] float32 partial outputs of the split kernel
         Lse_part_ptr,  # [S, total_q, H] float32 their log-sum-exps
         Out_ptr,  # [total_q, H, D_v] merged output, in the input dtype
         Lse_ptr,  # [total_q, H] float32 merged log-sum-exp
-        stride_ps, stride_pt, stride_ph,  # O_part strides (split, token, head)
-        stride_ls, stride_lt,  # Lse_part strides (split, token)
-        stride_ot, stride_oh,  # Out strides (token, head)
+        stride_ps,
+        stride_pt,
+        stride_ph,  # O_part strides (split, token, head)
+        stride_ls,
+        stride_lt,  # Lse_part strides (split, token)
+        stride_ot,
+        stride_oh,  # Out strides (token, head)
         stride_mt,  # Lse stride (token); heads are contiguous
         S,  # number of splits (runtime: a new split count compiles nothing)
         D_V,  # head dim of v
@@ -276,7 +307,9 @@ if HAS_TRITON:
             acc += w * tl.load(O_part_ptr + s * stride_ps + offs_dv, mask=offs_dv < D_V, other=0.0)
         denom_safe = tl.where(denom > 0, denom, 1.0)
         out = acc / denom_safe
-        tl.store(Out_ptr + t * stride_ot + h * stride_oh + offs_dv, out.to(Out_ptr.dtype.element_ty), mask=offs_dv < D_V)
+        tl.store(
+            Out_ptr + t * stride_ot + h * stride_oh + offs_dv, out.to(Out_ptr.dtype.element_ty), mask=offs_dv < D_V
+        )
         tl.store(Lse_ptr + t * stride_mt + h, tl.where(denom > 0, lse_max + tl.log(denom_safe), float("-inf")))
 
 
@@ -378,7 +411,12 @@ def _launch_split_kernel(grid, args: tuple, constexprs: dict, config: BlockConfi
     """One launch of the split kernel (its own function so that tests can make it raise OutOfResources)."""
     kernel = _interpretable(_varlen_attention_split_kernel, args[0].device)
     kernel[grid](
-        *args, **constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages
+        *args,
+        **constexprs,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
 
 
@@ -430,8 +468,24 @@ def _varlen_attention_triton(
         if key + (candidate,) in _TOO_BIG:
             continue
         try:
-            return _launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                           tree_mask, seqused_k, num_splits, sliding_window, candidate)
+            return _launch(
+                q,
+                k,
+                v,
+                out,
+                lse,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                causal,
+                softmax_scale,
+                tree_mask,
+                seqused_k,
+                num_splits,
+                sliding_window,
+                candidate,
+            )
         except OutOfResources:
             _TOO_BIG.add(key + (candidate,))
     raise KernelUnavailable(
@@ -440,8 +494,24 @@ def _varlen_attention_triton(
     )
 
 
-def _launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-            tree_mask, seqused_k, num_splits, sliding_window, config: BlockConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal,
+    softmax_scale,
+    tree_mask,
+    seqused_k,
+    num_splits,
+    sliding_window,
+    config: BlockConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One try of the launcher with `config`: grid, splits, strides, then the split and merge kernels."""
     total_q, H, D = q.shape
     H_kv, D_v = k.shape[1], v.shape[2]
@@ -468,15 +538,33 @@ def _launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     align = _stride_align((q, k, v, o_part))
 
     args = (
-        q, k, v, o_part, lse_part,
-        cu_seqlens_q, cu_seqlens_k, used, tree, cu_tree,
+        q,
+        k,
+        v,
+        o_part,
+        lse_part,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        used,
+        tree,
+        cu_tree,
         softmax_scale,
-        q.stride(0) // align, q.stride(1) // align,
-        k.stride(0) // align, k.stride(1) // align,
-        v.stride(0) // align, v.stride(1) // align,
-        o_part.stride(0) // align, o_part.stride(1) // align, o_part.stride(2) // align,
-        lse_part.stride(0), lse_part.stride(1),
-        H_kv, D, D_v, split_size, sliding_window or 0,
+        q.stride(0) // align,
+        q.stride(1) // align,
+        k.stride(0) // align,
+        k.stride(1) // align,
+        v.stride(0) // align,
+        v.stride(1) // align,
+        o_part.stride(0) // align,
+        o_part.stride(1) // align,
+        o_part.stride(2) // align,
+        lse_part.stride(0),
+        lse_part.stride(1),
+        H_kv,
+        D,
+        D_v,
+        split_size,
+        sliding_window or 0,
     )
     constexprs = dict(
         GROUP=group,
@@ -493,14 +581,24 @@ def _launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     _launch_split_kernel((m_blocks, B * H_kv, num_splits), args, constexprs, config)
     if num_splits > 1:
         args = (
-            o_part, lse_part, out, lse,
-            o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1),
-            out.stride(0), out.stride(1),
+            o_part,
+            lse_part,
+            out,
+            lse,
+            o_part.stride(0),
+            o_part.stride(1),
+            o_part.stride(2),
+            lse_part.stride(0),
+            lse_part.stride(1),
+            out.stride(0),
+            out.stride(1),
             lse.stride(0),
-            num_splits, D_v,
+            num_splits,
+            D_v,
         )
-        _launch_merge_kernel((total_q, H), args, dict(BLOCK_S=MAX_SPLITS, BLOCK_DV=max(16, triton.next_power_of_2(D_v))))
+        _launch_merge_kernel(
+            (total_q, H), args, dict(BLOCK_S=MAX_SPLITS, BLOCK_DV=max(16, triton.next_power_of_2(D_v)))
+        )
     return out, lse
 
 

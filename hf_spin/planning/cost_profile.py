@@ -60,11 +60,15 @@ class ForwardCost:
     per_row: float = 0.0
     observations: int = 0  # online observations so far
     corrections: list[DecayedMean] = field(default_factory=list)  # [K] log(measured / predicted)
-    _values: list[float] | None = field(default=None, repr=False, compare=False)  # `values()` until the next observation
+    _values: list[float] | None = field(
+        default=None, repr=False, compare=False
+    )  # `values()` until the next observation
 
     def __post_init__(self):
         if not self.knots or len(self.knots) != len(self.seconds) or sorted(set(self.knots)) != list(self.knots):
-            raise ValueError(f"ForwardCost needs increasing knots with one time each, got {self.knots} / {self.seconds}")
+            raise ValueError(
+                f"ForwardCost needs increasing knots with one time each, got {self.knots} / {self.seconds}"
+            )
         if not self.corrections:
             self.corrections = [DecayedMean(CORRECTION_DECAY) for _ in self.knots]
 
@@ -121,7 +125,9 @@ class ForwardCost:
             return
         if n_tokens > 2 * self.knots[-1]:
             n = 2 ** math.ceil(math.log2(n_tokens))
-            self.corrections.append(DecayedMean(CORRECTION_DECAY))  # corrections, then seconds, then knots: a reader indexes by knots
+            self.corrections.append(
+                DecayedMean(CORRECTION_DECAY)
+            )  # corrections, then seconds, then knots: a reader indexes by knots
             self.seconds.append(self._interpolate(self.seconds, n))
             self.knots.append(n)
         residual = max(-MAX_LOG_RESIDUAL, min(MAX_LOG_RESIDUAL, math.log(seconds / self.predict(n_tokens, rows))))
@@ -157,13 +163,18 @@ def _context_cache(model, rows: int, generator: torch.Generator):
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     cache = DynamicCache(config=model.config)
     for layer in range(config.num_hidden_layers):
-        k, v = (torch.randn(rows, heads, GRID_CONTEXT, head_dim, generator=generator).to(model.device, model.dtype) for _ in range(2))
+        k, v = (
+            torch.randn(rows, heads, GRID_CONTEXT, head_dim, generator=generator).to(model.device, model.dtype)
+            for _ in range(2)
+        )
         cache.update(k, v, layer)
     return cache
 
 
 @torch.no_grad()
-def measure(model, budget: float = GRID_BUDGET, clock: Callable[[], float] = perf_counter, progress=None) -> ForwardCost:
+def measure(
+    model, budget: float = GRID_BUDGET, clock: Callable[[], float] = perf_counter, progress=None
+) -> ForwardCost:
     """Measure a model's `ForwardCost` on the grid: forwards over N = 1, 2, 4, ... new tokens after a
     context of GRID_CONTEXT positions (the cache cropped back after each), each timed twice and the
     faster kept (the first run pays allocations), until the next point would overrun `budget`
@@ -228,7 +239,9 @@ class CostProfile:
     source: str = "injected"
     max_k: int = 16
     calls: list[DecayedMean] = field(default_factory=list)  # [num_drafters] seconds per call of a model-free drafter
-    other_dtypes: dict[str, ForwardCost] = field(default_factory=dict)  # the target in other dtypes, where a cache file knows it
+    other_dtypes: dict[str, ForwardCost] = field(
+        default_factory=dict
+    )  # the target in other dtypes, where a cache file knows it
 
     def __post_init__(self):
         if not self.calls:
@@ -264,7 +277,10 @@ class CostProfile:
     def best_rate(self, drafter: int, acceptance: float, target: ForwardCost | None = None) -> tuple[float, int]:
         """(tokens per second, k) of the best draft length at batch 1 for a constant per-token acceptance."""
         target = target or self.target
-        rates = [(geometric_tokens(acceptance, k) / (target.predict(k + 1) + self.draft_seconds(drafter, k, 1)), k) for k in range(1, self.max_k + 1)]
+        rates = [
+            (geometric_tokens(acceptance, k) / (target.predict(k + 1) + self.draft_seconds(drafter, k, 1)), k)
+            for k in range(1, self.max_k + 1)
+        ]
         return max(rates)
 
     def break_even(self, drafter: int, target: ForwardCost | None = None) -> tuple[float, int] | None:
@@ -286,12 +302,24 @@ class CostProfile:
     def outlook(self) -> str:
         """One line: speculate or plain, and why, from the measured costs."""
         t = self.target
-        costs = f"target {t.predict(1) * 1e3:.0f} ms / {t.predict(8) * 1e3:.0f} ms for 1 / 8 tokens ({t.flatness(8):.1f}x)"
-        paying = [f"{n} above acceptance {e[0]:.2f} (k = {e[1]})" for d, n in enumerate(self.names) if (e := self.break_even(d)) is not None and e[0] <= CANNOT_PAY]
+        costs = (
+            f"target {t.predict(1) * 1e3:.0f} ms / {t.predict(8) * 1e3:.0f} ms for 1 / 8 tokens ({t.flatness(8):.1f}x)"
+        )
+        paying = [
+            f"{n} above acceptance {e[0]:.2f} (k = {e[1]})"
+            for d, n in enumerate(self.names)
+            if (e := self.break_even(d)) is not None and e[0] <= CANNOT_PAY
+        ]
         if paying:
             return f"speculate: {costs}; pays with " + ", ".join(paying)
         plain = f"plain: speculation cannot pay here in {self.dtype or 'this dtype'} ({costs})"
-        better = [dt for dt, cost in self.other_dtypes.items() if any((e := self.break_even(d, cost)) is not None and e[0] <= CANNOT_PAY for d in range(len(self.drafters)))]
+        better = [
+            dt
+            for dt, cost in self.other_dtypes.items()
+            if any(
+                (e := self.break_even(d, cost)) is not None and e[0] <= CANNOT_PAY for d in range(len(self.drafters))
+            )
+        ]
         return plain + (f"; it would in {', '.join(better)} (measured here)" if better else "")
 
     def __str__(self) -> str:
@@ -302,10 +330,16 @@ class CostProfile:
         for name, cost in [("target", t)] + list(zip(self.names, self.drafters)):
             if cost is None:
                 mean = self.calls[self.names.index(name)].mean
-                lines.append(f"| {name} | model-free: {'%.2f ms a call' % (mean * 1e3) if mean is not None else 'not measured yet'} |")
+                lines.append(
+                    f"| {name} | model-free: {'%.2f ms a call' % (mean * 1e3) if mean is not None else 'not measured yet'} |"
+                )
                 continue
             cells = [f"{cost.predict(n) * 1e3:.1f} ms" for n in t.knots]
-            lines.append(f"| {name} | " + " | ".join(cells) + f" | {cost.per_row * 1e3:.2f} ms | {cost.flatness(8):.2f} | {cost.observations} |")
+            lines.append(
+                f"| {name} | "
+                + " | ".join(cells)
+                + f" | {cost.per_row * 1e3:.2f} ms | {cost.flatness(8):.2f} | {cost.observations} |"
+            )
         lines.append(self.outlook())
         return "\n".join(lines)
 

@@ -95,7 +95,9 @@ class VerifyFit:
     def __init__(self, decay: float = COST_DECAY):
         self.decay = decay
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self._ab: tuple[float, float] | None = None  # coefficients() since the last add (a policy reads them ~50x a step)
+        self._ab: tuple[float, float] | None = (
+            None  # coefficients() since the last add (a policy reads them ~50x a step)
+        )
 
     def add(self, n_tokens: float, seconds: float) -> None:
         d = self.decay
@@ -173,7 +175,11 @@ class DraftObservation:
     def of(cls, feedback: StepFeedback, drafter: int) -> DraftObservation | None:
         """The drafter's work in the step; None when it served no row (it only caught up or shadowed)."""
         plan = feedback.plan
-        drafted = [feedback.proposed[b].get(drafter, 0) for b, (ds, k) in enumerate(zip(plan.drafters, plan.k)) if drafter in ds and k > 0]
+        drafted = [
+            feedback.proposed[b].get(drafter, 0)
+            for b, (ds, k) in enumerate(zip(plan.drafters, plan.k))
+            if drafter in ds and k > 0
+        ]
         if not drafted:
             return None
         return cls(max(1, max(drafted)), sum(drafted), len(drafted))
@@ -210,7 +216,9 @@ class CostModel:
     def __init__(self, num_drafters: int):
         self.verify_by_bucket: dict[int, VerifyFit] = defaultdict(VerifyFit)
         self.verify_all = VerifyFit()
-        self.plain_bias: dict[int, DecayedMean] = defaultdict(DecayedMean)  # bucket -> log(measured / fitted) of its plain steps
+        self.plain_bias: dict[int, DecayedMean] = defaultdict(
+            DecayedMean
+        )  # bucket -> log(measured / fitted) of its plain steps
         self.plain_age: dict[int, float] = {}  # bucket -> its steps since the last plain one (inf: none yet)
         self.draft = [DecayedLeastSquares(2) for _ in range(num_drafters)]  # f, t
         self.catch_up = [DecayedMean() for _ in range(num_drafters)]  # c
@@ -289,7 +297,9 @@ class CostModel:
 
     def knows_draft(self, drafter: int) -> bool:
         """Whether `drafter`'s draft cost is known: measured by the profile, or fitted on a step."""
-        return (self.profile is not None and self.profile.drafters[drafter] is not None) or self.draft[drafter].count > 0
+        return (self.profile is not None and self.profile.drafters[drafter] is not None) or self.draft[
+            drafter
+        ].count > 0
 
     def catch_up_seconds(self, drafter: int) -> float:
         """Seconds per token that `drafter` spends catching up a row it did not serve (0 before any)."""

@@ -31,7 +31,9 @@ class BatchView:
     generated: list[int]  # [B] tokens generated so far per row
     usable: list[bool]  # [num_drafters] False for a drafter dropped after a failure in this call
     step: int  # verification steps done so far in this call
-    room: list[int] | None = None  # [B] tokens each row may still generate (its length limit; it may stop earlier); None: unknown
+    room: list[int] | None = (
+        None  # [B] tokens each row may still generate (its length limit; it may stop earlier); None: unknown
+    )
 
     @property
     def batch_size(self) -> int:
@@ -64,7 +66,9 @@ class Plan:
     min_confidence: float = 0.0  # a model drafter stops a row once q(proposed token) < this
     vote_weights: list[float] | None = None  # [num_drafters] weights of the vote tree, when voting
     catch_up: dict[int, list[int]] = field(default_factory=dict)  # idle drafter -> batch rows to catch up
-    shadow: dict[int, dict[int, int]] = field(default_factory=dict)  # drafter -> {batch row: k}: draft, not verified (see StepFeedback)
+    shadow: dict[int, dict[int, int]] = field(
+        default_factory=dict
+    )  # drafter -> {batch row: k}: draft, not verified (see StepFeedback)
     preempt: dict[int, dict[int, Preempt]] = field(default_factory=dict)  # drafter -> {batch row: Preempt}
 
 
@@ -95,9 +99,13 @@ class StepFeedback:
     # with the tokens the step committed: a measurement of what that drafter would have got, free for
     # a cheap drafter. Matched == committed tokens < proposed means the rest is unknown (censored).
     shadow_proposed: list[dict[int, int]] = field(default_factory=list)  # [B] drafter -> tokens it shadow-proposed
-    shadow_matched: list[dict[int, int]] = field(default_factory=list)  # [B] drafter -> how many match the committed tokens
+    shadow_matched: list[dict[int, int]] = field(
+        default_factory=list
+    )  # [B] drafter -> how many match the committed tokens
     padded: bool = False  # the verify forward pads every row to the longest draft (rectangular cache), else packs them
-    match_lengths: list[dict[int, int]] = field(default_factory=list)  # [B] drafter -> the match its draft (served or shadow) continued, where it reports one (`Draft.match_lengths`)
+    match_lengths: list[dict[int, int]] = field(
+        default_factory=list
+    )  # [B] drafter -> the match its draft (served or shadow) continued, where it reports one (`Draft.match_lengths`)
 
     @property
     def batch_size(self) -> int:

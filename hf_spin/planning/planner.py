@@ -35,8 +35,8 @@ import warnings
 from collections.abc import Callable
 
 from .cost_profile import CostProfile
-from .plan import StepFeedback
 from .estimates import acceptance_with_prior
+from .plan import StepFeedback
 
 # Acceptance assumed before any evidence (typical of small same-family drafters and of prompt lookup
 # on text that repeats), and the pseudo-observations behind it.
@@ -82,14 +82,18 @@ class Acceptance:
 
     def __init__(self, num_drafters: int):
         self.pooled = [[0.0, 0.0] for _ in range(num_drafters)]  # [accepted, rejected]
-        self.counts: dict[tuple[int, int | None, int], list[float]] = {}  # (drafter, match bucket or None, position) -> [accepted, rejected]
+        self.counts: dict[
+            tuple[int, int | None, int], list[float]
+        ] = {}  # (drafter, match bucket or None, position) -> [accepted, rejected]
         self.rows: dict[tuple[int, int], list[float]] = {}  # (drafter, row id) -> [accepted, rejected]
 
     @staticmethod
     def bucket(match: int | None) -> int | None:
         return None if match is None else min(max(match, 1), MATCH_BUCKETS)
 
-    def observe(self, drafter: int, row: int, proposed: int, matched: int, committed: int, match: int | None = None) -> None:
+    def observe(
+        self, drafter: int, row: int, proposed: int, matched: int, committed: int, match: int | None = None
+    ) -> None:
         """A draft of `proposed` tokens whose first `matched` equal the step's `committed` tokens:
         positions 1..matched were accepted, position matched + 1 rejected if it was checked (within
         the draft and the committed tokens); what lies beyond is unknown."""
@@ -119,7 +123,9 @@ class Acceptance:
         """Decayed observations of the drafter (all positions)."""
         return sum(self.pooled[drafter])
 
-    def conditional(self, drafter: int, row: int, position: int, match: int | None = None, optimism: float = 0.0) -> float:
+    def conditional(
+        self, drafter: int, row: int, position: int, match: int | None = None, optimism: float = 0.0
+    ) -> float:
         """P(position accepted | positions before it accepted) on request `row`, `optimism` posterior sds up."""
         above, prior = self.pooled[drafter], (PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
         pooled = mean = acceptance_with_prior(*above, *prior)
@@ -170,17 +176,29 @@ class Planner:
             self.warned = True
             warnings.warn(f"hf_spin: {self.profile.outlook()}. Decoding plainly.", stacklevel=2)
 
-    def _curve(self, row: int, drafters: tuple[int, ...], k: int, match: dict[int, int] | None, optimism: float) -> list[float]:
+    def _curve(
+        self, row: int, drafters: tuple[int, ...], k: int, match: dict[int, int] | None, optimism: float
+    ) -> list[float]:
         """[k] survival of request `row` drafted by `drafters` (several: the best of them at each position)."""
-        curves = [self.acceptance.survival(d, row, k, (match or {}).get(d), optimism) for d in drafters if self.paying[d]]
+        curves = [
+            self.acceptance.survival(d, row, k, (match or {}).get(d), optimism) for d in drafters if self.paying[d]
+        ]
         return [max(c[i] for c in curves) for i in range(k)] if curves else []
 
-    def _best(self, curves: list[list[float]], chosen: list[tuple[int, ...]], padded: bool, catch_up: list[float] | None = None) -> list[int]:
+    def _best(
+        self,
+        curves: list[list[float]],
+        chosen: list[tuple[int, ...]],
+        padded: bool,
+        catch_up: list[float] | None = None,
+    ) -> list[int]:
         """[B] draft lengths of the best prefix of the slots ranked by survival; all 0 when no prefix
         beats a plain step by MIN_GAIN. `catch_up` ([B] seconds a step of the row's catch-up, spread
         over its steps left): before drafting, the drafters' forwards and these are charged too."""
         profile, B = self.profile, len(curves)
-        slots = sorted(((s, i + 1, b) for b, curve in enumerate(curves) for i, s in enumerate(curve)), key=lambda x: (-x[0], x[1]))
+        slots = sorted(
+            ((s, i + 1, b) for b, curve in enumerate(curves) for i, s in enumerate(curve)), key=lambda x: (-x[0], x[1])
+        )
         ks, value, total, longest, caught = [0] * B, float(B), 0, 0, 0.0
         longest_of, served, draft_of = {}, {}, {}  # per drafter: its longest draft, rows served, predicted seconds
         best_rate, best_m = MIN_GAIN * B / profile.plain_seconds(B), 0
@@ -193,7 +211,9 @@ class Planner:
                     draft_of[d] = profile.draft_seconds(d, longest_of[d], served[d])
             total, longest, value = total + i - ks[b], max(longest, i), value + s
             ks[b] = i
-            seconds = profile.verify_seconds(B, B * (1 + longest) if padded else B + total) + sum(draft_of.values()) + caught
+            seconds = (
+                profile.verify_seconds(B, B * (1 + longest) if padded else B + total) + sum(draft_of.values()) + caught
+            )
             if value / seconds > best_rate:
                 best_rate, best_m = value / seconds, m
         ks = [0] * B
@@ -201,23 +221,44 @@ class Planner:
             ks[b] = max(ks[b], i)
         return ks
 
-    def size(self, row_ids: list[int], lags: list[dict[int, int]], rooms: list[int | None], chosen: list[tuple[int, ...]], caps: list[int], padded: bool) -> list[int]:
+    def size(
+        self,
+        row_ids: list[int],
+        lags: list[dict[int, int]],
+        rooms: list[int | None],
+        chosen: list[tuple[int, ...]],
+        caps: list[int],
+        padded: bool,
+    ) -> list[int]:
         """[B] draft length per row before drafting, at most `caps` ([B], the policy's k already
         capped by the row's room: `plan_k`, which calls this), 0 allowed.
         lags: [B] drafter -> committed tokens its state lacks (`Drafter.synced`); rooms: [B] tokens
         each row may still generate (None: unknown)."""
         with self.lock:
-            curves = [self._curve(r, ds, k, None, OPTIMISM) if ds and k > 0 else [] for r, ds, k in zip(row_ids, chosen, caps)]
+            curves = [
+                self._curve(r, ds, k, None, OPTIMISM) if ds and k > 0 else [] for r, ds, k in zip(row_ids, chosen, caps)
+            ]
             seconds = [self._catch_up_seconds(lag) for lag in lags]  # [B]
-            spread = [self._spread(s, room, c) for s, room, c in zip(seconds, rooms, curves)]  # [B] the least a catch-up is charged
+            spread = [
+                self._spread(s, room, c) for s, room, c in zip(seconds, rooms, curves)
+            ]  # [B] the least a catch-up is charged
             ks = self._best(curves, chosen, padded, spread)
             if not any(ks) or not any(seconds):  # charging catch-ups in full could only cost more (or there are none)
                 return ks
-            means = [self._curve(r, ds, k, None, 0.0) if c else [] for r, ds, k, c in zip(row_ids, chosen, caps, curves)]
+            means = [
+                self._curve(r, ds, k, None, 0.0) if c else [] for r, ds, k, c in zip(row_ids, chosen, caps, curves)
+            ]
             # [B] whether the row's catch-up will be repaid: the pool is still exploring its drafters,
             # or drafting for the row pays at its mean acceptance, the catch-up spread over its steps left
-            repaid = [k > 0 for k in self._best(means, chosen, padded, [self._spread(s, room, m) for s, room, m in zip(seconds, rooms, means)])]
-            repaid = [p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)]
+            repaid = [
+                k > 0
+                for k in self._best(
+                    means, chosen, padded, [self._spread(s, room, m) for s, room, m in zip(seconds, rooms, means)]
+                )
+            ]
+            repaid = [
+                p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)
+            ]
             # elsewhere a draft would be a probe on a request's optimism alone, which the steps after
             # it may never repay (at batch 4 a plain step costs little more than at batch 1, four
             # catch-ups four times one): it is charged in full
@@ -240,15 +281,28 @@ class Planner:
         step commits at this curve. 0 with no room known."""
         return seconds / max(room / (1.0 + sum(curve)), 1.0) if room is not None and curve else 0.0
 
-    def trim(self, row_ids: list[int], drafts: list[list[int]], chosen: list[tuple[int, ...]], matches: list[dict[int, int]], padded: bool, trees: list | None = None) -> tuple[list[int], list[list[float] | None]]:
+    def trim(
+        self,
+        row_ids: list[int],
+        drafts: list[list[int]],
+        chosen: list[tuple[int, ...]],
+        matches: list[dict[int, int]],
+        padded: bool,
+        trees: list | None = None,
+    ) -> tuple[list[int], list[list[float] | None]]:
         """([B] how many tokens of each row's draft, or nodes of its token tree, to verify, the drafting
         being paid for; [B] per node of a row's tree its estimated acceptance (`_node_values`), None for
         a chain): a tree keeps that many of its likeliest nodes, node by node across the batch."""
         trees = trees or [None] * len(drafts)
         with self.lock:
-            values = [self._node_values(r, ds, t, m) if t is not None else None for r, ds, t, m in zip(row_ids, chosen, trees, matches)]
+            values = [
+                self._node_values(r, ds, t, m) if t is not None else None
+                for r, ds, t, m in zip(row_ids, chosen, trees, matches)
+            ]
             curves = [
-                (sorted(v, reverse=True) if any(v) else []) if v is not None else (self._curve(r, ds, len(d), m, 0.0) if d else [])
+                (sorted(v, reverse=True) if any(v) else [])
+                if v is not None
+                else (self._curve(r, ds, len(d), m, 0.0) if d else [])
                 for r, d, ds, m, v in zip(row_ids, drafts, chosen, matches, values)
             ]
             return self._best(curves, chosen, padded), values
@@ -299,7 +353,10 @@ class Planner:
         self.drafted_last = drafting
         for b in range(B):
             committed = feedback.accepted[b] + 1
-            for proposed, matched in ((feedback.proposed[b], feedback.matched[b]), (feedback.shadow_proposed[b], feedback.shadow_matched[b]) if feedback.shadow_proposed else ({}, {})):
+            for proposed, matched in (
+                (feedback.proposed[b], feedback.matched[b]),
+                (feedback.shadow_proposed[b], feedback.shadow_matched[b]) if feedback.shadow_proposed else ({}, {}),
+            ):
                 for d, p in proposed.items():
                     match = feedback.match_lengths[b].get(d) if feedback.match_lengths else None
                     acceptance.observe(d, feedback.row_ids[b], p, matched.get(d, 0), committed, match)

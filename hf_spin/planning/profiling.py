@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from .cost_profile import GRID_BUDGET, CostProfile, ForwardCost, measure
 from ..version import __version__
+from .cost_profile import GRID_BUDGET, CostProfile, ForwardCost, measure
 from .machine import describe
 
 

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 
 from ..planning.cost_profile import CostProfile
 from ..planning.estimates import CostModel
-from ..planning.plan import BatchView, DrafterInfo, Plan, Preempt, StepFeedback, shadow_lengths
+from ..planning.plan import BatchView, DrafterInfo, Plan, StepFeedback
 
 # Draft length (k, docs/design.md#glossary) when none is given: with a cost profile (the default) the
 # most a row drafts in a step, the planner choosing 0..8 from measured costs (docs/planning.md);

@@ -11,7 +11,9 @@ def check_int(owner: str, name: str, value, low: int | None = None) -> None:
         raise ValueError(f"{owner}.{name} must be an int{bound}, got {value!r}")
 
 
-def check_float(owner: str, name: str, value, low: float, high: float, *, open_low: bool = False, open_high: bool = False) -> None:
+def check_float(
+    owner: str, name: str, value, low: float, high: float, *, open_low: bool = False, open_high: bool = False
+) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and (value > low if open_low else value >= low) and (value < high if open_high else value <= high)
     if not ok:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..planning.estimates import RunningMean
 from .base import BatchView, DraftLength, Policy, StepFeedback
 from .checks import check_float, check_int
-from ..planning.estimates import RunningMean
 
 
 @dataclass
@@ -70,7 +70,11 @@ class EpsilonGreedyPolicy(Policy):
         out, self.explored = [], []
         for rid in view.row_ids:
             explore = bool(candidates) and self.rng.random() < self.config.epsilon
-            d = candidates[int(self.rng.integers(len(candidates)))] if explore else self.greedy(rid, view.usable, view.batch_size)
+            d = (
+                candidates[int(self.rng.integers(len(candidates)))]
+                if explore
+                else self.greedy(rid, view.usable, view.batch_size)
+            )
             self.explored.append(explore)
             out.append(() if d is None else (d,))
         return out

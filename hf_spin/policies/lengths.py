@@ -20,9 +20,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..planning.estimates import CostModel, DecayedMean, acceptance_with_prior, bucket, geometric_tokens
 from .base import DEFAULT_DRAFT_LENGTH, BatchView, DrafterInfo, DraftLength, StepFeedback
 from .checks import check_float, check_int
-from ..planning.estimates import CostModel, DecayedMean, acceptance_with_prior, bucket, geometric_tokens
 
 # Forgetting factor of the acceptance counts, per step: acceptance drifts slowly with the text
 # (a code block, a list), slower than costs do.
@@ -98,7 +98,9 @@ class MinionsLengthConfig:
     dwell: int = 12  # steps measured at the current k between two probes of a neighbour
     probe: int = 4  # steps measured at the neighbour k +- 1, so the window always spans two k or more
     window: int = 48  # recent steps kept per (drafter, bucket); must cover dwell + probe so both sides are measured
-    tolerance: float = 0.01  # the fit must find the neighbour this much cheaper per token to move: noise must not make k wander
+    tolerance: float = (
+        0.01  # the fit must find the neighbour this much cheaper per token to move: noise must not make k wander
+    )
     min_confidence: float = 0.0  # see Plan.min_confidence
 
     def __post_init__(self):
@@ -234,7 +236,9 @@ class GoodputLengthConfig:
     initial: int = DEFAULT_DRAFT_LENGTH  # k until a drafter's draft cost and the verify cost are measured (the prior)
     min_k: int = 1
     max_k: int = 16  # the verify fit is linear; far beyond the k it was measured at it extrapolates badly
-    prior_acceptance: float = 0.6  # per-token acceptance assumed before measurements (typical of small same-family drafters)
+    prior_acceptance: float = (
+        0.6  # per-token acceptance assumed before measurements (typical of small same-family drafters)
+    )
     prior_weight: float = 4.0  # pseudo draft tokens behind prior_acceptance: a few steps of evidence override it
     dither_every: int = 8  # every this many steps use k + 1, and k - 1 half-way, so N varies and the verify slope is measured (0: never)
     min_confidence: float = 0.0  # see Plan.min_confidence

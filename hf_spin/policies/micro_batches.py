@@ -29,7 +29,9 @@ class MicroBatchCount:
     fixed: always this count (no probing); None: Spin's heuristic between 1 and `maximum`.
     """
 
-    def __init__(self, fixed: int | None = None, maximum: int = 8, tolerance: float = DEFAULT_TOLERANCE, clock=perf_counter):
+    def __init__(
+        self, fixed: int | None = None, maximum: int = 8, tolerance: float = DEFAULT_TOLERANCE, clock=perf_counter
+    ):
         if fixed is not None and fixed < 1:
             raise ValueError(f"micro_batches must be >= 1, got {fixed}")
         if maximum < 1 or not 0 <= tolerance < 1:

@@ -40,17 +40,23 @@ def _check_goodput(where: str, value) -> float:
     return float(value)
 
 
-def best_in_hindsight(single: Sequence[Mapping[str, float]], policies: Mapping[str, Sequence[float]] | None = None) -> OracleReport:
+def best_in_hindsight(
+    single: Sequence[Mapping[str, float]], policies: Mapping[str, Sequence[float]] | None = None
+) -> OracleReport:
     """single: [R] per request, choice name -> measured goodput (each single drafter, and plain);
     policies: policy name -> [R] measured goodput per request."""
     if not single:
         raise ValueError("best_in_hindsight needs at least one request in `single`")
     names = list(single[0])
     if not names:
-        raise ValueError("single[0] is empty: give the goodput of every single drafter (and plain decoding) per request")
+        raise ValueError(
+            "single[0] is empty: give the goodput of every single drafter (and plain decoding) per request"
+        )
     for i, g in enumerate(single):
         if set(g) != set(names):
-            raise ValueError(f"single[{i}] has choices {sorted(g)} but single[0] has {sorted(names)}; measure every choice on every request")
+            raise ValueError(
+                f"single[{i}] has choices {sorted(g)} but single[0] has {sorted(names)}; measure every choice on every request"
+            )
         for name, value in g.items():
             _check_goodput(f"single[{i}][{name!r}]", value)
     best = [max(names, key=lambda n: (g[n], -names.index(n))) for g in single]

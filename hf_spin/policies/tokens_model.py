@@ -49,8 +49,15 @@ PRIOR_REQUEST_SPREAD = 1.0
 class TokensModel:
     def __init__(self, num_drafters: int, prior_spread: float, prior_rows: float, prior_noise: float, history: int):
         self.num_drafters = num_drafters
-        self.prior_spread, self.prior_rows, self.prior_noise, self.history = prior_spread, prior_rows, prior_noise, history
-        self.rows: OrderedDict[int, list[RunningMean]] = OrderedDict()  # row id -> [num_drafters] log tokens, oldest first
+        self.prior_spread, self.prior_rows, self.prior_noise, self.history = (
+            prior_spread,
+            prior_rows,
+            prior_noise,
+            history,
+        )
+        self.rows: OrderedDict[int, list[RunningMean]] = (
+            OrderedDict()
+        )  # row id -> [num_drafters] log tokens, oldest first
         self.live: set[int] = set()
         self.a: dict[int, float] = {}  # row effects of the latest fit
         self.b: list[float | None] = [None] * num_drafters
@@ -63,7 +70,9 @@ class TokensModel:
         self.b_var = [0.0] * num_drafters  # var(b_d): how well the requests that measured d pin its mean effect
         self.ended = [0] * num_drafters  # ended requests (of the kept history) that measured each drafter
         self.stale = True
-        self.predictions: dict[tuple[int, int], tuple[float, float] | None] = {}  # (row id, drafter) -> `predict`, until the evidence changes
+        self.predictions: dict[
+            tuple[int, int], tuple[float, float] | None
+        ] = {}  # (row id, drafter) -> `predict`, until the evidence changes
 
     # --- evidence ------------------------------------------------------------------------------
 
@@ -204,7 +213,10 @@ class TokensModel:
         if self.b[drafter] is None:
             return None
         a, a_var = self.row_effect(row_id, exclude=drafter)
-        prior, prior_var = a + self._expected(drafter, self.x.get(row_id)), a_var + self.tau2[drafter] + self.b_var[drafter]
+        prior, prior_var = (
+            a + self._expected(drafter, self.x.get(row_id)),
+            a_var + self.tau2[drafter] + self.b_var[drafter],
+        )
         stats = self.rows.get(row_id)
         n, mean = (stats[drafter].n, stats[drafter].mean) if stats is not None else (0, 0.0)
         precision = 1.0 / prior_var + n / self.sigma2[drafter]

@@ -11,8 +11,8 @@ app: errors, auth, health, info, metrics), `metrics`, `text` (stop sequences, in
 
 from __future__ import annotations
 
-from ..step.engine import SpinEngine
 from ..pool import AssistantPool
+from ..step.engine import SpinEngine
 from .metrics import Metrics
 from .requests import Limits
 from .scheduler import Scheduler
@@ -49,13 +49,22 @@ def build_app(
             from ..step.pipeline import Pipeline
 
             fixed = None if pipeline is True else int(pipeline)
-            return Pipeline(model, pool, tokenizer, micro_batches=fixed, isolate_faults=True, draft_threads=draft_threads)
+            return Pipeline(
+                model, pool, tokenizer, micro_batches=fixed, isolate_faults=True, draft_threads=draft_threads
+            )
         return SpinEngine(model, pool, tokenizer, isolate_faults=True)
 
     holder: dict = {}
-    metrics = Metrics(engine_stats=lambda: dict(holder["scheduler"].engine.drafter_stats) if "scheduler" in holder else {})
+    metrics = Metrics(
+        engine_stats=lambda: dict(holder["scheduler"].engine.drafter_stats) if "scheduler" in holder else {}
+    )
     scheduler = Scheduler(
-        make_engine, max_batch_size=max_batch_size, max_queue=max_queue, metrics=metrics, threads=threads, max_batch_prefill_tokens=max_batch_prefill_tokens
+        make_engine,
+        max_batch_size=max_batch_size,
+        max_queue=max_queue,
+        metrics=metrics,
+        threads=threads,
+        max_batch_prefill_tokens=max_batch_prefill_tokens,
     )
     holder["scheduler"] = scheduler
     eos = model.generation_config.eos_token_id
@@ -63,7 +72,9 @@ def build_app(
         "model_dtype": str(model.dtype),
         "model_device_type": model.device.type,
         "speculation": pool is not None,
-        "drafters": [{"name": i.name, "kind": i.kind, "num_parameters": i.num_parameters} for i in pool.infos] if pool else [],
+        "drafters": [{"name": i.name, "kind": i.kind, "num_parameters": i.num_parameters} for i in pool.infos]
+        if pool
+        else [],
         "policy": type(pool.policy).__name__ if pool else None,
         "cache": pool.cache_layout if pool else None,
         "pipeline": "auto" if pipeline is True else (int(pipeline) if pipeline else False),

@@ -36,7 +36,13 @@ BODY_MODELS = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
 }
-ROUTE_NAMES = {"/": "generate", "/generate": "generate", "/generate_stream": "generate_stream", "/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+ROUTE_NAMES = {
+    "/": "generate",
+    "/generate": "generate",
+    "/generate_stream": "generate_stream",
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat_completions",
+}
 
 
 def create_app(service: Service) -> FastAPI:
@@ -54,7 +60,11 @@ def create_app(service: Service) -> FastAPI:
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {service.api_key}".encode()):
             what = "no Authorization header" if not given else "a wrong API key"
-            raise HTTPException(401, f"this server needs an API key: send 'Authorization: Bearer <key>' (got {what})", headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401,
+                f"this server needs an API key: send 'Authorization: Bearer <key>' (got {what})",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     app = FastAPI(title="hf_spin", version=__version__, lifespan=lifespan)
     guarded = [Depends(authorized)]
@@ -80,7 +90,9 @@ def create_app(service: Service) -> FastAPI:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "error": "the scheduler thread is not running"}, status_code=503)
 
-    @app.get("/info", summary="model, drafters, policy and limits (TGI's /info plus hf_spin's fields)", dependencies=guarded)
+    @app.get(
+        "/info", summary="model, drafters, policy and limits (TGI's /info plus hf_spin's fields)", dependencies=guarded
+    )
     async def info():
         limits = service.limits
         return {

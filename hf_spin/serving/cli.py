@@ -30,30 +30,81 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..pool import CACHE_LAYOUTS, NAMED_DRAFTERS
 
     names = ", ".join(models.NAMES)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 to listen on every interface)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 to listen on every interface)",
+    )
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"target: a packaged model ({names}) or a local folder (default {DEFAULT_MODEL})")
-    p.add_argument("--drafter", action="append", default=None,
-                   help=f"a drafter, repeatable: a packaged model, a local folder, or one of {sorted(NAMED_DRAFTERS)} (default: {' and '.join(DEFAULT_DRAFTERS)})")
-    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"drafter selection policy, a name from hf_spin.policies.POLICIES (default {DEFAULT_POLICY})")
-    p.add_argument("--draft-length", default="5", help="tokens drafted per step: an int or a draft-length rule name (default 5)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"target: a packaged model ({names}) or a local folder (default {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--drafter",
+        action="append",
+        default=None,
+        help=f"a drafter, repeatable: a packaged model, a local folder, or one of {sorted(NAMED_DRAFTERS)} (default: {' and '.join(DEFAULT_DRAFTERS)})",
+    )
+    p.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        help=f"drafter selection policy, a name from hf_spin.policies.POLICIES (default {DEFAULT_POLICY})",
+    )
+    p.add_argument(
+        "--draft-length", default="5", help="tokens drafted per step: an int or a draft-length rule name (default 5)"
+    )
     p.add_argument("--no-speculation", action="store_true", help="serve without drafters: plain batched decoding")
-    p.add_argument("--pipeline", default="off", help="micro-batch pipelining: off (default), auto (Spin's heuristic) or a number of micro-batches")
-    p.add_argument("--cache", default="rectangular", choices=CACHE_LAYOUTS,
-                   help="KV cache layout (AssistantPool(cache=...)): rectangular (default) or packed")
+    p.add_argument(
+        "--pipeline",
+        default="off",
+        help="micro-batch pipelining: off (default), auto (Spin's heuristic) or a number of micro-batches",
+    )
+    p.add_argument(
+        "--cache",
+        default="rectangular",
+        choices=CACHE_LAYOUTS,
+        help="KV cache layout (AssistantPool(cache=...)): rectangular (default) or packed",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="model dtype (default bfloat16)")
-    p.add_argument("--device", default=None,
-                   help="where the models go: cpu, cuda, cuda:N, or a device map (auto: split over every GPU); default cuda when a GPU is there, else cpu")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads for the models (default: torch's choice); with --pipeline on a CPU, split between target and drafting threads")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="where the models go: cpu, cuda, cuda:N, or a device map (auto: split over every GPU); default cuda when a GPU is there, else cpu",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for the models (default: torch's choice); with --pipeline on a CPU, split between target and drafting threads",
+    )
     p.add_argument("--max-batch-size", type=int, default=16, help="rows decoding together (default 16)")
-    p.add_argument("--max-batch-prefill-tokens", type=int, default=4096,
-                   help="prompt tokens one step may prefill (joining rows x longest prompt; a longer prompt joins alone; default 4096)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 503 + Retry-After (default 64)")
+    p.add_argument(
+        "--max-batch-prefill-tokens",
+        type=int,
+        default=4096,
+        help="prompt tokens one step may prefill (joining rows x longest prompt; a longer prompt joins alone; default 4096)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests waiting beyond the batch; more get 503 + Retry-After (default 64)",
+    )
     p.add_argument("--max-input-tokens", type=int, default=4096, help="longest prompt in tokens (default 4096)")
     p.add_argument("--max-total-tokens", type=int, default=8192, help="prompt + max_new_tokens limit (default 8192)")
-    p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set, else no key)")
-    p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds running requests may finish at shutdown (default 10)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set, else no key)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        help="seconds running requests may finish at shutdown (default 10)",
+    )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
@@ -79,7 +130,9 @@ def load_model(name: str, dtype, device=None):
         return models.load(name, dtype=dtype, device=device)
     folder = Path(name).expanduser()
     if not folder.is_dir():
-        raise SystemExit(f"--model/--drafter {name!r} is neither a packaged model ({', '.join(models.NAMES)}) nor a folder")
+        raise SystemExit(
+            f"--model/--drafter {name!r} is neither a packaged model ({', '.join(models.NAMES)}) nor a folder"
+        )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=placement).eval()

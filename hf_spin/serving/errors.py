@@ -38,7 +38,9 @@ def error_payload(openai: bool, message: str, kind: str, param: str | None = Non
     return {"error": message, "error_type": tgi_type}
 
 
-def error_response(request: Request, status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+def error_response(
+    request: Request, status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None
+) -> JSONResponse:
     return JSONResponse(error_payload(is_openai(request), message, kind, param), status_code=status, headers=headers)
 
 

@@ -41,12 +41,26 @@ class _DrafterCollector:
     def collect(self):
         totals = self.metrics.drafter_totals()
         families = {
-            "drafted": CounterMetricFamily("hf_spin_drafter_drafted_tokens", "draft tokens proposed", labels=["drafter"]),
-            "accepted": CounterMetricFamily("hf_spin_drafter_accepted_tokens", "draft tokens accepted by the target", labels=["drafter"]),
-            "steps": CounterMetricFamily("hf_spin_drafter_steps", "row-steps the drafter served (target forwards)", labels=["drafter"]),
-            "failures": CounterMetricFamily("hf_spin_drafter_failures", "drafter calls that raised", labels=["drafter"]),
-            "rate": GaugeMetricFamily("hf_spin_drafter_acceptance_rate", "accepted / drafted since start", labels=["drafter"]),
-            "length": GaugeMetricFamily("hf_spin_drafter_mean_accepted_length", "tokens per target forward on the rows it served", labels=["drafter"]),
+            "drafted": CounterMetricFamily(
+                "hf_spin_drafter_drafted_tokens", "draft tokens proposed", labels=["drafter"]
+            ),
+            "accepted": CounterMetricFamily(
+                "hf_spin_drafter_accepted_tokens", "draft tokens accepted by the target", labels=["drafter"]
+            ),
+            "steps": CounterMetricFamily(
+                "hf_spin_drafter_steps", "row-steps the drafter served (target forwards)", labels=["drafter"]
+            ),
+            "failures": CounterMetricFamily(
+                "hf_spin_drafter_failures", "drafter calls that raised", labels=["drafter"]
+            ),
+            "rate": GaugeMetricFamily(
+                "hf_spin_drafter_acceptance_rate", "accepted / drafted since start", labels=["drafter"]
+            ),
+            "length": GaugeMetricFamily(
+                "hf_spin_drafter_mean_accepted_length",
+                "tokens per target forward on the rows it served",
+                labels=["drafter"],
+            ),
         }
         for name, d in totals.items():
             families["drafted"].add_metric([name], d.drafted)
@@ -68,11 +82,22 @@ class Metrics:
         self.generated_tokens = Counter("hf_spin_generated_tokens", "tokens generated", registry=r)
         self.queue_depth = Gauge("hf_spin_queue_depth", "requests waiting for a row", registry=r)
         self.batch_size = Gauge("hf_spin_batch_size", "rows decoding", registry=r)
-        self.step_batch = Histogram("hf_spin_step_batch_size", "rows per engine step", buckets=BATCH_BUCKETS, registry=r)
+        self.step_batch = Histogram(
+            "hf_spin_step_batch_size", "rows per engine step", buckets=BATCH_BUCKETS, registry=r
+        )
         self.step_seconds = Histogram("hf_spin_step_seconds", "engine step latency", buckets=STEP_BUCKETS, registry=r)
-        self.request_seconds = Histogram("hf_spin_request_seconds", "request latency, queue included", buckets=REQUEST_BUCKETS, registry=r)
-        self.ttft = Histogram("hf_spin_time_to_first_token_seconds", "time to first token, queue included", buckets=REQUEST_BUCKETS, registry=r)
-        self.micro_batches = Gauge("hf_spin_micro_batches", "micro-batches of the pipeline (1 without pipelining)", registry=r)
+        self.request_seconds = Histogram(
+            "hf_spin_request_seconds", "request latency, queue included", buckets=REQUEST_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "hf_spin_time_to_first_token_seconds",
+            "time to first token, queue included",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.micro_batches = Gauge(
+            "hf_spin_micro_batches", "micro-batches of the pipeline (1 without pipelining)", registry=r
+        )
         self.micro_batches.set(1)
         self.engine_stats = engine_stats or (lambda: {})
         self._retired: dict[str, DrafterStats] = {}

@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
-from ..version import __version__
 from ..step.rows import CANCELLED, ERROR
+from ..version import __version__
 from .errors import error_payload
 from .requests import InvalidRequest
 from .scheduler import Finished, Overloaded
@@ -45,14 +45,21 @@ def router(service: Service) -> APIRouter:
         try:
             if chat:
                 prompt = service.chat_prompt([m.model_dump(exclude_none=True) for m in body.messages])
-                ids = service.encode(prompt, sampling, add_special_tokens=False)  # the template holds the special tokens
+                ids = service.encode(
+                    prompt, sampling, add_special_tokens=False
+                )  # the template holds the special tokens
             else:
                 ids = service.encode(body.prompt, sampling)
             job = service.submit(sampling, ids)
         except (InvalidRequest, Overloaded) as err:
             return _refused(service, request, route, err)
         kind = "chat.completion" if chat else "text_completion"
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": job.created, "model": body.model or service.model_id, "system_fingerprint": FINGERPRINT}
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+            "created": job.created,
+            "model": body.model or service.model_id,
+            "system_fingerprint": FINGERPRINT,
+        }
 
         if not body.stream:
             result = await service.result(job, request)
@@ -65,8 +72,15 @@ def router(service: Service) -> APIRouter:
             trimmer = StopTrimmer(sampling.stop)
             text = trimmer.push(service.text(out)) + trimmer.flush()
             reason = _openai_reason(end.row, service)
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
-            payload = {**head, "object": kind, "choices": [{**choice, "logprobs": None, "finish_reason": reason}], "usage": _usage(ids, out)}
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+            )
+            payload = {
+                **head,
+                "object": kind,
+                "choices": [{**choice, "logprobs": None, "finish_reason": reason}],
+                "usage": _usage(ids, out),
+            }
             service.metrics.requests.labels(route, "ok").inc()
             _observe(service, job, t0)
             return JSONResponse(payload)
@@ -75,7 +89,9 @@ def router(service: Service) -> APIRouter:
 
         def chunk(piece: str | None, reason: str | None, role: bool = False) -> dict:
             if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece is not None else {})
+                delta = (
+                    {"role": "assistant", "content": ""} if role else ({"content": piece} if piece is not None else {})
+                )
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
                 choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}
@@ -108,7 +124,16 @@ def router(service: Service) -> APIRouter:
                             yield chunk(rest, None)
                         yield chunk(None, _openai_reason(event.row, service))
                         if include_usage:
-                            yield {"data": json.dumps({**head, "object": f"{kind}.chunk" if chat else kind, "choices": [], "usage": _usage(ids, out)})}
+                            yield {
+                                "data": json.dumps(
+                                    {
+                                        **head,
+                                        "object": f"{kind}.chunk" if chat else kind,
+                                        "choices": [],
+                                        "usage": _usage(ids, out),
+                                    }
+                                )
+                            }
                         yield {"data": "[DONE]"}
                         status = "ok"
                         _observe(service, job, t0)
@@ -117,7 +142,11 @@ def router(service: Service) -> APIRouter:
                     service.cancel(job)
                 service.metrics.requests.labels(route, status).inc()
 
-        return EventSourceResponse(events(), ping=SSE_PING_SECONDS, shutdown_grace_period=service.shutdown_grace_seconds + SHUTDOWN_MARGIN_SECONDS)
+        return EventSourceResponse(
+            events(),
+            ping=SSE_PING_SECONDS,
+            shutdown_grace_period=service.shutdown_grace_seconds + SHUTDOWN_MARGIN_SECONDS,
+        )
 
     @api.post("/completions", summary="OpenAI-compatible text completion")
     async def completions(body: CompletionRequest, request: Request):

@@ -32,7 +32,9 @@ class Limits:
 
     def __post_init__(self):
         if not 1 <= self.max_input_tokens < self.max_total_tokens:
-            raise ValueError(f"need 1 <= max_input_tokens < max_total_tokens, got {self.max_input_tokens} and {self.max_total_tokens}")
+            raise ValueError(
+                f"need 1 <= max_input_tokens < max_total_tokens, got {self.max_input_tokens} and {self.max_total_tokens}"
+            )
         if self.default_max_new_tokens < 1:
             raise ValueError(f"default_max_new_tokens must be >= 1, got {self.default_max_new_tokens}")
 
@@ -54,7 +56,9 @@ def processors(s: Sampling) -> LogitsProcessorList:
     return out
 
 
-def prompt_ids(tokenizer, text: str, limits: Limits, truncate: int | None = None, add_special_tokens: bool = True) -> list[int]:
+def prompt_ids(
+    tokenizer, text: str, limits: Limits, truncate: int | None = None, add_special_tokens: bool = True
+) -> list[int]:
     if not text:
         raise InvalidRequest("the prompt is empty; give at least one character of input", "inputs")
     ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
@@ -71,7 +75,9 @@ def prompt_ids(tokenizer, text: str, limits: Limits, truncate: int | None = None
     return ids
 
 
-def engine_request(s: Sampling, ids: list[int], tokenizer, eos_ids: set[int], limits: Limits, logprobs: bool = True) -> Request:
+def engine_request(
+    s: Sampling, ids: list[int], tokenizer, eos_ids: set[int], limits: Limits, logprobs: bool = True
+) -> Request:
     room = limits.max_total_tokens - len(ids)
     max_new = s.max_new_tokens if s.max_new_tokens is not None else min(limits.default_max_new_tokens, room)
     if max_new > room:

@@ -263,7 +263,9 @@ class Scheduler:
         try:
             self.engine.step()
         except Exception as err:  # noqa: BLE001 - a fault no row could be blamed for: fail those running, go on
-            logger.exception("engine step failed; failing the %d running requests and starting a fresh engine", len(self._running))
+            logger.exception(
+                "engine step failed; failing the %d running requests and starting a fresh engine", len(self._running)
+            )
             message = f"{type(err).__name__}: {err}"
             for job in self._running:
                 if not job.row.done:

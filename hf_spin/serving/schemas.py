@@ -53,6 +53,7 @@ def _neutral(name: str, value, neutral) -> None:
 
 # --- TGI ---------------------------------------------------------------------------------------------
 
+
 class Parameters(_Strict):
     """TGI's `parameters` object (text-generation-inference, router/src/lib.rs `GenerateParameters`)."""
 
@@ -98,7 +99,12 @@ class Parameters(_Strict):
 
     def to_sampling(self) -> Sampling:
         # TGI samples when asked to or when any warper is set (text_generation_server/utils/tokens.py)
-        warped = (self.temperature not in (None, 1.0)) or self.top_k is not None or self.top_p not in (None, 1.0) or self.typical_p not in (None, 1.0)
+        warped = (
+            (self.temperature not in (None, 1.0))
+            or self.top_k is not None
+            or self.top_p not in (None, 1.0)
+            or self.typical_p not in (None, 1.0)
+        )
         return Sampling(
             max_new_tokens=self.max_new_tokens,
             do_sample=self.do_sample or warped,
@@ -120,6 +126,7 @@ class GenerateRequest(_Strict):
 
 
 # --- OpenAI ------------------------------------------------------------------------------------------
+
 
 class _OpenAICommon(_Strict):
     model: str | None = None  # accepted and echoed; the server runs one model

@@ -16,7 +16,16 @@ class Server(uvicorn.Server):
     def __init__(self, app, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info", **config):
         self.service = app.state.service
         grace = self.service.shutdown_grace_seconds
-        super().__init__(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace + SHUTDOWN_MARGIN_SECONDS, **config))
+        super().__init__(
+            uvicorn.Config(
+                app,
+                host=host,
+                port=port,
+                log_level=log_level,
+                timeout_graceful_shutdown=grace + SHUTDOWN_MARGIN_SECONDS,
+                **config,
+            )
+        )
 
     async def shutdown(self, sockets=None) -> None:
         self.service.scheduler.drain(self.service.shutdown_grace_seconds)

@@ -45,7 +45,9 @@ def _failure(service: Service, request: Request, route: str, end: Finished):
         service.metrics.requests.labels(route, "error").inc()
         return error_response(request, 500, f"generation failed: {end.error}", "generation")
     service.metrics.requests.labels(route, "cancelled").inc()
-    return error_response(request, 503, end.error or "the request was cancelled", "cancelled", headers={"Retry-After": "1"})
+    return error_response(
+        request, 503, end.error or "the request was cancelled", "cancelled", headers={"Retry-After": "1"}
+    )
 
 
 def stream_failure(end: Finished) -> tuple[str, str]:
@@ -118,18 +120,27 @@ def router(service: Service) -> APIRouter:
                     for i, (token_id, logprob) in enumerate(zip(event.ids, event.logprobs)):
                         out.append(token_id)
                         final = last and i == len(event.ids) - 1
-                        yield {"data": json.dumps({
-                            "index": len(out),
-                            "token": _token(service, token_id, decoder.push(token_id), logprob),
-                            "generated_text": (body.inputs if body.parameters.return_full_text else "") + service.text(out) if final else None,
-                            "details": {
-                                "finish_reason": finish_reason(event.row, service.eos_ids),
-                                "generated_tokens": len(out),
-                                "seed": sampling.seed if sampling.do_sample else None,
-                                "input_length": len(ids),
-                            } if final else None,
-                            "top_tokens": None,
-                        })}
+                        yield {
+                            "data": json.dumps(
+                                {
+                                    "index": len(out),
+                                    "token": _token(service, token_id, decoder.push(token_id), logprob),
+                                    "generated_text": (body.inputs if body.parameters.return_full_text else "")
+                                    + service.text(out)
+                                    if final
+                                    else None,
+                                    "details": {
+                                        "finish_reason": finish_reason(event.row, service.eos_ids),
+                                        "generated_tokens": len(out),
+                                        "seed": sampling.seed if sampling.do_sample else None,
+                                        "input_length": len(ids),
+                                    }
+                                    if final
+                                    else None,
+                                    "top_tokens": None,
+                                }
+                            )
+                        }
                     if last:
                         status = "ok"
                         _observe(service, job, t0)
@@ -138,7 +149,11 @@ def router(service: Service) -> APIRouter:
                     service.cancel(job)  # the client went away mid-stream: free its row at the next step
                 service.metrics.requests.labels("generate_stream", status).inc()
 
-        return EventSourceResponse(events(), ping=SSE_PING_SECONDS, shutdown_grace_period=service.shutdown_grace_seconds + SHUTDOWN_MARGIN_SECONDS)
+        return EventSourceResponse(
+            events(),
+            ping=SSE_PING_SECONDS,
+            shutdown_grace_period=service.shutdown_grace_seconds + SHUTDOWN_MARGIN_SECONDS,
+        )
 
     @api.post("/", summary="TGI's compatibility route: /generate, or /generate_stream when stream is true")
     async def compat(body: GenerateRequest, request: Request):

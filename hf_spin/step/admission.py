@@ -14,9 +14,9 @@ import torch
 
 from ..cache import CACHE_ARG, CACHE_NAMES, PackedCache, RectangularCache, forward_ragged, needs_contiguous_slots
 from ..cache.static import StaticRowCache
+from ..verify.chains import gumbel_noise
 from .processors import GenerateBatch
 from .rows import Row
-from ..verify.chains import gumbel_noise
 
 # Token id that left-pads the prompts of rows prefilled together; masked, so any valid id works.
 JOIN_PAD_TOKEN = 0
@@ -91,8 +91,10 @@ def first_tokens(rows: list[Row], scores: torch.Tensor, run_isolated) -> list[in
         first[idx] = torch.multinomial(torch.softmax(scores[idx], -1), 1)[:, 0]
     for i, row in enumerate(rows):
         if row.request.do_sample and row.request.seed is not None and not row.done:
+
             def draw(i=i, row=row):
                 noise = gumbel_noise(row.request.seed, 0, 1, scores.shape[-1], scores.device)[0]
                 first[i] = (torch.log_softmax(scores[i], -1) + noise).argmax()
+
             run_isolated(row, draw)
     return first.tolist()

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from ..drafters import Draft, DraftRequest
-from .faults import DrafterCall, DrafterScope, Faults
 from ..planning.plan import Plan
-from .processors import score_rows
 from ..verify.token_tree import TokenTree
 from ..verify.vote_tree import heaviest_path
+from .faults import DrafterCall, DrafterScope, Faults
+from .processors import score_rows
 
 Proposals = list[dict[int, list[int]]]  # [B] drafter -> its draft for the row
 
@@ -57,8 +57,12 @@ class Drafting:
         self.score_fn = self._score if any(len(r.request.processors) for r in self.rows) else None
         self.device = getattr(scope.model, "device", None)  # the target's: where its processors hold their tensors
         self.min_confidence = plan.min_confidence if plan is not None else 0.0
-        self.match_lengths: list[dict[int, int]] = [{} for _ in self.rows]  # [B] drafter -> the match its draft continued
-        self.tree_of: list[dict[int, TokenTree]] = [{} for _ in self.rows]  # [B] drafter -> the tree it proposed (`trees`)
+        self.match_lengths: list[dict[int, int]] = [
+            {} for _ in self.rows
+        ]  # [B] drafter -> the match its draft continued
+        self.tree_of: list[dict[int, TokenTree]] = [
+            {} for _ in self.rows
+        ]  # [B] drafter -> the tree it proposed (`trees`)
 
     def _score(self, bs: list[int], prefixes: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
         """Rows bs' processors on one draft position each, logits [n, V]: drafters score like the target
@@ -82,7 +86,9 @@ class Drafting:
             self.usable[d_idx] = False
         return call
 
-    def preempt(self, chosen: list[tuple[int, ...]], ks: list[int], proposals: Proposals, q_of: list[dict]) -> Proposals:
+    def preempt(
+        self, chosen: list[tuple[int, ...]], ks: list[int], proposals: Proposals, q_of: list[dict]
+    ) -> Proposals:
         """4a. A preempting drafter (`Plan.preempt`) drafts first; a row it proposes at least the plan's
         minimum tokens for, continuing a long enough match, verifies that draft instead of its planned
         drafters' (`chosen`, `ks` and `proposals` updated). Returns [B] the drafts too short to serve."""
@@ -93,7 +99,9 @@ class Drafting:
                 for b in sorted(wanted)
                 if b < len(rows) and self.usable[d_idx] and d_idx not in rows[b].banned and d_idx not in chosen[b]
             ]
-            cap = {b: k for b in eligible if (k := min(wanted[b].k, rows[b].draft_room)) > 0}  # k capped by the room left
+            cap = {
+                b: k for b in eligible if (k := min(wanted[b].k, rows[b].draft_room)) > 0
+            }  # k capped by the room left
             for b, (tokens, q) in self.draft_rows(d_idx, list(cap), cap).items():
                 match = self.match_lengths[b].get(d_idx)
                 if len(tokens) >= wanted[b].min_tokens and (match is None or match >= wanted[b].min_match):
@@ -106,7 +114,9 @@ class Drafting:
     def serve(self, chosen: list[tuple[int, ...]], ks: list[int], proposals: Proposals, q_of: list[dict]) -> None:
         """4b. One call per drafter over the rows it serves and has not drafted for yet."""
         for d_idx in range(len(self.scope.drafters)):
-            served = [b for b in range(len(self.rows)) if d_idx in chosen[b] and ks[b] > 0 and d_idx not in proposals[b]]
+            served = [
+                b for b in range(len(self.rows)) if d_idx in chosen[b] and ks[b] > 0 and d_idx not in proposals[b]
+            ]
             for b, (tokens, q) in self.draft_rows(d_idx, served, ks).items():
                 proposals[b][d_idx], q_of[b][d_idx] = tokens, q
 
@@ -152,10 +162,25 @@ class Drafting:
         for d_idx, wanted in (plan.shadow if plan is not None else {}).items():
             if not self.usable[d_idx]:
                 continue
-            served = [b for b in sorted(wanted) if b < len(rows) and d_idx not in chosen[b] and d_idx not in rows[b].banned and d_idx not in shadows[b] and min(wanted[b], rows[b].draft_room) > 0]
+            served = [
+                b
+                for b in sorted(wanted)
+                if b < len(rows)
+                and d_idx not in chosen[b]
+                and d_idx not in rows[b].banned
+                and d_idx not in shadows[b]
+                and min(wanted[b], rows[b].draft_room) > 0
+            ]
             if not served:
                 continue
-            request = DraftRequest(served, self.sequences, [min(wanted[b], rows[b].draft_room) for b in served], False, self.score_fn, plan.min_confidence)
+            request = DraftRequest(
+                served,
+                self.sequences,
+                [min(wanted[b], rows[b].draft_room) for b in served],
+                False,
+                self.score_fn,
+                plan.min_confidence,
+            )
             call = self._draft(d_idx, request)
             if call.ok:
                 draft = call.value
@@ -164,7 +189,9 @@ class Drafting:
                 note_matches(draft, served, d_idx, self.match_lengths)
         return shadows
 
-    def merge(self, proposals: Proposals, q_of: list[dict], ks: list[int], trees: bool = False, max_nodes: int | None = None):
+    def merge(
+        self, proposals: Proposals, q_of: list[dict], ks: list[int], trees: bool = False, max_nodes: int | None = None
+    ):
         """([B] the candidates each row verifies, [B] their q or None, [B] token trees or None): a single
         drafter's draft and q, or several drafters' vote tree (a deterministic merge: one-hot q): with
         `trees` the whole tree (its `max_nodes` heaviest nodes), else its heaviest path."""
@@ -173,7 +200,9 @@ class Drafting:
         merged: list[TokenTree | None] = [None] * len(proposals)
         weights = (self.plan.vote_weights if self.plan is not None else None) or [1.0] * len(self.scope.drafters)
         for b, proposal in enumerate(proposals):
-            own = {d: self.tree_of[b][d] for d in proposal if d in self.tree_of[b]} if trees else {}  # drafters' own trees
+            own = (
+                {d: self.tree_of[b][d] for d in proposal if d in self.tree_of[b]} if trees else {}
+            )  # drafters' own trees
             if len(proposal) == 1 and not own:
                 ((d_idx, drafts[b]),) = proposal.items()
                 qs[b] = q_of[b][d_idx]

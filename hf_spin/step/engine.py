@@ -36,23 +36,23 @@ from time import perf_counter
 import torch
 
 from .. import host_syncs
-from . import admission, tree_step
 from ..cache import PackedCache, RowCache, forward_ragged
 from ..cache.static_forward import StaticTarget
 from ..drafters import Drafter
 from ..drafters.model import common_prefix_length
-from .drafting import Drafting
-from .faults import DrafterCall, DrafterScope, Faults
 from ..planning.plan import BatchView, Plan, StepFeedback, shadow_lengths
 from ..planning.planner import plan_k
 from ..policies import Policy
 from ..pool import AssistantPool
+from ..stats import DrafterStats, GenerationStats
+from ..verify.chains import RowSampling, verify_rows
+from ..verify.token_tree import TokenTree
+from . import admission, tree_step
+from .drafting import Drafting
+from .faults import DrafterCall, DrafterScope, Faults
 from .processors import GenerateBatch, first_scores, row_processors, target_scores
 from .rows import CANCELLED, ERROR, LENGTH, STOPPED, Request, Row
-from ..stats import DrafterStats, GenerationStats
 from .stopping import HostStop
-from ..verify.token_tree import TokenTree
-from ..verify.chains import RowSampling, verify_rows
 
 
 @dataclass
@@ -67,7 +67,9 @@ class Proposal:
     proposals: list[dict[int, list[int]]]  # [B] drafter -> its own draft
     draft_seconds: list[float]  # [num_drafters] wall time per drafter in this step (shadow drafts included)
     shadows: list[dict[int, list[int]]]  # [B] drafter -> its shadow draft (Plan.shadow): compared, never verified
-    match_lengths: list[dict[int, int]]  # [B] drafter -> the match its draft (served or shadow) continued, where it reports one
+    match_lengths: list[
+        dict[int, int]
+    ]  # [B] drafter -> the match its draft (served or shadow) continued, where it reports one
     trees: list[TokenTree | None] | None = None  # [B] a vote's whole token tree per row (tree_step.py); None: chains
 
 
@@ -116,7 +118,9 @@ class SpinEngine:
         # token trees (tree_step.usable): "auto", False, or a node cap; chains on the static layout
         self.tree = pool.tree if pool is not None and self.static is None else False
         self.tree_capability = tree_step.capability(model) if self.tree is not False else (False, False)
-        self.planner = pool.planner if pool is not None else None  # sizes drafts from measured costs; None: profile "off"
+        self.planner = (
+            pool.planner if pool is not None else None
+        )  # sizes drafts from measured costs; None: profile "off"
         self.isolate_faults = isolate_faults
         self.faults = faults if faults is not None else Faults(isolate_faults)
         self.defer_idle_catch_up = defer_idle_catch_up
@@ -140,7 +144,16 @@ class SpinEngine:
         self.pending.append(row)
         return row
 
-    def add_batch(self, input_ids, attention_mask, processors, stopping_criteria, max_length: int, do_sample: bool, model_kwargs: dict) -> list[Row]:
+    def add_batch(
+        self,
+        input_ids,
+        attention_mask,
+        processors,
+        stopping_criteria,
+        max_length: int,
+        do_sample: bool,
+        model_kwargs: dict,
+    ) -> list[Row]:
         """A `generate` batch: left-padded rows sharing processors and criteria, prefilled exactly as
         `generate` prefills them, with the whole-batch processor fast path while they run together."""
         rows = []
@@ -206,7 +219,12 @@ class SpinEngine:
         batch = self._batch if self._batch is not None and [r.id for r in joining] == self._batch.order else None
         try:
             self.cache, logits = admission.prefill(  # logits: [n, V]
-                self.model, self.cache, len(self.rows), joining, batch, self.cache_layout == "packed",
+                self.model,
+                self.cache,
+                len(self.rows),
+                joining,
+                batch,
+                self.cache_layout == "packed",
                 self.static is not None,
             )
         except Exception as err:  # noqa: BLE001
@@ -224,7 +242,9 @@ class SpinEngine:
         for i, row in enumerate(joining):
             if not row.done:
                 self.faults.row(row, lambda: self._commit(row, [first[i]], scores[i : i + 1]))
-            row.stats.add(drafted=0, accepted=0, new_tokens=1)  # the prefill forward produced one token: plain decoding scores 1.0
+            row.stats.add(
+                drafted=0, accepted=0, new_tokens=1
+            )  # the prefill forward produced one token: plain decoding scores 1.0
         sequences = [r.sequence for r in joining]
         new_positions = list(range(old, old + len(joining)))
         for d_idx, drafter in enumerate(self.drafters):
@@ -235,7 +255,9 @@ class SpinEngine:
             else:
                 # the target's cache right after its prefill: a self-speculating drafter copies its exact KV
                 shared = None if self.static is not None else self.cache  # a StaticRowCache is not shared
-                self._call_drafter(d_idx, lambda: drafter.start(self.model, sequences, target_cache=shared), new_positions)
+                self._call_drafter(
+                    d_idx, lambda: drafter.start(self.model, sequences, target_cache=shared), new_positions
+                )
         self.drafters_started = True
         if self.policy is not None:
             self.policy.start_rows(self._view(), new_positions)
@@ -273,7 +295,6 @@ class SpinEngine:
             if self.usable[d_idx]:
                 self._call_drafter(d_idx, lambda: d.select_rows(index), [])
 
-
     # -- 3-4. Plan and draft ----------------------------------------------------------------------------
     @torch.no_grad()
     def propose(self) -> Proposal:
@@ -290,7 +311,9 @@ class SpinEngine:
         if plan is None:
             chosen, ks = [()] * B, [0] * B
         else:
-            chosen = [tuple(d for d in plan.drafters[b] if self.usable[d] and d not in rows[b].banned) for b in range(B)]
+            chosen = [
+                tuple(d for d in plan.drafters[b] if self.usable[d] and d not in rows[b].banned) for b in range(B)
+            ]
 
             def lags() -> list[dict[int, int]]:  # [B] drafter -> committed tokens its state lacks (read by the planner)
                 return [
@@ -318,7 +341,18 @@ class SpinEngine:
             trees = [t.pruned(k, by=v) if t is not None else None for t, k, v in zip(trees, keep, values)]
             drafts = [d[:k] if t is None else list(t.tokens) for d, t, k in zip(drafts, trees, keep)]
             qs = [q[:k] if q is not None and k > 0 else None for q, k in zip(qs, keep)]
-        return Proposal(plan, chosen, ks, drafts, qs, proposals, draft_seconds, shadows, match_lengths, trees if any(t is not None for t in trees) else None)
+        return Proposal(
+            plan,
+            chosen,
+            ks,
+            drafts,
+            qs,
+            proposals,
+            draft_seconds,
+            shadows,
+            match_lengths,
+            trees if any(t is not None for t in trees) else None,
+        )
 
     # -- 5-7. Verify, commit, catch up ----------------------------------------------------------------
     @torch.no_grad()
@@ -342,12 +376,16 @@ class SpinEngine:
             target_logits = self.faults.target_forward(self.cache, rows, self._forward_target, chunks)
             if target_logits is None:
                 return
-            scores = target_scores(rows, self._running_batch(), target_logits, proposal.drafts, self.faults.row)  # [B, K + 1, V]
+            scores = target_scores(
+                rows, self._running_batch(), target_logits, proposal.drafts, self.faults.row
+            )  # [B, K + 1, V]
             sampling = [RowSampling(r.request.do_sample, r.request.seed, len(r.generated)) for r in rows]
             verdict = self.faults.verdict(
                 rows, lambda idx: verify_rows(idx, sampling, scores, proposal.drafts, proposal.qs), scores.device
             )
-            accepted, next_tokens = torch.stack([verdict.accepted, verdict.next_token]).tolist()  # the step's one read of the device
+            accepted, next_tokens = torch.stack(
+                [verdict.accepted, verdict.next_token]
+            ).tolist()  # the step's one read of the device
             kept = [d[:a] for d, a in zip(proposal.drafts, accepted)]
             row_scores = list(scores)
         verify_seconds = perf_counter() - start  # after that read: the forward and the verdict have run, on any device
@@ -377,7 +415,9 @@ class SpinEngine:
         for d_idx in sorted({d for prop in proposal.proposals for d in prop}):
             self.drafter_stats[self.names[d_idx]].steps += 1
         if any(proposal.drafts) or any(r.finish_reason == ERROR for r in rows):
-            self.cache.rollback([len(r.sequence) - 1 for r in rows])  # else each row committed the one token it fed: nothing to drop
+            self.cache.rollback(
+                [len(r.sequence) - 1 for r in rows]
+            )  # else each row committed the one token it fed: nothing to drop
 
         # 7. Fast switching: idle drafters named by the plan catch up on rows they may serve next; the
         #    policy hears what the step did.
@@ -389,8 +429,12 @@ class SpinEngine:
         self.stats.steps += 1
         if self.policy is not None:
             executed = Plan(
-                list(proposal.chosen), proposal.ks, proposal.plan.min_confidence, proposal.plan.vote_weights,
-                proposal.plan.catch_up, shadow_lengths(proposal.plan, proposal.shadows),
+                list(proposal.chosen),
+                proposal.ks,
+                proposal.plan.min_confidence,
+                proposal.plan.vote_weights,
+                proposal.plan.catch_up,
+                shadow_lengths(proposal.plan, proposal.shadows),
             )
             feedback = StepFeedback(
                 row_ids=[r.id for r in rows],

@@ -29,8 +29,8 @@ import torch
 
 from ..cache import RowCache
 from ..drafters import Drafter
-from .rows import Row
 from ..verify.chains import Verdict
+from .rows import Row
 
 logger = logging.getLogger(__name__)
 

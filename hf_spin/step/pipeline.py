@@ -30,12 +30,12 @@ from time import perf_counter
 
 import torch
 
-from .engine import Proposal, SpinEngine
-from .faults import Faults
 from ..policies.micro_batches import MicroBatchCount
 from ..pool import AssistantPool
-from .rows import Request, Row
 from ..stats import DrafterStats, GenerationStats
+from .engine import Proposal, SpinEngine
+from .faults import Faults
+from .rows import Request, Row
 
 # Most micro-batches the heuristic may try.
 MAX_MICRO_BATCHES = 8
@@ -91,7 +91,14 @@ class _Streams:
     def for_models(cls, model, drafters) -> "_Streams":
         models = [model] + [d.model for d in drafters if getattr(d, "model", None) is not None]
         devices = list(dict.fromkeys(m.device for m in models if m.device.type == "cuda"))
-        draft_device = next((d.model.device for d in drafters if getattr(d, "model", None) is not None and d.model.device.type == "cuda"), None)
+        draft_device = next(
+            (
+                d.model.device
+                for d in drafters
+                if getattr(d, "model", None) is not None and d.model.device.type == "cuda"
+            ),
+            None,
+        )
         if draft_device is None:  # no drafter on a GPU: both threads share the default streams
             return cls()
         return cls(torch.cuda.Stream(device=draft_device), devices)
@@ -174,7 +181,9 @@ class Pipeline:
         draft_threads: int | None = None,
     ):
         if pool is None:
-            raise ValueError("a Pipeline overlaps drafting with verification; it needs an AssistantPool (for plain decoding use SpinEngine(model, None))")
+            raise ValueError(
+                "a Pipeline overlaps drafting with verification; it needs an AssistantPool (for plain decoding use SpinEngine(model, None))"
+            )
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
         self.bound = pool.bind(model, tokenizer)
         self.policy = _LockedPolicy(pool.policy)

@@ -73,7 +73,10 @@ def score_rows(rows: list[Row], prefixes: list[list[int]], logits: torch.Tensor)
     """Each row's processors on one position of its own: logits [n, V] -> [n, V] (prefixes: [n] committed +
     candidate ids). Rows sharing one list of processors that read only the scores go through it in one call."""
     first = rows[0].request.processors
-    shared = all(len(r.request.processors) == len(first) and all(a is b for a, b in zip(r.request.processors, first)) for r in rows)
+    shared = all(
+        len(r.request.processors) == len(first) and all(a is b for a, b in zip(r.request.processors, first))
+        for r in rows
+    )
     if shared and not len(first):
         return logits
     if shared and ids_free(first):
@@ -82,7 +85,12 @@ def score_rows(rows: list[Row], prefixes: list[list[int]], logits: torch.Tensor)
 
 
 def target_scores(
-    rows: list[Row], batch: GenerateBatch | None, logits: torch.Tensor, drafts: list[list[int]], run_isolated, paths: list[list[list[int]]] | None = None
+    rows: list[Row],
+    batch: GenerateBatch | None,
+    logits: torch.Tensor,
+    drafts: list[list[int]],
+    run_isolated,
+    paths: list[list[list[int]]] | None = None,
 ) -> torch.Tensor:
     """Each row's processors at each of its verified positions: logits [B, K + 1, V] -> scores [B, K + 1, V].
 
@@ -105,10 +113,12 @@ def target_scores(
         if ids_free(procs):
             run_isolated(row, lambda: scores.__setitem__((b, slice(0, n)), procs(None, logits[b, :n])))
         else:
+
             def per_position(b=b, row=row, n=n):
                 for j in range(n):
                     before = paths[b][j] if paths is not None else drafts[b][:j]
                     scores[b, j] = score_position(row, row.sequence + before, logits[b, j])
+
             run_isolated(row, per_position)
     return scores
 
@@ -122,5 +132,10 @@ def first_scores(rows: list[Row], logits: torch.Tensor, batch: GenerateBatch | N
     scores = logits.clone()
     for i, row in enumerate(rows):
         if len(row.request.processors):
-            run_isolated(row, lambda: scores.__setitem__(i, row.request.processors(row.as_tensor().to(logits.device), logits[i : i + 1])[0]))
+            run_isolated(
+                row,
+                lambda: scores.__setitem__(
+                    i, row.request.processors(row.as_tensor().to(logits.device), logits[i : i + 1])[0]
+                ),
+            )
     return scores

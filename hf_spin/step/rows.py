@@ -36,18 +36,24 @@ class Request:
     max_new_tokens: int | None = None  # tokens to generate at most; or give max_length
     max_length: int | None = None  # at most this many tokens in padding + prompt + generated (generate's meaning)
     processors: LogitsProcessorList = field(default_factory=LogitsProcessorList)  # applied to target and drafts alike
-    stopping_criteria: StoppingCriteriaList = field(default_factory=StoppingCriteriaList)  # called on [1, padding + sequence]
+    stopping_criteria: StoppingCriteriaList = field(
+        default_factory=StoppingCriteriaList
+    )  # called on [1, padding + sequence]
     do_sample: bool = False  # False: greedy
     seed: int | None = None  # sampled rows: draw each token by Gumbel-max with noise fixed by (seed, position), so the
     #                          tokens depend on the seed alone, never on drafts or batch; None: torch's global RNG
-    padding: list[int] = field(default_factory=list)  # left padding the row had in a `generate` batch (processors see it)
+    padding: list[int] = field(
+        default_factory=list
+    )  # left padding the row had in a `generate` batch (processors see it)
     logprobs: bool = False  # record the log-probability of every generated token (after processors)
 
     def __post_init__(self):
         if not self.prompt:
             raise ValueError("a Request needs a non-empty prompt (at least one token id)")
         if (self.max_new_tokens is None) == (self.max_length is None):
-            raise ValueError(f"give exactly one of max_new_tokens and max_length, got {self.max_new_tokens!r} and {self.max_length!r}")
+            raise ValueError(
+                f"give exactly one of max_new_tokens and max_length, got {self.max_new_tokens!r} and {self.max_length!r}"
+            )
         if self.max_new_tokens is not None:
             if self.max_new_tokens < 1:
                 raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

@@ -37,8 +37,17 @@ class HostStop:
         if not all(type(c) in HOST_CRITERIA for c in criteria):
             return None
         lengths = [c.max_length for c in criteria if type(c) is MaxLengthCriteria]
-        positions = [c.max_position_embeddings for c in criteria if type(c) is MaxLengthCriteria and c.max_position_embeddings is not None]
-        eos = {int(t) for c in criteria if type(c) is EosTokenCriteria for t in torch.as_tensor(c.eos_token_id).reshape(-1).tolist()}
+        positions = [
+            c.max_position_embeddings
+            for c in criteria
+            if type(c) is MaxLengthCriteria and c.max_position_embeddings is not None
+        ]
+        eos = {
+            int(t)
+            for c in criteria
+            if type(c) is EosTokenCriteria
+            for t in torch.as_tensor(c.eos_token_id).reshape(-1).tolist()
+        }
         return cls(min(lengths, default=None), frozenset(eos), min(positions, default=None))
 
     def stops(self, length: int, token: int) -> bool | None:

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 from ..cache import PackedCache, RowCache, forward_tree, needs_contiguous_slots, takes_4d_masks
+from ..verify.chains import gumbel_noise
+from ..verify.token_tree import TokenTree
+from ..verify.trees import decide, walk_greedy, walk_sampling
 from .faults import Faults
 from .processors import GenerateBatch, ids_free, target_scores
 from .rows import Row
-from ..verify.token_tree import TokenTree
-from ..verify.trees import decide, walk_greedy, walk_sampling
-from ..verify.chains import gumbel_noise
 
 
 def capability(model) -> tuple[bool, bool]:
@@ -67,7 +67,11 @@ def verify(target: TargetStep, trees: list[TokenTree]) -> tuple[list[list[int]],
     if logits is None:
         return None
     reads_ids = any(len(r.request.processors) and not ids_free(r.request.processors) for r in rows)
-    before = [[[]] + [[tree.tokens[n] for n in tree.path(i)] for i in range(len(tree))] for tree in trees] if reads_ids else None  # [B] draft tokens before each slot
+    before = (
+        [[[]] + [[tree.tokens[n] for n in tree.path(i)] for i in range(len(tree))] for tree in trees]
+        if reads_ids
+        else None
+    )  # [B] draft tokens before each slot
     scores = target_scores(rows, target.batch, logits, [t.tokens for t in trees], target.faults.row, before)
     sampled = [b for b, r in enumerate(rows) if r.request.do_sample and r.request.seed is None and not r.done]
     parts = [_argmax(rows, trees, scores).reshape(-1)]  # [B * T] every slot's argmax (perturbed for seeded rows)
@@ -100,7 +104,9 @@ def _argmax(rows, trees: list[TokenTree], scores: torch.Tensor) -> torch.Tensor:
     for b, row in enumerate(rows):
         if row.request.do_sample and row.request.seed is not None and not row.done:
             depths = [0] + trees[b].depths()  # [n] slot -> position after the row's last committed token
-            noise = gumbel_noise(row.request.seed, len(row.generated), max(depths) + 1, scores.shape[-1], scores.device)  # [D + 1, V]
+            noise = gumbel_noise(
+                row.request.seed, len(row.generated), max(depths) + 1, scores.shape[-1], scores.device
+            )  # [D + 1, V]
             perturbed = torch.log_softmax(scores[b, : len(depths)], dim=-1) + noise[depths]  # [n, V]
             best[b, : len(depths)] = perturbed.argmax(dim=-1)
     return best

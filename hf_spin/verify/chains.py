@@ -117,7 +117,9 @@ def gumbel_noise(seed: int, first_position: int, n: int, V: int, device=None) ->
     return out
 
 
-def verify_seeded(target_scores: torch.Tensor, drafts: torch.Tensor, draft_lengths: torch.Tensor, noise: torch.Tensor) -> Verdict:
+def verify_seeded(
+    target_scores: torch.Tensor, drafts: torch.Tensor, draft_lengths: torch.Tensor, noise: torch.Tensor
+) -> Verdict:
     """Sampling by the Gumbel-max trick with noise fixed per position: the token at a position is
     argmax(log p + g), which is distributed as p (g iid Gumbel), so the sequence has the target's
     distribution. Verification is greedy on the perturbed scores: a draft is accepted iff it is that
@@ -177,11 +179,15 @@ def verify_rows(
         if kind == "greedy":
             v = verify_greedy(scores[idx], draft_tokens[idx], draft_lengths[idx])
         elif kind == "sampled":
-            v = _sample(scores[idx], draft_tokens[idx], draft_lengths[idx], [qs[b] for b in group], [drafts[b] for b in group])
+            v = _sample(
+                scores[idx], draft_tokens[idx], draft_lengths[idx], [qs[b] for b in group], [drafts[b] for b in group]
+            )
         else:
             noise = torch.zeros(len(group), *scores.shape[1:], device=device)  # [b, K + 1, V]
             for i, b in enumerate(group):  # positions past a row's drafts are never read
-                noise[i, : len(drafts[b]) + 1] = gumbel_noise(sampling[b].seed, sampling[b].position, len(drafts[b]) + 1, scores.shape[-1], device)
+                noise[i, : len(drafts[b]) + 1] = gumbel_noise(
+                    sampling[b].seed, sampling[b].position, len(drafts[b]) + 1, scores.shape[-1], device
+                )
             v = verify_seeded(scores[idx], draft_tokens[idx], draft_lengths[idx], noise)
         accepted[idx], next_token[idx] = v.accepted, v.next_token
     if everyone:

@@ -40,19 +40,27 @@ class TokenTree:
     parents: list[int] = field(default_factory=list)  # [N] parent node, -1: the root (last committed token)
     drafters: list[int] = field(default_factory=list)  # [N] index of the (first) drafter that proposed the node
     weights: list[float] = field(default_factory=list)  # [N] summed weight of the drafters through the node
-    q: list[torch.Tensor | None] = field(default_factory=list)  # [N] the [V] distribution the token was drawn from, or None
+    q: list[torch.Tensor | None] = field(
+        default_factory=list
+    )  # [N] the [V] distribution the token was drawn from, or None
     order: list[int] = field(default_factory=list)  # node indices in proposal order, a sampled node once per draw
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     @classmethod
-    def chain(cls, tokens: list[int], q: torch.Tensor | None = None, drafter: int = 0, weight: float = 1.0) -> TokenTree:
+    def chain(
+        cls, tokens: list[int], q: torch.Tensor | None = None, drafter: int = 0, weight: float = 1.0
+    ) -> TokenTree:
         """A chain draft: node i follows node i - 1. q: `[len(tokens), V]` draft distributions, or None."""
         n = len(tokens)
         return cls(
-            tokens=list(tokens), parents=list(range(-1, n - 1)), drafters=[drafter] * n, weights=[weight] * n,
-            q=[q[i] for i in range(n)] if q is not None else [None] * n, order=list(range(n)),
+            tokens=list(tokens),
+            parents=list(range(-1, n - 1)),
+            drafters=[drafter] * n,
+            weights=[weight] * n,
+            q=[q[i] for i in range(n)] if q is not None else [None] * n,
+            order=list(range(n)),
         )
 
     def add(self, parent: int, token: int, drafter: int = 0, weight: float = 1.0, q: torch.Tensor | None = None) -> int:
@@ -128,9 +136,12 @@ class TokenTree:
         if any(self.parents[i] >= 0 and self.parents[i] not in new for i in keep):
             raise ValueError("pruned() needs node scores that do not grow from parent to child")
         return TokenTree(
-            tokens=[self.tokens[i] for i in keep], parents=[new.get(self.parents[i], -1) for i in keep],
-            drafters=[self.drafters[i] for i in keep], weights=[self.weights[i] for i in keep],
-            q=[self.q[i] for i in keep], order=[new[i] for i in self.order if i in new],
+            tokens=[self.tokens[i] for i in keep],
+            parents=[new.get(self.parents[i], -1) for i in keep],
+            drafters=[self.drafters[i] for i in keep],
+            weights=[self.weights[i] for i in keep],
+            q=[self.q[i] for i in keep],
+            order=[new[i] for i in self.order if i in new],
         )
 
     @classmethod

@@ -73,7 +73,9 @@ def walk_greedy(best: list[int], tree: TokenTree) -> TreeVerdict:
         node = child
 
 
-def decide(p: torch.Tensor, tree: TokenTree, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def decide(
+    p: torch.Tensor, tree: TokenTree, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every coin and fallback draw of sampled verification, on p's device.
 
     p: `[N + 1, V]` target probabilities per slot. Returns coins `[len(tree.order)]` bool (coin j: the
@@ -101,7 +103,9 @@ def decide(p: torch.Tensor, tree: TokenTree, generator: torch.Generator | None =
                 coins[j] = u[j] * q[x] < r[x]  # r(x)/q(x) > u, without dividing
                 r = (r - q).clamp(min=0.0)
             total = r.sum()
-            r = torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), residual[slot])  # r == q exactly: never reached
+            r = torch.where(
+                total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), residual[slot]
+            )  # r == q exactly: never reached
         residual[slot] = r
     fallback = torch.multinomial(residual, 1, generator=generator)[:, 0]  # [N + 1]
     return coins, fallback

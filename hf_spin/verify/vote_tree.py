@@ -37,4 +37,3 @@ def heaviest_path(drafts: dict[int, list[int]], weights: dict[int, float] | list
         path.append(best)
         alive = [d for d in alive if len(drafts[d]) > depth and drafts[d][depth] == best]
     return path
-

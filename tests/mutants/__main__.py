@@ -42,13 +42,21 @@ def make_copy(mutant: Mutant, into: Path) -> None:
     text = target.read_text()
     count = text.count(mutant.old)
     if count != 1:
-        raise SystemExit(f"mutant {mutant.name!r}: its snippet occurs {count} times in {mutant.path} (must be once); update tests/mutants/catalogue.py")
+        raise SystemExit(
+            f"mutant {mutant.name!r}: its snippet occurs {count} times in {mutant.path} (must be once); update tests/mutants/catalogue.py"
+        )
     target.write_text(text.replace(mutant.old, mutant.new))
 
 
 def pytest(into: Path, args: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *args], cwd=into, env=env, capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *args],
+        cwd=into,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
 
 
 def imports_the_copy(into: Path) -> bool:
@@ -81,8 +89,12 @@ def check(mutant: Mutant, full: bool) -> tuple[bool, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.mutants", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", action="append", choices=[m.name for m in MUTANTS], help="run this mutant (repeatable)")
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.mutants", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--only", action="append", choices=[m.name for m in MUTANTS], help="run this mutant (repeatable)"
+    )
     parser.add_argument("--full", action="store_true", help="run the whole suite (not real_models) per mutant")
     parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
     args = parser.parse_args(argv)

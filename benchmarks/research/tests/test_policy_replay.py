@@ -23,8 +23,17 @@ def recording(k: int = 3) -> dict:
         "half": [[]] + [[out[g], 7] for g in range(1, N)],
     }
     request = {
-        "question_id": 1, "task": "t", "held_out": False, "prompt_length": P, "plain_seconds": 2.0, "prefill_seconds": 0.5,
-        "verify": [], "out": out, "positions": N, "drafts": drafts, "draft_seconds": {},
+        "question_id": 1,
+        "task": "t",
+        "held_out": False,
+        "prompt_length": P,
+        "plain_seconds": 2.0,
+        "prefill_seconds": 0.5,
+        "verify": [],
+        "out": out,
+        "positions": N,
+        "drafts": drafts,
+        "draft_seconds": {},
     }
     return {"env": {"draft_length": k}, "drafters": [], "requests": [request]}
 
@@ -40,11 +49,17 @@ def test_replay_commits_the_recorded_tokens_with_each_drafter(name, steps, accep
     step a verify of 1 + drafted tokens and one forward per drafted token."""
     verify = SimVerify(0.1, 0.01)
     drafter = SimDrafter(name, {}, forward_seconds=0.02)
-    (record,) = policy_replay.replay([call(recording()["requests"], drafter, verify)], [name], make_policy("fixed", 3), noise=0.0, seed=0)
+    (record,) = policy_replay.replay(
+        [call(recording()["requests"], drafter, verify)], [name], make_policy("fixed", 3), noise=0.0, seed=0
+    )
     drafted = {"exact": 3, "wrong": 1, "half": 2}[name]
     assert record["target_forwards"] == steps + 1 and record["accepted"] == accepted, record
     assert record["drafted"] == steps * drafted and record["chosen"] == {name: steps}
-    assert record["seconds"] == record["row_seconds"] == pytest.approx(0.5 + steps * (verify.seconds(1 + drafted) + 0.02 * drafted))
+    assert (
+        record["seconds"]
+        == record["row_seconds"]
+        == pytest.approx(0.5 + steps * (verify.seconds(1 + drafted) + 0.02 * drafted))
+    )
 
 
 def test_a_replayed_batch_pads_verification_and_rows_leave_when_done():
@@ -55,7 +70,9 @@ def test_a_replayed_batch_pads_verification_and_rows_leave_when_done():
     second = {**first, "question_id": 2, "out": [200 + t for t in first["out"]]}
     verify = SimVerify(0.1, 0.01)
     drafter = SimDrafter("exact", {}, forward_seconds=0.02, token_seconds=0.005)
-    done, slow = policy_replay.replay([call([first, second], drafter, verify)], ["exact"], make_policy("fixed", 3), noise=0.0, seed=0)
+    done, slow = policy_replay.replay(
+        [call([first, second], drafter, verify)], ["exact"], make_policy("fixed", 3), noise=0.0, seed=0
+    )
     both = verify.seconds(2 * 4) + 3 * (0.02 + 2 * 0.005)
     alone = verify.seconds(4) + 3 * (0.02 + 0.005)
     assert (done["target_forwards"], slow["target_forwards"]) == (3, 9)
@@ -86,8 +103,12 @@ def test_steps_without_a_draft_model_verify_at_plain_generates_rate():
     assert verify.sustained == pytest.approx(1.5 / 11 / 0.11)
     lookup = SimDrafter("exact", {}, kind="prompt_lookup", num_parameters=0)
     model = SimDrafter("exact", {}, forward_seconds=0.02)
-    (free,) = policy_replay.replay([call([request], lookup, verify)], ["exact"], make_policy("fixed", 3), noise=0.0, seed=0)
-    (paid,) = policy_replay.replay([call([request], model, verify)], ["exact"], make_policy("fixed", 3), noise=0.0, seed=0)
+    (free,) = policy_replay.replay(
+        [call([request], lookup, verify)], ["exact"], make_policy("fixed", 3), noise=0.0, seed=0
+    )
+    (paid,) = policy_replay.replay(
+        [call([request], model, verify)], ["exact"], make_policy("fixed", 3), noise=0.0, seed=0
+    )
     assert free["seconds"] == pytest.approx(0.5 + 2 * verify.seconds(4) * verify.sustained)
     assert paid["seconds"] == pytest.approx(0.5 + 2 * (verify.seconds(4) + 3 * 0.02))
     assert policy_replay.sustain(SimVerify(0.2, 0.01), [(0.1, 1)]).sustained == 1.0
@@ -109,19 +130,34 @@ def test_runs_follow_the_bench_warm_up_then_held_out_then_measured():
     verify, d = SimVerify(0.1, 0.01), SimDrafter("exact", {}, forward_seconds=0.02)
     alone = policy_replay.runs(rec, verify, [d], 1, [])
     assert [([r["question_id"] for r in c.requests], c.positions, c.kept) for c in alone] == [
-        ([1], [policy_replay.WARM_UP_TOKENS], False), ([3], [N], False), ([1], [N], True), ([2], [N], True),
+        ([1], [policy_replay.WARM_UP_TOKENS], False),
+        ([3], [N], False),
+        ([1], [N], True),
+        ([2], [N], True),
     ]
     # batch 2: the recorded batches' own costs, verification fitted on B x n padded tokens
     batches = [
         {"question_ids": [3], "held_out": True},
-        {"question_ids": [1, 2], "held_out": False, "plain_seconds": 3.0, "prefill_seconds": 0.7,
-         "verify": [[n, 0.2 + 0.01 * 2 * n] for n in range(1, 5)], "draft_forward_seconds": {"exact": 0.03}},
+        {
+            "question_ids": [1, 2],
+            "held_out": False,
+            "plain_seconds": 3.0,
+            "prefill_seconds": 0.7,
+            "verify": [[n, 0.2 + 0.01 * 2 * n] for n in range(1, 5)],
+            "draft_forward_seconds": {"exact": 0.03},
+        },
     ]
     calls = policy_replay.runs(rec, verify, [d], 2, batches)
-    assert [([r["question_id"] for r in c.requests], c.kept) for c in calls] == [([1], False), ([3], False), ([1, 2], True)]
+    assert [([r["question_id"] for r in c.requests], c.kept) for c in calls] == [
+        ([1], False),
+        ([3], False),
+        ([1, 2], True),
+    ]
     batch = calls[-1]
     assert (batch.plain_seconds, batch.prefill_seconds) == (3.0, 0.7)
     assert batch.verify.seconds(8) == pytest.approx(0.2 + 0.01 * 8)
     # plain generate's steps: (3.0 - 0.7) s over N - 1 steps of B = 2 rows, against the fit's 0.22 s
     assert batch.verify.sustained == pytest.approx(2.3 / (N - 1) / 0.22)
-    assert (batch.drafters["exact"].forward_seconds, batch.drafters["exact"].token_seconds) == pytest.approx((0.01, 0.01))
+    assert (batch.drafters["exact"].forward_seconds, batch.drafters["exact"].token_seconds) == pytest.approx(
+        (0.01, 0.01)
+    )

@@ -14,7 +14,13 @@ from benchmarks.research import pool_runs
 
 def record(qid: int, task: str, seconds: dict[str, float]) -> dict:
     """A batch-1 request of 10 tokens with these seconds per method."""
-    return {"question_id": qid, "task": task, "batch_size": 1, "new_tokens": 10, "methods": {m: {"seconds": s, "identical": True} for m, s in seconds.items()}}
+    return {
+        "question_id": qid,
+        "task": task,
+        "batch_size": 1,
+        "new_tokens": 10,
+        "methods": {m: {"seconds": s, "identical": True} for m, s in seconds.items()},
+    }
 
 
 def run(a: float, b: float) -> dict[int, dict]:
@@ -66,8 +72,15 @@ def test_a_run_without_its_first_requests():
     by_id[3] = record(3, "x", {"plain": 5.0, "spin:a": 2.0, "spin:b": 4.0, "policy:p": 2.0})
     ordered = {q: by_id[q] for q in (2, 1, 3)}
     assert pool_runs.after_first(ordered, [1, 2, 3], 1) == [1, 3]
-    assert pool_runs.per_task([ordered], pool_runs.after_first(ordered, [1, 2, 3], 1), "policy:p", "spin:a")["ALL"]["policy:p"] == 1.0
-    assert pool_runs.per_task([ordered], [1, 2, 3], "policy:p", "spin:a")["ALL"]["policy:p"] == pytest.approx((5 + 1.25 + 5) / (5 + 2.5 + 5))
+    assert (
+        pool_runs.per_task([ordered], pool_runs.after_first(ordered, [1, 2, 3], 1), "policy:p", "spin:a")["ALL"][
+            "policy:p"
+        ]
+        == 1.0
+    )
+    assert pool_runs.per_task([ordered], [1, 2, 3], "policy:p", "spin:a")["ALL"]["policy:p"] == pytest.approx(
+        (5 + 1.25 + 5) / (5 + 2.5 + 5)
+    )
     text = pool_runs.markdown([Path("r")], 1, [1, 2, 3], [ordered], "policy:p", "spin:a", skip=1)
     assert "policy:p / spin:a after the first 1 |" in text
     assert "After the first 1 requests of each run, over all runs: policy:p / spin:a 1.000" in text
@@ -100,7 +113,13 @@ def test_runs_with_other_methods_are_read_on_the_methods_they_share():
         r[2]["methods"]["assisted:b"] = {"error": "RuntimeError()"}
     runs = [wider, narrower]
     assert pool_runs.shared_methods(runs, [1, 2]) == ["plain", "spin:a", "spin:b", "policy:p"]
-    assert set(pool_runs.per_task(runs, [1, 2], "policy:p", "spin:a")["ALL"]) == {"plain", "spin:a", "spin:b", "policy:p", "oracle fraction"}
+    assert set(pool_runs.per_task(runs, [1, 2], "policy:p", "spin:a")["ALL"]) == {
+        "plain",
+        "spin:a",
+        "spin:b",
+        "policy:p",
+        "oracle fraction",
+    }
     assert "assisted:" not in pool_runs.markdown([Path("a"), Path("b")], 1, [1, 2], runs, "policy:p", "spin:a")
     assert pool_runs.single_drafters(pool_runs.shared_methods(runs, [1, 2])) == ["spin:a", "spin:b"]
     assert pool_runs.oracle_noise(runs, [1, 2]) == [1.0, 1.0]
@@ -108,7 +127,9 @@ def test_runs_with_other_methods_are_read_on_the_methods_they_share():
 
 
 def test_load_reads_the_newest_json_at_the_batch_size(tmp_path):
-    records = list(run(2.0, 2.0).values()) + [{**record(3, "x", {"plain": 1.0}), "batch_size": 4, "requested_batch_size": 4}]
+    records = list(run(2.0, 2.0).values()) + [
+        {**record(3, "x", {"plain": 1.0}), "batch_size": 4, "requested_batch_size": 4}
+    ]
     (tmp_path / "pool_bench-20260101-000000.json").write_text(json.dumps({"records": []}))
     (tmp_path / "pool_bench-20260102-000000.json").write_text(json.dumps({"records": records}))
     bs, by_id = pool_runs.load(tmp_path, None)

@@ -78,11 +78,19 @@ class LBSSConfig:
             if not isinstance(self.capacities, (tuple, list)) or not all(
                 c is None or (isinstance(c, int) and not isinstance(c, bool) and c >= 1) for c in self.capacities
             ):
-                raise ValueError(f"{owner}.capacities must be a tuple of positive ints (None: unlimited), one per drafter, got {self.capacities!r}")
+                raise ValueError(
+                    f"{owner}.capacities must be a tuple of positive ints (None: unlimited), one per drafter, got {self.capacities!r}"
+                )
             self.capacities = tuple(self.capacities)
         if isinstance(self.switch_cost, list):
             self.switch_cost = tuple(self.switch_cost)
-        costs = self.switch_cost if isinstance(self.switch_cost, tuple) else () if self.switch_cost is None else (self.switch_cost,)
+        costs = (
+            self.switch_cost
+            if isinstance(self.switch_cost, tuple)
+            else ()
+            if self.switch_cost is None
+            else (self.switch_cost,)
+        )
         for c in costs:
             check_float(owner, "switch_cost", c, 0.0, float("inf"), open_high=True)
         if not isinstance(self.never_slower, bool):

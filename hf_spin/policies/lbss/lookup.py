@@ -10,8 +10,8 @@
 
 from __future__ import annotations
 
-from ..base import BatchView, Plan, Preempt
 from ...planning.estimates import acceptance_with_prior, geometric_tokens
+from ..base import BatchView, Plan, Preempt
 from .pricing import Pricing, goodput
 from .state import PLAIN, Arm, RowState
 
@@ -69,7 +69,10 @@ class Lookup(Pricing):
         of a step verifying them); None when no draft it can make does."""
         for match, acceptance in self.match_acceptance(row, drafter):
             for length in range(1, row.ks[drafter] + 1):
-                if geometric_tokens(acceptance, length) / self.row_seconds(drafter, length, drafting, fill=1.0) >= target:
+                if (
+                    geometric_tokens(acceptance, length) / self.row_seconds(drafter, length, drafting, fill=1.0)
+                    >= target
+                ):
                     return length, match
         return None
 

@@ -78,12 +78,16 @@ class Matching(Schedule):
             return out
         weights = np.array([self.explore_weights(r, slots, r.age + ahead) for r in rows], dtype=float)  # [R, S]
         order = self.rng.random(len(cap))  # [num_drafters] the shared tie-break
-        weights += 1e-6 * order[slots][None, :] + 1e-9 * self.rng.random(weights.shape)  # ties only; the last, between rows
+        weights += 1e-6 * order[slots][None, :] + 1e-9 * self.rng.random(
+            weights.shape
+        )  # ties only; the last, between rows
         for i, j in zip(*linear_sum_assignment(weights)):
             out[i] = slots[j]
         return out
 
-    def _match(self, view: BatchView, rows: list[RowState], stages: list[Stage], cap: list[int], choice: list[int | None]) -> None:
+    def _match(
+        self, view: BatchView, rows: list[RowState], stages: list[Stage], cap: list[int], choice: list[int | None]
+    ) -> None:
         """Exploitation: the rows without a choice yet -> drafter slots or plain, maximising estimated
         goodput net of switching (fills `choice`, and each row's `runner_up`). A row's step time
         depends on the others' choices (drafting rows share the padded positions): the first
@@ -99,12 +103,20 @@ class Matching(Schedule):
         ks = [rows[b].ks for b in todo]  # [R][num_drafters]
         # tokens of each drafter's next step on each row, at rank_optimism and at plain_optimism: the
         # same on every pass of the fixed-point loop below (only the step's split of seconds moves)
-        tokens = [[self.expected_tokens(rows[b], d, ks[i][d], self.rank_optimism(d)) for d in range(len(cap))] for i, b in enumerate(todo)]  # [R][num_drafters]
-        careful_tokens = [[self.expected_tokens(rows[b], d, ks[i][d], self.careful_optimism(d)) for d in range(len(cap))] for i, b in enumerate(todo)]
+        tokens = [
+            [self.expected_tokens(rows[b], d, ks[i][d], self.rank_optimism(d)) for d in range(len(cap))]
+            for i, b in enumerate(todo)
+        ]  # [R][num_drafters]
+        careful_tokens = [
+            [self.expected_tokens(rows[b], d, ks[i][d], self.careful_optimism(d)) for d in range(len(cap))]
+            for i, b in enumerate(todo)
+        ]
         horizons = [min(stages[b].epoch_end - rows[b].age, self.steps_left(rows[b])) for b in todo]
         allowed = [[self.may_switch(rows[b], d) for d in range(len(cap))] for b in todo]  # [R][num_drafters]
         decided = [d for d in choice if d is not None]  # exploring rows: they draft (or not) whatever the matching does
-        seconds: dict[tuple[int, int, int], float | None] = {}  # (drafter, k, drafting) -> row_seconds: the same for every row
+        seconds: dict[
+            tuple[int, int, int], float | None
+        ] = {}  # (drafter, k, drafting) -> row_seconds: the same for every row
         guess: list[int] | None = None  # the previous matching ([R]); None: every row drafts
         for _ in range(len(todo) + 1):
             weights = np.full((len(todo), len(slots)), NO_PLAIN)  # [R, S]
@@ -139,7 +151,9 @@ class Matching(Schedule):
         for i, (b, d) in enumerate(zip(todo, out)):
             choice[b] = d
             if d != PLAIN:
-                others = [e for e in range(len(cap)) if e != d and goodputs[i, e] >= (1 - c.prefill_margin) * goodputs[i, d]]
+                others = [
+                    e for e in range(len(cap)) if e != d and goodputs[i, e] >= (1 - c.prefill_margin) * goodputs[i, d]
+                ]
                 rows[b].runner_up = max(others, key=lambda e: goodputs[i, e], default=None)
 
     def _draw_ahead(self, view: BatchView, rows: list[RowState], choice: list[int]) -> None:
@@ -156,7 +170,11 @@ class Matching(Schedule):
     def _catch_up_plan(self, view: BatchView, rows: list[RowState], choice: list[int]) -> dict[int, list[int]]:
         """Idle model drafters -> batch rows they will likely serve next and lag on."""
         busy = set(choice)
-        idle = {d for d, info in enumerate(self.drafters) if view.usable[d] and d not in busy and info.kind in CATCH_UP_KINDS}
+        idle = {
+            d
+            for d, info in enumerate(self.drafters)
+            if view.usable[d] and d not in busy and info.kind in CATCH_UP_KINDS
+        }
         plan: dict[int, list[int]] = {}
         for b, r in enumerate(rows):
             if self.steps_left(r) < 2:  # no later step to switch in

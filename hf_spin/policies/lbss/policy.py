@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from ...planning.estimates import DecayedMean, DraftObservation
 from ..base import BatchView, DrafterInfo, DraftLength, Plan, Policy, StepFeedback
 from ..checks import check_per_drafter
-from ...planning.estimates import DecayedMean, DraftObservation
 from ..tokens_model import TokensModel
 from .config import LBSSConfig
 from .lookup import Lookup
@@ -78,7 +78,11 @@ class LBSSPolicy(Matching, Lookup, Policy):
 
     def _new_row(self, view: BatchView, b: int) -> RowState:
         self.tokens_model.start(view.row_ids[b], view.prompt_lengths[b])
-        return RowState(row_id=view.row_ids[b], length=view.prompt_lengths[b] + view.generated[b], arms=[Arm() for _ in self.drafters])
+        return RowState(
+            row_id=view.row_ids[b],
+            length=view.prompt_lengths[b] + view.generated[b],
+            arms=[Arm() for _ in self.drafters],
+        )
 
     def _row(self, view: BatchView, b: int) -> RowState:
         rid = view.row_ids[b]
@@ -145,7 +149,9 @@ class LBSSPolicy(Matching, Lookup, Policy):
                 r.arms[choice[b]].tries += 1
                 r.chunk_drafter, r.chunk_end = choice[b], stages[b].end
         for r in rows:
-            r.pending = None  # drawn for this step only: a row that no longer explores drops it (else caught up for nothing)
+            r.pending = (
+                None  # drawn for this step only: a row that no longer explores drops it (else caught up for nothing)
+            )
         # 3. Exploitation: maximum-weight matching, plain decoding included.
         self._match(view, rows, stages, cap, choice)
         # 4. Draw the next exploration chunks a step ahead (their drafters catch up meanwhile).
@@ -217,9 +223,10 @@ class LBSSPolicy(Matching, Lookup, Policy):
                     self.fill[d].add(proposed / plan.shadow[d][b])
                 self.tokens_model.add(r.row_id, d, self.shadow_tokens(r.arms[d], committed, proposed, matched))
 
-    def _count(self, row: RowState, drafter: int, matched: int, proposed: int, committed: int, feedback: StepFeedback, b: int) -> None:
+    def _count(
+        self, row: RowState, drafter: int, matched: int, proposed: int, committed: int, feedback: StepFeedback, b: int
+    ) -> None:
         """A draft's per-token acceptance evidence (`Arm.count`), on the row and pooled over every row."""
         match = feedback.match_lengths[b].get(drafter) if feedback.match_lengths else None
         row.arms[drafter].count(matched, proposed, committed, match)
         self.by_match[drafter].count(matched, proposed, committed, match)
-

@@ -26,7 +26,10 @@ class Pricing(LBSSState):
     def estimate(self, row: RowState, drafter: int, k: int, drafting: int) -> float:
         """g(row, d) as weighed against plain decoding: `expected_tokens` at `careful_optimism` over
         the row's share of the step (`row_seconds`, with `drafting` rows drafting)."""
-        return goodput(self.expected_tokens(row, drafter, k, self.careful_optimism(drafter)), self.row_seconds(drafter, k, drafting))
+        return goodput(
+            self.expected_tokens(row, drafter, k, self.careful_optimism(drafter)),
+            self.row_seconds(drafter, k, drafting),
+        )
 
     def careful_optimism(self, drafter: int) -> float:
         """Sds up at which `drafter` is weighed against plain decoding: `plain_optimism`; 0 for a
@@ -55,7 +58,9 @@ class Pricing(LBSSState):
         if tokens is None:
             known = [self.tokens_model.tokens_per_step(row.row_id, d, z) for d in range(len(self.drafters))]
             tokens = max((x for x in known if x is not None), default=0.0)
-        return min(tokens, k * min(self.fill_fraction(drafter), 1.0) + 1)  # a tree of more nodes than k still commits at most k + 1
+        return min(
+            tokens, k * min(self.fill_fraction(drafter), 1.0) + 1
+        )  # a tree of more nodes than k still commits at most k + 1
 
     def fill_fraction(self, drafter: int) -> float:
         """fill_d: the fraction of k that d's drafts reach (1 before any)."""
@@ -83,7 +88,9 @@ class Pricing(LBSSState):
         added = B * longest_draft(k, fill, drafting) if self.padded else drafting * k * fill
         verify = max(costs.verify_seconds(B, B + added) - costs.verify_seconds(B, B), 0.0) / drafting
         served = self.served[drafter].mean or B
-        forwards = max(1.0, longest_draft(k, min(fill, 1.0), served))  # a tree's k depths: k forwards, however many nodes
+        forwards = max(
+            1.0, longest_draft(k, min(fill, 1.0), served)
+        )  # a tree's k depths: k forwards, however many nodes
         return plain / B + verify + self.draft_seconds(drafter, forwards, k * fill * served) / served
 
     def catch_up_seconds(self, drafter: int) -> float:
@@ -94,7 +101,9 @@ class Pricing(LBSSState):
         if cost is not None:
             return cost[drafter] if isinstance(cost, tuple) else cost
         costs = self.costs
-        return costs.catch_up_seconds(drafter) or self.by_size(drafter, costs.catch_up_seconds, lambda e: costs.catch_up[e].weight, 1.0)
+        return costs.catch_up_seconds(drafter) or self.by_size(
+            drafter, costs.catch_up_seconds, lambda e: costs.catch_up[e].weight, 1.0
+        )
 
     def draft_seconds(self, drafter: int, forwards: float, row_tokens: float) -> float:
         """Predicted seconds of `drafter`'s drafts (`CostModel.draft_seconds`); before its first steady
@@ -103,7 +112,12 @@ class Pricing(LBSSState):
         costs = self.costs
         if costs.knows_draft(drafter):
             return costs.draft_seconds(drafter, forwards, row_tokens)
-        return self.by_size(drafter, lambda e: costs.draft_seconds(e, forwards, row_tokens), lambda e: costs.draft[e].count, DRAFT_SIZE_ELASTICITY)
+        return self.by_size(
+            drafter,
+            lambda e: costs.draft_seconds(e, forwards, row_tokens),
+            lambda e: costs.draft[e].count,
+            DRAFT_SIZE_ELASTICITY,
+        )
 
     def by_size(self, drafter: int, measured, weight, elasticity: float) -> float:
         """A cost of `drafter` not measured yet: `measured(e)` of the drafter e with parameters whose
@@ -112,7 +126,11 @@ class Pricing(LBSSState):
         size = self.drafters[drafter].num_parameters
         if not size:
             return 0.0
-        known = [e for e in range(len(self.drafters)) if e != drafter and self.drafters[e].num_parameters and weight(e) > 0 and measured(e)]
+        known = [
+            e
+            for e in range(len(self.drafters))
+            if e != drafter and self.drafters[e].num_parameters and weight(e) > 0 and measured(e)
+        ]
         if not known:
             return 0.0
         e = max(known, key=weight)

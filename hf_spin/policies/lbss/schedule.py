@@ -113,7 +113,10 @@ class Schedule(Pricing):
         kg = knowledge_gradient(delta, spread)
         t0 = plain if incumbent == PLAIN else self.row_seconds(incumbent, row.ks[incumbent], self.batch_size)
         td = self.row_seconds(drafter, row.ks[drafter], self.batch_size)
-        cost = beta * td / t0 * (1 - math.exp(min(delta, 0.0))) + self.catch_up_seconds(drafter) * self.lag(row, drafter) / t0
+        cost = (
+            beta * td / t0 * (1 - math.exp(min(delta, 0.0)))
+            + self.catch_up_seconds(drafter) * self.lag(row, drafter) / t0
+        )
         return kg * max(steps, 0.0) > cost
 
     def log_goodput(self, row: RowState, drafter: int) -> tuple[float, float] | None:
@@ -130,7 +133,11 @@ class Schedule(Pricing):
         that `settle` ended requests measured; to any other only where an exploration chunk could
         (`pays_off`), since its estimate is then a prior's upper bound (docs/lbss.md#settle)."""
         tm = self.tokens_model
-        return tm.steps(row.row_id, drafter) > 0 or tm.requests(drafter) >= self.config.settle or self.pays_off(row, drafter)
+        return (
+            tm.steps(row.row_id, drafter) > 0
+            or tm.requests(drafter) >= self.config.settle
+            or self.pays_off(row, drafter)
+        )
 
     def steps_left(self, row: RowState) -> float:
         """Steps the row may still take (inf: no limit known): its room over the tokens it commits per

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..base import DrafterInfo, DraftLength
 from ...planning.estimates import CostModel, DecayedMean, RunningMean
+from ..base import DrafterInfo, DraftLength
 from ..tokens_model import TokensModel
 from .config import LBSSConfig
 
@@ -23,7 +23,9 @@ class Arm:
     synced: int = 0  # committed tokens whose KV the drafter holds for the row (0: none yet)
     hits: int = 0  # draft tokens that matched the committed ones (served or shadow)
     misses: int = 0  # drafts that stopped matching within the committed tokens
-    by_match: dict[int, list[int]] = field(default_factory=dict)  # the drafter's match length -> [hits, misses] of its drafts
+    by_match: dict[int, list[int]] = field(
+        default_factory=dict
+    )  # the drafter's match length -> [hits, misses] of its drafts
 
     def count(self, matched: int, proposed: int, committed: int, match: int | None = None) -> None:
         """Per-token acceptance evidence of one draft: its matched tokens are hits; it missed when it
@@ -46,7 +48,9 @@ class RowState:
     length: int  # committed tokens (prompt + generated) at the latest plan
     arms: list[Arm]  # [num_drafters]
     room: int | None = None  # tokens it may still generate at the latest plan (None: unknown)
-    ks: list[int] = field(default_factory=list)  # [num_drafters] draft length of each drafter for the row at the latest plan
+    ks: list[int] = field(
+        default_factory=list
+    )  # [num_drafters] draft length of each drafter for the row at the latest plan
     usable: list[bool] = field(default_factory=list)  # [num_drafters] drafters usable at the latest plan
     tokens: RunningMean = field(default_factory=RunningMean)  # tokens committed per step, any drafter
     age: int = 0  # steps planned for this row
@@ -69,7 +73,9 @@ class LBSSState:
     costs: CostModel  # step costs (the seconds of goodput): `Policy.costs`, the profile where attached, else fits
     shadowed: list[bool]  # [num_drafters] measured by shadow drafts, never explored
     tokens_per_step: DecayedMean  # over all rows: a new row's steps_left until it has its own
-    fill: list[DecayedMean]  # [num_drafters] tokens drafted / k (a confidence stop, a prompt lookup without a match end drafts early)
+    fill: list[
+        DecayedMean
+    ]  # [num_drafters] tokens drafted / k (a confidence stop, a prompt lookup without a match end drafts early)
     served: list[DecayedMean]  # [num_drafters] rows each drafter served per step it drafted
     by_match: list[Arm]  # [num_drafters] every row's drafts, pooled: acceptance per match length
     padded: bool  # the verify pads rows to the longest draft (from the latest feedback)
