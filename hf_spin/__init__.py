@@ -8,7 +8,7 @@ engine = hf_spin.SpinEngine(model, pool)      # continuous batching: rows join a
 row = engine.add(hf_spin.Request(prompt_ids, max_new_tokens=64)); engine.step() ...
 """
 
-from . import kernels  # registers attn_implementation="hf_spin_varlen" with transformers
+from . import kernels  # noqa: F401  (registers attn_implementation="hf_spin_varlen" with transformers
 from .drafters import (
     Drafter,
     FuzzyDrafter,

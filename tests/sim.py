@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hf_spin.planning.estimates import geometric_tokens
+from hf_spin.planning.plan import shadow_lengths
 from hf_spin.policies import BatchView, DrafterInfo, Plan, Policy, StepFeedback
-from hf_spin.policies.base import shadow_lengths
 from hf_spin.verify.vote_tree import heaviest_path
 
 TRUTH_OFFSET = 1000  # truth(j) = 1000 + j; wrong tokens are 1..9

@@ -13,7 +13,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria
 
 import hf_spin
 from hf_spin.drafters import Draft, Drafter
-from hf_spin.policies.base import Preempt
+from hf_spin.planning.plan import Preempt
 from hf_spin.stats import DrafterStats
 from hf_spin.step.engine import SpinEngine
 from hf_spin.step.rows import CANCELLED, ERROR, LENGTH, STOPPED, Request

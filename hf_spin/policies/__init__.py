@@ -12,18 +12,8 @@ those names into objects:
 
 from __future__ import annotations
 
-from .base import (
-    DEFAULT_DRAFT_LENGTH,
-    DEFAULT_MIN_CONFIDENCE,
-    BatchView,
-    DrafterInfo,
-    DraftLength,
-    FixedLength,
-    Plan,
-    Policy,
-    Preempt,
-    StepFeedback,
-)
+from ..planning.plan import BatchView, DrafterInfo, Plan, Preempt, StepFeedback  # what a policy reads and returns
+from .base import DEFAULT_DRAFT_LENGTH, DEFAULT_MIN_CONFIDENCE, DraftLength, FixedLength, Policy
 from .epsilon_greedy import EpsilonGreedyConfig, EpsilonGreedyPolicy
 from .lbss import LBSSConfig, LBSSPolicy
 from .lengths import (

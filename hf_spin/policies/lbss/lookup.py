@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from ...planning.estimates import acceptance_with_prior, geometric_tokens
-from ..base import BatchView, Plan, Preempt
+from ...planning.plan import BatchView, Plan, Preempt
 from .pricing import Pricing, goodput
 from .state import PLAIN, Arm, RowState
 
