@@ -68,7 +68,8 @@ def _validate(model, input_ids, config, pool, model_kwargs, processors) -> None:
     unknown = set(model_kwargs) - KNOWN_MODEL_KWARGS
     if unknown:
         raise ValueError(
-            f"model inputs {sorted(unknown)} are not supported with assistant_pool; supported: {sorted(KNOWN_MODEL_KWARGS)}"
+            f"model inputs {sorted(unknown)} are not supported with assistant_pool; "
+            f"supported: {sorted(KNOWN_MODEL_KWARGS)}"
         )
     for name in CACHE_NAMES:
         cache = model_kwargs.get(name)

@@ -276,7 +276,8 @@ def device_map(device: str | torch.device | None = None) -> str | torch.device:
         return torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(
-            f"device={device!r} is neither a device ('cpu', 'cuda', 'cuda:1') nor a device map ({', '.join(DEVICE_MAPS)})"
+            f"device={device!r} is neither a device ('cpu', 'cuda', 'cuda:1') "
+            f"nor a device map ({', '.join(DEVICE_MAPS)})"
         ) from err
 
 

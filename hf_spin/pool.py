@@ -166,7 +166,8 @@ class AssistantPool:
         named = isinstance(self.profile, str) and (self.profile in ("auto", "off") or self.profile.endswith(".json"))
         if not (named or isinstance(self.profile, (CostProfile, os.PathLike))):
             raise ValueError(
-                f"profile={self.profile!r} is not supported; give 'auto', 'off', a path to a .json file or a CostProfile"
+                f"profile={self.profile!r} is not supported; "
+                "give 'auto', 'off', a path to a .json file or a CostProfile"
             )
         self.cost_profile: CostProfile | None = self.profile if isinstance(self.profile, CostProfile) else None
         self.planner: Planner | None = None  # made when the pool first meets a target (bind)

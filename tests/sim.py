@@ -41,9 +41,9 @@ class SimDrafter:
     catch_up_seconds: float = 0.0  # per token fed into its cache
     kind: str = "model"
     num_parameters: int = 1
-    matches: dict[str, float] | None = (
-        None  # row type -> probability that it drafts at all at a step (all or nothing, as prompt lookup: a match or none); None: always
-    )
+    # row type -> probability that it drafts at all at a step (all or nothing, as prompt lookup: a match or none);
+    # None: always
+    matches: dict[str, float] | None = None
     # row type -> ((match length, probability, alpha), ...): at a step it finds a match of that length
     # with that probability (the rest: no draft) and proposes at that per-token acceptance, reporting
     # the length (None: drawn alike, not reported); replaces alpha and matches for that row type

@@ -58,7 +58,8 @@ class OnOtherDevice(torch.Tensor):
         real = [t for t in tensors if not isinstance(t, OnOtherDevice) and t.dim() > 0]
         if real:
             raise RuntimeError(
-                f"Expected all tensors to be on the same device, but found at least two: {OTHER} (simulated) and {real[0].device}"
+                "Expected all tensors to be on the same device, "
+                f"but found at least two: {OTHER} (simulated) and {real[0].device}"
             )
         return super().__torch_function__(func, types, args, kwargs)
 

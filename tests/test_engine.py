@@ -142,7 +142,8 @@ def test_per_row_parameters_and_seeds(target, drafter):
     assert company[0].generated == alone(target, ps[0], 15)
     assert company[1].generated == solo_a.generated and company[2].generated == solo_b.generated
     assert company[1].generated != company[2].generated
-    # top-k 2: every token was one of the 2 likeliest, so its probability after the warpers is >= 1/2 or it is the top one
+    # top-k 2: every token was one of the 2 likeliest, so its probability after the warpers is >= 1/2 or it is the
+    # top one
     assert len(company[2].logprobs) == len(company[2].generated) and all(lp_ <= 0 for lp_ in company[2].logprobs)
     assert min(company[2].logprobs) > -torch.log(torch.tensor(1e6)).item()  # nothing outside the top-k was drawn
 

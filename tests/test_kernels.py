@@ -42,7 +42,8 @@ vt = importlib.import_module("hf_spin.kernels.varlen_triton")  # the kernels and
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and type(triton.language.sum).__name__ != "InterpretedFunction":
     pytest.skip(
-        "triton was imported without TRITON_INTERPRET=1 (see tests/conftest.py): its language helpers cannot run on CPU",
+        "triton was imported without TRITON_INTERPRET=1 (see tests/conftest.py): "
+        "its language helpers cannot run on CPU",
         allow_module_level=True,
     )
 

@@ -371,8 +371,8 @@ def test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay():
 
 def test_trees_are_sized_node_by_node_by_estimated_acceptance():
     """A node's value is the draft's survival at its depth scaled by its weight over its depth's heaviest,
-    siblings together never above their parent's; trim keeps the likeliest nodes while the next one pays: all of them when
-    verification is flat, fewer when it grows, and the kept nodes are the likeliest (a heavy chain
+    siblings together never above their parent's; trim keeps the likeliest nodes while the next one pays: all of
+    them when verification is flat, fewer when it grows, and the kept nodes are the likeliest (a heavy chain
     before its lighter siblings)."""
     tree = TokenTree()
     a = tree.add(-1, 10, weight=1.0)

@@ -1386,7 +1386,8 @@ REFUSALS = [
     ),
     (
         lambda: _start(_bind(LBSSPolicy(config=LBSSConfig(capacities=(1, 1, 1)))), 6),
-        r"LBSSConfig.capacities=\(1, 1, 1\) let the drafters serve at most 3 rows in one step, but the batch has 6 rows",
+        r"LBSSConfig.capacities=\(1, 1, 1\) let the drafters serve at most 3 rows in one step, "
+        r"but the batch has 6 rows",
     ),
     (lambda: VoteConfig(learning_rate=1.0), r"VoteConfig.learning_rate must be a number in \(0.0, 1.0\)"),
     (

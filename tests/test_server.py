@@ -25,7 +25,10 @@ from .speculation import pool as spin_pool
 from .test_engine import POISON, PoisonProposer, PoisonTarget
 from .tiny_tokenizers import PROMPTS, char_tokenizer
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 TIMEOUT = 60
 
 

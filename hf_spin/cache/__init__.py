@@ -2,7 +2,9 @@
 
 * `rectangular`: `RectangularCache`, a rectangular `DynamicCache` `[B, H, S, D]` with holes (the default path).
 * `packed`: `PackedCache`, every row's tokens back to back for the varlen kernel (`AssistantPool(cache="packed")`).
-* `forward`: `forward_ragged` (either cache), `forward_packed`, `forward_tree` (token trees, either cache), `forward_masked` (a 4D mask on a `RectangularCache`, for models that `takes_4d_masks`), `check_packed_support`, `CACHE_ARG`.
+* `forward`: `forward_ragged` (either cache), `forward_packed`, `forward_tree` (token trees, either cache),
+  `forward_masked` (a 4D mask on a `RectangularCache`, for models that `takes_4d_masks`), `check_packed_support`,
+  `CACHE_ARG`.
 * `protocol`: `RowCache`, the calls the engine and the drafters make on either cache.
 
 Under `device_map` each layer's KV lives on its own device: every index a cache applies to its layers goes

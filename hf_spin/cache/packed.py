@@ -201,7 +201,8 @@ class PackedCache(Cache):
                 layer.values[dst_on(device)] = layer.values[src_on(device)]
 
     def select_rows(self, rows) -> None:
-        """Keep only `rows` (a host tensor or a list; retire the others) and compact: retired rows' memory is given back."""
+        """Keep only `rows` (a host tensor or a list; retire the others) and compact: retired rows' memory is given
+        back."""
         rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
         self._relayout(rows, [grow_capacity(self.lengths[r]) for r in rows])
 

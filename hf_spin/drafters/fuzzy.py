@@ -91,14 +91,16 @@ def _check_layout(model) -> None:
     needed = ("embed_tokens", "rotary_emb", "norm", "layers")
     if inner is None or not all(hasattr(inner, n) for n in needed) or not hasattr(model, "lm_head"):
         raise ValueError(
-            f"FuzzyDrafter needs model.model.{{{', '.join(needed)}}} and model.lm_head; {type(model).__name__} lacks some"
+            f"FuzzyDrafter needs model.model.{{{', '.join(needed)}}} and model.lm_head; "
+            f"{type(model).__name__} lacks some"
         )
     for i, layer in enumerate(inner.layers):
         parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
         attn_parts = ("q_proj", "k_proj", "v_proj", "o_proj")
         if not all(hasattr(layer, n) for n in parts) or not all(hasattr(layer.self_attn, n) for n in attn_parts):
             raise ValueError(
-                f"FuzzyDrafter: decoder layer {i} of {type(model).__name__} lacks one of {parts} / self_attn.{attn_parts}"
+                f"FuzzyDrafter: decoder layer {i} of {type(model).__name__} lacks one of {parts} "
+                f"/ self_attn.{attn_parts}"
             )
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("FuzzyDrafter cannot run a model with offloaded (meta) weights; load it fully on its devices")

@@ -166,7 +166,8 @@ class ModelDrafter(Drafter):
         kmax = max(request.k, default=0)
         if kmax == 0:
             return Draft(tokens=[[] for _ in request.rows], q=[None] * len(request.rows))
-        # 1. Catch up (roll back rejected drafts, feed the bonus token or any tokens since this drafter last served the row).
+        # 1. Catch up (roll back rejected drafts, feed the bonus token or any tokens since this drafter last served
+        # the row).
         logits, draft_seqs = self._catch_up(request.rows, request.sequences)  # [B, 1, V_draft]
         if request.trees and self.grows_trees():
             return grow_trees(self, request, logits, draft_seqs)

@@ -113,7 +113,8 @@ def varlen_attention_forward(
 def _packed(query, key, value, meta: VarlenMetadata, causal, scaling, sliding_window) -> torch.Tensor:
     if query.shape[0] != 1 or key.shape[0] != 1:
         raise ValueError(
-            f"spin_varlen needs packed inputs [1, H, total, D], got query {tuple(query.shape)} and key {tuple(key.shape)}"
+            f"spin_varlen needs packed inputs [1, H, total, D], got query {tuple(query.shape)} "
+            f"and key {tuple(key.shape)}"
         )
     q = query[0].transpose(0, 1)  # [total_q, H, D]
     k = key[0].transpose(0, 1)  # [total_k, H_kv, D]

@@ -59,7 +59,10 @@ def torch_varlen_unsupported(
     if q.dtype not in FLASH_DTYPES:
         return f"flash-attention takes float16 / bfloat16, got {q.dtype}"
     if q.shape[-1] > MAX_HEAD_DIM or q.shape[-1] % 8 or v.shape[-1] != q.shape[-1]:
-        return f"flash-attention takes one head dim, a multiple of 8 up to {MAX_HEAD_DIM}; got D = {q.shape[-1]}, D_v = {v.shape[-1]}"
+        return (
+            f"flash-attention takes one head dim, a multiple of 8 up to {MAX_HEAD_DIM}; "
+            f"got D = {q.shape[-1]}, D_v = {v.shape[-1]}"
+        )
     if tree_mask is not None:
         return "flash-attention has no tree mask"
     if sliding_window is not None and "window_size" not in _PARAMETERS:

@@ -34,14 +34,16 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, tree_mask, slid
             raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
-            f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has {cu_seqlens_k.numel()}; both are [B + 1]"
+            f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has {cu_seqlens_k.numel()}; "
+            "both are [B + 1]"
         )
     B = cu_seqlens_q.numel() - 1
     if seqused_k is not None and (
         seqused_k.shape != (B,) or seqused_k.dtype != torch.int32 or seqused_k.device != q.device
     ):
         raise ValueError(
-            f"seqused_k must be int32 [B] = [{B}] on {q.device}, got shape {tuple(seqused_k.shape)}, dtype {seqused_k.dtype}, device {seqused_k.device}"
+            f"seqused_k must be int32 [B] = [{B}] on {q.device}, got shape {tuple(seqused_k.shape)}, "
+            f"dtype {seqused_k.dtype}, device {seqused_k.device}"
         )
     if tree_mask is not None and (tree_mask.ndim != 1 or tree_mask.dtype != torch.bool or tree_mask.device != q.device):
         raise ValueError(

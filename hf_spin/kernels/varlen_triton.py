@@ -104,8 +104,11 @@ if HAS_TRITON:
         Q_ptr,  # [total_q, H, D] queries, packed by row
         K_ptr,  # [total_k, H_kv, D] keys, packed by row
         V_ptr,  # [total_k, H_kv, D_v] values, packed by row
-        O_ptr,  # [S, total_q, H, D_v] partial outputs per split, each normalised within its split (the output itself when S == 1)
-        Lse_ptr,  # [S, total_q, H] float32 natural-log log-sum-exp of each split's scaled scores (-inf: split saw no key)
+        # O_ptr: [S, total_q, H, D_v] partial outputs per split, each normalised within its split (the output itself
+        # when S == 1); Lse_ptr: [S, total_q, H] float32 natural-log log-sum-exp of each split's scaled scores (-inf:
+        # split saw no key)
+        O_ptr,
+        Lse_ptr,
         cu_seqlens_q_ptr,  # [B + 1] int32 start of each row's queries
         cu_seqlens_k_ptr,  # [B + 1] int32 start of each row's keys
         seqused_k_ptr,  # [B] int32 keys used per row (only read when HAS_SEQUSED_K)

@@ -331,7 +331,8 @@ class CostProfile:
             if cost is None:
                 mean = self.calls[self.names.index(name)].mean
                 lines.append(
-                    f"| {name} | model-free: {'%.2f ms a call' % (mean * 1e3) if mean is not None else 'not measured yet'} |"
+                    f"| {name} | model-free: "
+                    f"{'%.2f ms a call' % (mean * 1e3) if mean is not None else 'not measured yet'} |"
                 )
                 continue
             cells = [f"{cost.predict(n) * 1e3:.1f} ms" for n in t.knots]

@@ -3,7 +3,8 @@
 Policies choose drafters and cap k; the planner sizes within the cap. Every step, twice (docs/planning.md):
 
     ks = plan_k(caps, rooms, chosen, planner, row_ids, lags, padded)  # before drafting: k per row, 0 allowed
-    keep, _ = planner.trim(row_ids, drafts, chosen, matches, padded, trees)  # after: how much of each draft (or tree) to verify
+    # after: how much of each draft (or tree) to verify
+    keep, _ = planner.trim(row_ids, drafts, chosen, matches, padded, trees)
 
 Both maximise the step's expected committed tokens per second,
 

@@ -68,7 +68,8 @@ def make_draft_length(draft_length: int | str | DraftLength) -> DraftLength:
         return DRAFT_LENGTHS[draft_length]()
     if isinstance(draft_length, bool) or not isinstance(draft_length, int) or draft_length < 1:
         raise ValueError(
-            f"draft_length must be a positive int, one of {sorted(DRAFT_LENGTHS)} or a DraftLength, got {draft_length!r}"
+            f"draft_length must be a positive int, one of {sorted(DRAFT_LENGTHS)} or a DraftLength, "
+            f"got {draft_length!r}"
         )
     return FixedLength(draft_length)
 

@@ -5,7 +5,8 @@ drafters draft (none: plain decoding; one; several: their drafts are merged by v
 tokens (k), and a few knobs of the mechanism (confidence stop, vote weights, which idle drafters
 catch up, which drafters draft unverified for measurement (shadow) or draft first and
 take the row when their draft is long enough (preempt)). After the step the policy is told what
-happened (`StepFeedback`). A policy never touches a model or a cache, so policies are tested on simulated drafters (tests/sim.py).
+happened (`StepFeedback`). A policy never touches a model or a cache, so policies are tested on simulated
+drafters (tests/sim.py).
 
 A policy is two decisions composed: *selection* (`Policy.select`: who drafts for which row) and
 *draft length* (a `DraftLength` rule: the most tokens that drafter proposes). A plan's k is a cap:

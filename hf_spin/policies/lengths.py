@@ -240,7 +240,8 @@ class GoodputLengthConfig:
         0.6  # per-token acceptance assumed before measurements (typical of small same-family drafters)
     )
     prior_weight: float = 4.0  # pseudo draft tokens behind prior_acceptance: a few steps of evidence override it
-    dither_every: int = 8  # every this many steps use k + 1, and k - 1 half-way, so N varies and the verify slope is measured (0: never)
+    # every this many steps use k + 1, and k - 1 half-way, so N varies and the verify slope is measured (0: never)
+    dither_every: int = 8
     min_confidence: float = 0.0  # see Plan.min_confidence
 
     def __post_init__(self):

@@ -55,7 +55,8 @@ def best_in_hindsight(
     for i, g in enumerate(single):
         if set(g) != set(names):
             raise ValueError(
-                f"single[{i}] has choices {sorted(g)} but single[0] has {sorted(names)}; measure every choice on every request"
+                f"single[{i}] has choices {sorted(g)} but single[0] has {sorted(names)}; "
+                "measure every choice on every request"
             )
         for name, value in g.items():
             _check_goodput(f"single[{i}][{name!r}]", value)

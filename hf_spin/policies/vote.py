@@ -37,7 +37,8 @@ class VoteConfig:
         check_float(owner, "punish_threshold", self.punish_threshold, 0.0, 1.0)
         if self.punish_threshold >= self.reward_threshold:
             raise ValueError(
-                f"VoteConfig.punish_threshold ({self.punish_threshold}) must be below reward_threshold ({self.reward_threshold})"
+                f"VoteConfig.punish_threshold ({self.punish_threshold}) must be below "
+                f"reward_threshold ({self.reward_threshold})"
             )
         check_float(owner, "min_weight", self.min_weight, 0.0, float("inf"), open_low=True, open_high=True)
         check_float(owner, "max_weight", self.max_weight, self.min_weight, float("inf"), open_high=True)

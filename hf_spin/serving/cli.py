@@ -45,7 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--drafter",
         action="append",
         default=None,
-        help=f"a drafter, repeatable: a packaged model, a local folder, or one of {sorted(NAMED_DRAFTERS)} (default: {' and '.join(DEFAULT_DRAFTERS)})",
+        help=(
+            f"a drafter, repeatable: a packaged model, a local folder, or one of {sorted(NAMED_DRAFTERS)} "
+            f"(default: {' and '.join(DEFAULT_DRAFTERS)})"
+        ),
     )
     p.add_argument(
         "--policy",
@@ -71,20 +74,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",
         default=None,
-        help="where the models go: cpu, cuda, cuda:N, or a device map (auto: split over every GPU); default cuda when a GPU is there, else cpu",
+        help=(
+            "where the models go: cpu, cuda, cuda:N, or a device map (auto: split over every GPU); "
+            "default cuda when a GPU is there, else cpu"
+        ),
     )
     p.add_argument(
         "--threads",
         type=int,
         default=None,
-        help="torch threads for the models (default: torch's choice); with --pipeline on a CPU, split between target and drafting threads",
+        help=(
+            "torch threads for the models (default: torch's choice); "
+            "with --pipeline on a CPU, split between target and drafting threads"
+        ),
     )
     p.add_argument("--max-batch-size", type=int, default=16, help="rows decoding together (default 16)")
     p.add_argument(
         "--max-batch-prefill-tokens",
         type=int,
         default=4096,
-        help="prompt tokens one step may prefill (joining rows x longest prompt; a longer prompt joins alone; default 4096)",
+        help=(
+            "prompt tokens one step may prefill (joining rows x longest prompt; a longer prompt joins alone; "
+            "default 4096)"
+        ),
     )
     p.add_argument(
         "--max-queue",

@@ -33,7 +33,8 @@ class Limits:
     def __post_init__(self):
         if not 1 <= self.max_input_tokens < self.max_total_tokens:
             raise ValueError(
-                f"need 1 <= max_input_tokens < max_total_tokens, got {self.max_input_tokens} and {self.max_total_tokens}"
+                f"need 1 <= max_input_tokens < max_total_tokens, "
+                f"got {self.max_input_tokens} and {self.max_total_tokens}"
             )
         if self.default_max_new_tokens < 1:
             raise ValueError(f"default_max_new_tokens must be >= 1, got {self.default_max_new_tokens}")

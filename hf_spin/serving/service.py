@@ -39,7 +39,10 @@ class Service:
     def chat_prompt(self, messages: list[dict]) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest(
-                f"the model {self.model_id!r} has no chat template; use /v1/completions or /generate with a plain prompt",
+                (
+                    f"the model {self.model_id!r} has no chat template; "
+                    "use /v1/completions or /generate with a plain prompt"
+                ),
                 "messages",
             )
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

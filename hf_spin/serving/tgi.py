@@ -8,7 +8,8 @@ either, by the body's `stream`;
            "generated_text": null, "details": null, "top_tokens": null}
     ...
     data: {"index": 8, "token": {...}, "generated_text": "the whole text",
-           "details": {"finish_reason": "length", "generated_tokens": 8, "seed": null, "input_length": 5}, "top_tokens": null}
+           "details": {"finish_reason": "length", "generated_tokens": 8, "seed": null, "input_length": 5},
+           "top_tokens": null}
 
 A request that fails while generating ends with `data: {"error": "...", "error_type": "generation"}`.
 """

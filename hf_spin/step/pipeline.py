@@ -182,7 +182,8 @@ class Pipeline:
     ):
         if pool is None:
             raise ValueError(
-                "a Pipeline overlaps drafting with verification; it needs an AssistantPool (for plain decoding use SpinEngine(model, None))"
+                "a Pipeline overlaps drafting with verification; it needs an AssistantPool "
+                "(for plain decoding use SpinEngine(model, None))"
             )
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
         self.bound = pool.bind(model, tokenizer)

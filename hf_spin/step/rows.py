@@ -52,7 +52,8 @@ class Request:
             raise ValueError("a Request needs a non-empty prompt (at least one token id)")
         if (self.max_new_tokens is None) == (self.max_length is None):
             raise ValueError(
-                f"give exactly one of max_new_tokens and max_length, got {self.max_new_tokens!r} and {self.max_length!r}"
+                f"give exactly one of max_new_tokens and max_length, "
+                f"got {self.max_new_tokens!r} and {self.max_length!r}"
             )
         if self.max_new_tokens is not None:
             if self.max_new_tokens < 1:
@@ -75,7 +76,9 @@ class Row:
     finish_reason: str | None = None  # None while running; LENGTH, STOPPED, CANCELLED or ERROR
     error: str | None = None  # what went wrong, for ERROR
     cancel_requested: bool = False  # set by `cancel`; the row leaves at the next step
-    host_stop: object = None  # the request's stopping criteria read on the host (stopping.HostStop), False where they cannot be; None: not read yet
+    # the request's stopping criteria read on the host (stopping.HostStop), False where they cannot be; None: not read
+    # yet
+    host_stop: object = None
     added_at: float = field(default_factory=perf_counter)
 
     def __post_init__(self):

@@ -3,9 +3,10 @@ walked (tree_verification.py), the accepted path kept in the target's cache (doc
 
 A step verifies trees where the pool's `tree` allows them and its rows can take them (`usable`):
 packed rows (the kernel's tree masks) or a rectangular cache under a model that takes 4D masks, no
-sliding-window, chunked or slot-biased layers (a tree's tokens are not at consecutive slots). Processors that read token ids score each slot after its own path; a seeded
-row walks its tree greedily over log p plus its noise at each slot's position (Gumbel-max). A chain row in a tree step is a
-tree with one child per node, so such a step has one way to verify every row.
+sliding-window, chunked or slot-biased layers (a tree's tokens are not at consecutive slots). Processors that
+read token ids score each slot after its own path; a seeded row walks its tree greedily over log p plus its noise
+at each slot's position (Gumbel-max). A chain row in a tree step is a tree with one child per node, so such a step
+has one way to verify every row.
 """
 
 from __future__ import annotations

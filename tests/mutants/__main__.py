@@ -43,7 +43,8 @@ def make_copy(mutant: Mutant, into: Path) -> None:
     count = text.count(mutant.old)
     if count != 1:
         raise SystemExit(
-            f"mutant {mutant.name!r}: its snippet occurs {count} times in {mutant.path} (must be once); update tests/mutants/catalogue.py"
+            f"mutant {mutant.name!r}: its snippet occurs {count} times in {mutant.path} (must be once); "
+            "update tests/mutants/catalogue.py"
         )
     target.write_text(text.replace(mutant.old, mutant.new))
 

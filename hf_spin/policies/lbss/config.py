@@ -79,7 +79,8 @@ class LBSSConfig:
                 c is None or (isinstance(c, int) and not isinstance(c, bool) and c >= 1) for c in self.capacities
             ):
                 raise ValueError(
-                    f"{owner}.capacities must be a tuple of positive ints (None: unlimited), one per drafter, got {self.capacities!r}"
+                    f"{owner}.capacities must be a tuple of positive ints (None: unlimited), one per drafter, "
+                    f"got {self.capacities!r}"
                 )
             self.capacities = tuple(self.capacities)
         if isinstance(self.switch_cost, list):

@@ -15,7 +15,9 @@ from ...planning.plan import BatchView, Plan, Preempt
 from .pricing import Pricing, goodput
 from .state import PLAIN, Arm, RowState
 
-MATCH_PRIOR = 2.0  # pseudo-drafts at the acceptance pooled over every row behind a row's acceptance per match length (`match_acceptance`)
+# pseudo-drafts at the acceptance pooled over every row behind a row's acceptance per match length
+# (`match_acceptance`)
+MATCH_PRIOR = 2.0
 
 
 class Lookup(Pricing):

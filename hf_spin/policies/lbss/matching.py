@@ -19,7 +19,9 @@ from .schedule import Schedule, Stage
 from .state import PLAIN, RowState
 
 NO_PLAIN = -1e18  # weight of a plain slot when plain decoding is not an option (taken only if no drafter slot is left)
-LAST_RESORT = -1e6  # weight of a slot a row may not take (explore: not explorable; exploit: `may_switch`), taken only when no other is left
+# weight of a slot a row may not take (explore: not explorable; exploit: `may_switch`), taken only when no other is
+# left
+LAST_RESORT = -1e6
 # A repeat plain probe only where the rows' best drafters are within this fraction of the measured
 # plain goodput: only there could it overturn their choices at little cost (docs/lbss.md#plain_probe).
 PROBE_MARGIN = 0.5

@@ -65,7 +65,8 @@ class LBSSPolicy(Matching, Lookup, Policy):
         total = sum(self.capacity(d, B) for d in range(len(self.drafters)) if view.usable[d])
         if total < B:
             raise ValueError(
-                f"LBSSConfig.capacities={self.config.capacities} let the drafters serve at most {total} rows in one step, "
+                f"LBSSConfig.capacities={self.config.capacities} let the drafters serve at most {total} rows "
+                "in one step, "
                 f"but the batch has {B} rows; raise the capacities (None: unlimited) or pass at most {total} rows"
             )
         for b in rows:
