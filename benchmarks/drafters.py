@@ -1,9 +1,10 @@
-"""Faster drafters on the real models: EasySpec fuzzy drafting and MagicDec sparse-KV drafting, one run.
+r"""Faster drafters on the real models: EasySpec fuzzy drafting and MagicDec sparse-KV drafting, one run.
 
     python -m benchmarks.drafters --threads 2                                   # everything, defaults below
     python -m benchmarks.drafters --sections easyspec fuzzy_cost --per-category 2
     python -m benchmarks.drafters --sections magicdec cost --skip-8k
-    python -m benchmarks.drafters --limit 1 --max-new-tokens 8 --lengths 512 --budgets 64 --cost-lengths 512 --cost-batches 1   # smoke
+    python -m benchmarks.drafters --limit 1 --max-new-tokens 8 --lengths 512 --budgets 64 \
+        --cost-lengths 512 --cost-batches 1                                     # smoke
 
 Sections (--sections, all by default):
   easyspec    Spec-Bench mix (first turn of --per-category questions per category, batch 1, greedy): plain
@@ -277,8 +278,17 @@ def run_easyspec(target, drafter, tok, args, rec: Recorder) -> None:
         batch = tok([chat(tok, q["turns"][0])], return_tensors="pt")
         plain, runs = run_configs(target, tok, batch, configs, args.max_new_tokens, args.draft_length)
         for name, r in runs.items():
-            rec.add("easyspec", {"config": name, "question_id": q["question_id"], "category": q["category"],
-                                 "prompt_tokens": batch["input_ids"].shape[1], "plain_seconds": plain["seconds"], **r})  # fmt: skip
+            rec.add(
+                "easyspec",
+                {
+                    "config": name,
+                    "question_id": q["question_id"],
+                    "category": q["category"],
+                    "prompt_tokens": batch["input_ids"].shape[1],
+                    "plain_seconds": plain["seconds"],
+                    **r,
+                },
+            )
         print(f"  easyspec {i + 1}/{len(questions)} {q['category']}: plain {plain['seconds']:.1f}s, "
               + ", ".join(f"{n} {r['seconds']:.1f}s" for n, r in runs.items()), flush=True)  # fmt: skip
 
@@ -291,9 +301,11 @@ def easyspec_markdown(records: list[dict]) -> list[str]:
         "",
         "draft s/token = drafting seconds (catch-up / calibration pass included) per drafted token; drafting x and "
         "acceptance change are relative to the same 0.5B drafter run exactly. EasySpec paper (multi-GPU): drafting up "
-        f"to {EASYSPEC_PAPER['drafting_speedup']}x faster with at most {EASYSPEC_PAPER['max_acceptance_drop']:.0%} lower acceptance.",
+        f"to {EASYSPEC_PAPER['drafting_speedup']}x faster with at most "
+        f"{EASYSPEC_PAPER['max_acceptance_drop']:.0%} lower acceptance.",
         "",
-        "| config | n | draft s/token | drafting x | acceptance | acceptance change | mean accepted len | speed-up vs plain | draft share of time | identical |",
+        "| config | n | draft s/token | drafting x | acceptance | acceptance change | mean accepted len "
+        "| speed-up vs plain | draft share of time | identical |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (name,), r in table.items():
@@ -302,8 +314,9 @@ def easyspec_markdown(records: list[dict]) -> list[str]:
             (r["acceptance_rate"] / base["acceptance_rate"] - 1) if base and base["acceptance_rate"] else float("nan")
         )
         lines.append(
-            f"| {name} | {r['n']} | {r['draft_s_per_token'] * 1000:.1f} ms | {faster:.2f} | {r['acceptance_rate']:.1%} | "
-            f"{change:+.1%} | {r['mean_accepted_length']:.2f} | {r['speedup']:.2f} | {r['draft_share']:.0%} | {r['identical']} |"
+            f"| {name} | {r['n']} | {r['draft_s_per_token'] * 1000:.1f} ms | {faster:.2f} "
+            f"| {r['acceptance_rate']:.1%} | {change:+.1%} | {r['mean_accepted_length']:.2f} | {r['speedup']:.2f} "
+            f"| {r['draft_share']:.0%} | {r['identical']} |"
         )
     per_cat = summarize_runs(records, ("category", "config"))
     configs = list(dict.fromkeys(r["config"] for r in records))
@@ -403,10 +416,22 @@ def run_magicdec(target, drafter, tok, args, rec: Recorder) -> None:
             batch = long_prompt_ids(tok, texts, L, start=7 * j, task=args.long_task)
             plain, runs = run_configs(target, tok, batch, configs, args.max_new_tokens, args.draft_length)
             for name, r in runs.items():
-                rec.add("magicdec", {"config": name, "length": L, "prompt_tokens": batch["input_ids"].shape[1], "prompt": j,
-                                     "plain_seconds": plain["seconds"], **r})  # fmt: skip
-            print(f"  magicdec L={L} prompt {j}: plain {plain['seconds']:.1f}s, "
-                  + ", ".join(f"{n} {r['seconds']:.1f}s ({r['accepted']}/{r['drafted']})" for n, r in runs.items()), flush=True)  # fmt: skip
+                rec.add(
+                    "magicdec",
+                    {
+                        "config": name,
+                        "length": L,
+                        "prompt_tokens": batch["input_ids"].shape[1],
+                        "prompt": j,
+                        "plain_seconds": plain["seconds"],
+                        **r,
+                    },
+                )
+            print(
+                f"  magicdec L={L} prompt {j}: plain {plain['seconds']:.1f}s, "
+                + ", ".join(f"{n} {r['seconds']:.1f}s ({r['accepted']}/{r['drafted']})" for n, r in runs.items()),
+                flush=True,
+            )
 
 
 def magicdec_markdown(records: list[dict], task: str) -> list[str]:
@@ -416,17 +441,18 @@ def magicdec_markdown(records: list[dict], task: str) -> list[str]:
     lines = [
         f"### MagicDec: acceptance vs KV budget on long prompts (batch 1; {what})",
         "",
-        "self = the target drafting for itself with a sink + window cache, a sparse view of its own exact cache (prefill "
-        "KV and the KV of committed tokens copied from it); 0.5B = the small drafter with its full KV or the same budget. "
-        "draft s/token includes a drafter's own prompt prefill. Speed-up = Spec-Bench speed ratio over plain `generate`.",
+        "self = the target drafting for itself with a sink + window cache, a sparse view of its own exact cache "
+        "(prefill KV and the KV of committed tokens copied from it); 0.5B = the small drafter with its full KV or the "
+        "same budget. draft s/token includes a drafter's own prompt prefill. Speed-up = Spec-Bench speed ratio over "
+        "plain `generate`.",
         "",
         "| prompt tokens | drafter | acceptance | mean accepted len | draft s/token | speed-up vs plain | identical |",
         "|---|---|---|---|---|---|---|",
     ]
     for (L, name), r in table.items():
         lines.append(
-            f"| {L} | {name} | {r['acceptance_rate']:.1%} | {r['mean_accepted_length']:.2f} | {r['draft_s_per_token'] * 1000:.0f} ms | "
-            f"{r['speedup']:.2f} | {r['identical']} |"
+            f"| {L} | {name} | {r['acceptance_rate']:.1%} | {r['mean_accepted_length']:.2f} "
+            f"| {r['draft_s_per_token'] * 1000:.0f} ms | {r['speedup']:.2f} | {r['identical']} |"
         )
     return lines
 
@@ -464,8 +490,9 @@ def cost_markdown(records: list[dict], k: int) -> list[str]:
     lines = [
         "### Draft / target cost ratio vs batch and context length (random KV)",
         "",
-        f"Each cell: ms of one forward, and in brackets its cost relative to the target verifying k + 1 = {k + 1} tokens "
-        "per row on the full cache. A drafter pays off when k x ratio stays well below the tokens it gets accepted.",
+        "Each cell: ms of one forward, and in brackets its cost relative to the target verifying "
+        f"k + 1 = {k + 1} tokens per row on the full cache. A drafter pays off when k x ratio stays well below the "
+        "tokens it gets accepted.",
         "",
         f"| KV length | batch | {verify} ms | " + " | ".join(names) + " |",
         "|---|---|---|" + "---|" * len(names),
@@ -486,7 +513,8 @@ def markdown(env: dict, records: dict, args) -> str:
         f"## hf_spin drafters benchmark ({time.strftime('%Y-%m-%d %H:%M')})",
         "",
         f"- machine: {env['machine']}; GPU: {env['gpu']}",
-        f"- python {env['python']}, torch {env['torch']}, transformers {env['transformers']}, hf_spin commit {env['hf_spin_commit'] or '?'}",
+        f"- python {env['python']}, torch {env['torch']}, transformers {env['transformers']}, "
+        f"hf_spin commit {env['hf_spin_commit'] or '?'}",
         f"- target {s['target']}, drafter {s['drafter']}, {s['dtype']}, greedy, k = {s['draft_length']}, "
         f"{s['max_new_tokens']} new tokens, {s['threads']} threads",
         "- CPU: only ratios and counts are meaningful (DESIGN.md); runs being compared were made side by side.",

@@ -442,7 +442,8 @@ def identity(check: Check) -> dict:
                 else:
                     margins = ", ".join(f"margin {d['margin']:.3f} at {d['generated_index']}" for d in r["differences"])
                     print(
-                        f"{label} {r['identical_rows']}/{batch} identical, accepted {r['accepted']}/{r['drafted']}, failures {r['failures']} {margins}"
+                        f"{label} {r['identical_rows']}/{batch} identical, accepted {r['accepted']}/{r['drafted']}, "
+                        f"failures {r['failures']} {margins}"
                     )
     exact = [r for r in results if r.get("dtype") == str(cfg["dtype"]).removeprefix("torch.") and "skipped" not in r]
     return {"runs": results, "exact_identical": all(r.get("identical_rows") == r["batch"] for r in exact)}
@@ -537,9 +538,12 @@ def end_to_end(check: Check) -> dict:
             results.append(r)
             ms = r["ms_per_step"]
             print(
-                f"  e2e b={batch:<2} {'packed' if ragged else 'rect  '} {'tree ' if tree else 'chain'} alpha={alpha:.1f} profile {profile:<4}: {r['speedup']:.2f}x plain ({r['hf_spin_tok_s']:.0f} vs {r['plain_tok_s']:.0f} tok/s), "
+                f"  e2e b={batch:<2} {'packed' if ragged else 'rect  '} {'tree ' if tree else 'chain'} "
+                f"alpha={alpha:.1f} profile {profile:<4}: {r['speedup']:.2f}x plain "
+                f"({r['hf_spin_tok_s']:.0f} vs {r['plain_tok_s']:.0f} tok/s), "
                 f"accepted/step {r['accepted_per_step']:.2f} (theory {r['theoretical_accepted_per_step']:.2f}), "
-                f"ms/step draft {ms['draft']:.1f} verify {ms['verify']:.1f} other {ms['other']:.1f} (plain {r['plain_ms_per_step']:.1f}), identical {r['identical_rows']}/{batch}"
+                f"ms/step draft {ms['draft']:.1f} verify {ms['verify']:.1f} other {ms['other']:.1f} "
+                f"(plain {r['plain_ms_per_step']:.1f}), identical {r['identical_rows']}/{batch}"
             )
     return {"runs": results, "k": k}
 
@@ -576,7 +580,8 @@ def syncs(check: Check) -> dict:
             }
             results.append(r)
             print(
-                f"  syncs b={batch:<2} {'packed' if ragged else 'rect  '} {name:<6}: {r['per_step']:.1f} per step (budget k + 2 = {r['bound']}, {counter.mode}), "
+                f"  syncs b={batch:<2} {'packed' if ragged else 'rect  '} {name:<6}: {r['per_step']:.1f} per step "
+                f"(budget k + 2 = {r['bound']}, {counter.mode}), "
                 f"phases {r['phases']}; top: {counter.step_sites.most_common(3)}"
             )
     return {"runs": results}
@@ -692,7 +697,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--cpu-host-bound",
         action="store_true",
-        help="environment and end to end on CPU, one thread, a 28-layer model of width 64: steps bound by the host's work, as on a GPU",
+        help="environment and end to end on CPU, one thread, a 28-layer model of width 64: steps bound by the host's "
+        "work, as on a GPU",
     )
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS))
     parser.add_argument(

@@ -58,7 +58,8 @@ PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_l
 
 
 def parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentParser:
-    """The flags of this benchmark, shared by the scripts that run its workload (research/lbss_trace.py, research/policy_replay.py)."""
+    """The flags of this benchmark, shared by the scripts that run its workload (research/lbss_trace.py,
+    research/policy_replay.py)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     ap.add_argument("--per-task", type=int, default=1, help="questions per Spec-Bench task (6 tasks)")
@@ -75,7 +76,8 @@ def parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentPars
         nargs="*",
         default=None,
         choices=list(DRAFTERS),
-        help="drafters run alone too (hf_spin's default pool of one, and transformers' assisted generation); default: every --drafters",
+        help="drafters run alone too (hf_spin's default pool of one, and transformers' assisted generation); "
+        "default: every --drafters",
     )
     ap.add_argument(
         "--summarize", type=Path, default=None, help="only rebuild the tables from a partial .jsonl (no models loaded)"
@@ -97,8 +99,9 @@ def parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentPars
         "--policy-warmup",
         type=int,
         default=0,
-        help="held-out questions per task (the ones after the measured ones) run through every hf_spin pool at each batch size before it is measured, "
-        "not recorded: the learned state of a pool that has served requests (0: the pools start cold)",
+        help="held-out questions per task (the ones after the measured ones) run through every hf_spin pool at each "
+        "batch size before it is measured, not recorded: the learned state of a pool that has served requests "
+        "(0: the pools start cold)",
     )
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
@@ -291,8 +294,8 @@ def markdown(summary: dict, env: dict) -> str:
         return "-" if x is None else format(x, spec)
 
     lines = [
-        f"Spec-Bench pool benchmark: greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, draft_length={env['draft_length']}, "
-        f"cache={env['cache']}, "
+        f"Spec-Bench pool benchmark: greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, "
+        f"draft_length={env['draft_length']}, cache={env['cache']}, "
         f"pools warmed on {env.get('policy_warmup', 0)} held-out question(s) per task before each batch size; "
         f"target {TARGET}; {env['machine']}, {env['processes']} process(es); "
         f"torch {env['torch']}, transformers {env['transformers']}, hf_spin {env['hf_spin']}.",
@@ -316,7 +319,8 @@ def markdown(summary: dict, env: dict) -> str:
             lines.append(
                 f"| {m} | "
                 + " | ".join(speeds)
-                + f" | {fmt(a['acceptance_rate'], '.1%')} | {fmt(a['mean_accepted_length'], '.2f')} | {a['goodput']:.2f} | {a['oracle_fraction']:.2f} | {a['identical']} | {a['errors']} |"
+                + f" | {fmt(a['acceptance_rate'], '.1%')} | {fmt(a['mean_accepted_length'], '.2f')} "
+                f"| {a['goodput']:.2f} | {a['oracle_fraction']:.2f} | {a['identical']} | {a['errors']} |"
             )
         lines.append(
             "| plain tok/s | " + " | ".join(f"{table[t]['plain_tok_s']:.2f}" for t in tasks) + " | | | | | | |"

@@ -214,19 +214,22 @@ def main() -> None:
 
 def markdown(rows: list[dict], args, per_token: int) -> str:
     lines = [
-        f"Spec-Bench mix (480 first turns, {args.model} tokenizer and KV size {per_token} B/token), k = {args.draft_length}, "
-        f"up to {args.max_new_tokens} new tokens per row, simulated acceptance alpha ~ U[{args.alpha_low}, {args.alpha_high}], seed {args.seed}. "
+        f"Spec-Bench mix (480 first turns, {args.model} tokenizer and KV size {per_token} B/token), "
+        f"k = {args.draft_length}, up to {args.max_new_tokens} new tokens per row, "
+        f"simulated acceptance alpha ~ U[{args.alpha_low}, {args.alpha_high}], seed {args.seed}. "
         "Counts summed over all verification steps; cache = target KV cache peak per batch, mean over batches.",
         "",
-        "| batch | path | steps | prefill padded tokens | query tokens (padded) | KV tokens read (padded) | peak cache MiB held | of which tokens |",
+        "| batch | path | steps | prefill padded tokens | query tokens (padded) | KV tokens read (padded) "
+        "| peak cache MiB held | of which tokens |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         q_pct = 100 * r["padded_query_tokens"] / max(r["query_tokens"], 1)
         kv_pct = 100 * r["padded_kv_tokens"] / max(r["kv_tokens"], 1)
         lines.append(
-            f"| {r['batch']} | {r['path']} | {r['steps']} | {r['prefill_padded_tokens']:,} | {r['query_tokens']:,} ({q_pct:.1f}%) | "
-            f"{r['kv_tokens']:,} ({kv_pct:.1f}%) | {r['peak_cache_mib']:.1f} | {r['peak_used_mib']:.1f} |"
+            f"| {r['batch']} | {r['path']} | {r['steps']} | {r['prefill_padded_tokens']:,} "
+            f"| {r['query_tokens']:,} ({q_pct:.1f}%) | {r['kv_tokens']:,} ({kv_pct:.1f}%) "
+            f"| {r['peak_cache_mib']:.1f} | {r['peak_used_mib']:.1f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -246,15 +246,16 @@ def fmt(x, digits=2) -> str:
 
 def table(cells: list[dict], memory: dict, same: dict) -> str:
     lines = [
-        "| mode | clients | ok | failed | lost | tokens | wall s | tok/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | same as off |",
+        "| mode | clients | ok | failed | lost | tokens | wall s | tok/s | p50 latency s | p99 latency s "
+        "| p50 TTFT s | p99 TTFT s | same as off |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         key = f"{c['mode']}/{c['clients']}"
         lines.append(
-            f"| {c['mode']} | {c['clients']} | {c['ok']}/{c['sent']} | {c['failed']} | {c['lost']} | {c['tokens']} | {fmt(c['wall_s'], 1)} | "
-            f"{fmt(c['throughput_tok_s'])} | {fmt(c['latency_p50_s'])} | {fmt(c['latency_p99_s'])} | {fmt(c['ttft_p50_s'])} | {fmt(c['ttft_p99_s'])} | "
-            f"{same.get(key, '-')} |"
+            f"| {c['mode']} | {c['clients']} | {c['ok']}/{c['sent']} | {c['failed']} | {c['lost']} | {c['tokens']} "
+            f"| {fmt(c['wall_s'], 1)} | {fmt(c['throughput_tok_s'])} | {fmt(c['latency_p50_s'])} "
+            f"| {fmt(c['latency_p99_s'])} | {fmt(c['ttft_p50_s'])} | {fmt(c['ttft_p99_s'])} | {same.get(key, '-')} |"
         )
     lines += [
         "",
@@ -263,7 +264,8 @@ def table(cells: list[dict], memory: dict, same: dict) -> str:
     ]
     for mode, m in memory.items():
         lines.append(
-            f"| {mode} | {fmt(m['start_mb'], 0)} | {fmt(m['peak_mb'], 0)} | {fmt(m['end_mb'], 0)} | {fmt(m['growth_mb'], 0)} |"
+            f"| {mode} | {fmt(m['start_mb'], 0)} | {fmt(m['peak_mb'], 0)} | {fmt(m['end_mb'], 0)} "
+            f"| {fmt(m['growth_mb'], 0)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -288,7 +290,8 @@ def main() -> int:
         "--workload",
         default="spec_bench",
         choices=["spec_bench", "schema"],
-        help="the prompts: Spec-Bench first turns mixed over categories, or the repeated-schema requests of benchmarks/workloads.py",
+        help="the prompts: Spec-Bench first turns mixed over categories, or the repeated-schema requests of "
+        "benchmarks/workloads.py",
     )
     ap.add_argument("--requests", type=int, default=32, help="requests per (mode, clients) cell (default 32)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -322,8 +325,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if "suffix" in (args.drafter or []) and len(args.concurrency) > 1 and set(args.modes) - {"off"}:
         print(
-            "warning: the suffix drafter learns across requests and every cell sends the same prompts: the cells after the first "
-            "replay answers the server has seen; give one --concurrency value per run",
+            "warning: the suffix drafter learns across requests and every cell sends the same prompts: "
+            "the cells after the first replay answers the server has seen; give one --concurrency value per run",
             file=sys.stderr,
             flush=True,
         )
@@ -353,8 +356,9 @@ def main() -> int:
                 cells.append(summary)
                 texts[f"{mode}/{clients}"] = [r["text"] if r["status"] == "ok" else None for r in results]
                 print(
-                    f"[{mode}] {clients} clients: {summary['ok']}/{summary['sent']} ok, {summary['failed']} failed, {summary['lost']} lost, "
-                    f"{fmt(summary['throughput_tok_s'])} tok/s, p50 latency {fmt(summary['latency_p50_s'])}s, p50 TTFT {fmt(summary['ttft_p50_s'])}s",
+                    f"[{mode}] {clients} clients: {summary['ok']}/{summary['sent']} ok, {summary['failed']} failed, "
+                    f"{summary['lost']} lost, {fmt(summary['throughput_tok_s'])} tok/s, "
+                    f"p50 latency {fmt(summary['latency_p50_s'])}s, p50 TTFT {fmt(summary['ttft_p50_s'])}s",
                     flush=True,
                 )
             metrics = httpx.get(f"{server.url}/metrics", timeout=10).text

@@ -198,13 +198,16 @@ def summarize(records: list[dict], batched: dict[int, list[dict]]) -> dict:
 def markdown(summary: dict, env: dict) -> str:
     lines = [
         f"Spec-Bench, greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, {env['threads']} threads; "
-        f"target {env['target']}, drafter {env['drafter']} (hf_spin k={env['draft_length']}, min_confidence={env['min_confidence']}); "
-        f"{env['machine']}, {env['processes']} process(es); torch {env['torch']}, transformers {env['transformers']}, hf_spin {env['hf_spin']}.",
+        f"target {env['target']}, drafter {env['drafter']} "
+        f"(hf_spin k={env['draft_length']}, min_confidence={env['min_confidence']}); "
+        f"{env['machine']}, {env['processes']} process(es); "
+        f"torch {env['torch']}, transformers {env['transformers']}, hf_spin {env['hf_spin']}.",
     ]
     if summary["batch1"]:
         lines += [
             "",
-            "| category | n | plain tok/s | assisted x | hf_spin x | hf_spin / assisted | acceptance | mean accepted len | identical (spin / assisted) |",
+            "| category | n | plain tok/s | assisted x | hf_spin x | hf_spin / assisted | acceptance "
+            "| mean accepted len | identical (spin / assisted) |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
     for cat, r in sorted(summary["batch1"].items(), key=lambda kv: (kv[0] == "ALL", kv[0])):  # empty with --skip-batch1
@@ -219,16 +222,18 @@ def markdown(summary: dict, env: dict) -> str:
             "Batch > 1: plain batched `generate` vs hf_spin on the rectangular cache (`hf_spin`) and on packed rows "
             "(`hf_spin_packed`, `cache='packed'`); seconds summed over the batches (prefill = until the first token).",
             "",
-            "| batch | batches | padded prompt share | plain tok/s | variant | tok/s | ratio | acceptance | mean accepted len | steps | prefill s | draft s | verify s | identical rows |",
+            "| batch | batches | padded prompt share | plain tok/s | variant | tok/s | ratio | acceptance "
+            "| mean accepted len | steps | prefill s | draft s | verify s | identical rows |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for bs, r in summary["batched"].items():
             for variant in BATCHED_VARIANTS:
                 v = r[variant]
                 lines.append(
-                    f"| {bs} | {r['batches']} | {r['padded_prompt_fraction']:.0%} | {r['plain_tok_s']:.2f} | {variant} | {v['tok_s']:.2f} | "
-                    f"{v['throughput_ratio']:.2f} | {v['acceptance_rate']:.1%} | {v['mean_accepted_length']:.2f} | {v['steps']} | "
-                    f"{v['prefill_seconds']:.1f} | {v['draft_seconds']:.1f} | {v['verify_seconds']:.1f} | {v['identical_rows']} |"
+                    f"| {bs} | {r['batches']} | {r['padded_prompt_fraction']:.0%} | {r['plain_tok_s']:.2f} "
+                    f"| {variant} | {v['tok_s']:.2f} | {v['throughput_ratio']:.2f} | {v['acceptance_rate']:.1%} "
+                    f"| {v['mean_accepted_length']:.2f} | {v['steps']} | {v['prefill_seconds']:.1f} "
+                    f"| {v['draft_seconds']:.1f} | {v['verify_seconds']:.1f} | {v['identical_rows']} |"
                 )
     return "\n".join(lines) + "\n"
 

@@ -59,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--k",
         type=int,
         default=8,
-        help="tokens drafted per row and step: hf_spin's draft_length (the planner's upper bound), transformers' prompt_lookup_num_tokens",
+        help="tokens drafted per row and step: hf_spin's draft_length (the planner's upper bound), "
+        "transformers' prompt_lookup_num_tokens",
     )
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     ap.add_argument(
@@ -276,7 +277,8 @@ def markdown(summary: dict, env: dict) -> str:
         return "-" if x is None else format(x, spec)
 
     lines = [
-        f"Suffix drafting benchmark: greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, k={env['k']}, profile {env['profile']}, "
+        f"Suffix drafting benchmark: greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, k={env['k']}, "
+        f"profile {env['profile']}, "
         f"cache={env['cache']}; target {env['target']}, pool = {env['draft']} + suffix ({env['policy']}); "
         f"{env['machine']}; torch {env['torch']}, transformers {env['transformers']}, hf_spin {env['hf_spin']}. "
         "Speed-up: summed plain seconds over summed method seconds, same prompts, same run.",

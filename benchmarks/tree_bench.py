@@ -162,7 +162,8 @@ def summarize(records: list[dict]) -> str:
     for bs in sorted({r["batch_size"] for r in records}):
         lines += [
             f"\nbatch {bs}",
-            "| group | chain tok/forward | tree tok/forward | tree / chain | speed-up: chain | tree | transformers lookup | transformers assisted | identical (chain, tree) |",
+            "| group | chain tok/forward | tree tok/forward | tree / chain | speed-up: chain | tree "
+            "| transformers lookup | transformers assisted | identical (chain, tree) |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         by = defaultdict(lambda: defaultdict(list))
@@ -186,9 +187,10 @@ def summarize(records: list[dict]) -> str:
                 for m in ("hf_spin_chain", "hf_spin_tree")
             }
             lines.append(
-                f"| {group} | {pf['hf_spin_chain']:.2f} | {pf['hf_spin_tree']:.2f} | {pf['hf_spin_tree'] / pf['hf_spin_chain']:.2f} | "
-                f"{speed['hf_spin_chain']:.2f} | {speed['hf_spin_tree']:.2f} | {speed['transformers_lookup']:.2f} | {speed['transformers_assisted']:.2f} | "
-                f"{same['hf_spin_chain']}, {same['hf_spin_tree']} |"
+                f"| {group} | {pf['hf_spin_chain']:.2f} | {pf['hf_spin_tree']:.2f} "
+                f"| {pf['hf_spin_tree'] / pf['hf_spin_chain']:.2f} | {speed['hf_spin_chain']:.2f} "
+                f"| {speed['hf_spin_tree']:.2f} | {speed['transformers_lookup']:.2f} "
+                f"| {speed['transformers_assisted']:.2f} | {same['hf_spin_chain']}, {same['hf_spin_tree']} |"
             )
     return "\n".join(lines)
 

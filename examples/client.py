@@ -59,7 +59,8 @@ def openai_chat(client: httpx.Client, prompt: str, max_new_tokens: int) -> None:
     r.raise_for_status()
     answer = r.json()
     print(
-        f"--- /v1/chat/completions ({answer['usage']['completion_tokens']} tokens):\n{answer['choices'][0]['message']['content']}\n"
+        f"--- /v1/chat/completions ({answer['usage']['completion_tokens']} tokens):\n"
+        f"{answer['choices'][0]['message']['content']}\n"
     )
 
     print("--- /v1/chat/completions, stream:")

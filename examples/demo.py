@@ -27,7 +27,8 @@ from hf_spin.planning.machine import describe
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
     "Explain in three sentences what a hash map is and when to use one.",
-    "Refactor this code to use a list comprehension:\nresult = []\nfor x in range(10):\n    if x % 2 == 0:\n        result.append(x * x)",
+    "Refactor this code to use a list comprehension:\n"
+    "result = []\nfor x in range(10):\n    if x % 2 == 0:\n        result.append(x * x)",
     "Write a SQL query that returns the five customers with the highest total order value.",
 ]
 DRAFTERS = {"qwen-0.5b": "qwen2.5-coder-0.5b-instruct", "smollm2-135m": "smollm2-135m-instruct", "prompt_lookup": None}
@@ -76,7 +77,8 @@ def main() -> None:
     hf_spin.enable()
     why = "the packaged weights' own dtype" if args.dtype == "bfloat16" else "chosen with --dtype"
     print(
-        f"machine: {describe(target.device)}; dtype {args.dtype} ({why}; the profile below says whether speculation pays in it)"
+        f"machine: {describe(target.device)}; dtype {args.dtype} "
+        f"({why}; the profile below says whether speculation pays in it)"
     )
 
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -114,8 +116,9 @@ def main() -> None:
         if d.steps
     }
     print(
-        f"\n{len(prompts)} prompts on {describe(target.device)}, {args.dtype}: hf_spin {plain_s / spin_s:.2f}x plain generate "
-        f"({plain_s:.1f}s -> {spin_s:.1f}s, {verdict}), identical outputs {identical}/{len(prompts)}\n"
+        f"\n{len(prompts)} prompts on {describe(target.device)}, {args.dtype}: "
+        f"hf_spin {plain_s / spin_s:.2f}x plain generate ({plain_s:.1f}s -> {spin_s:.1f}s, {verdict}), "
+        f"identical outputs {identical}/{len(prompts)}\n"
         f"profile: {pool.cost_profile.outlook()}\n"
         f"drafters: {drafted or 'none drafted: every step was plain'}"
     )

@@ -125,7 +125,8 @@ def calibration(trace: list[dict]) -> dict:
 
 def markdown(env: dict, batches: list[dict], calib: dict) -> str:
     lines = [
-        f"LBSS trace: batch size {env['batch_size']}, {env['max_new_tokens']} new tokens, warm-up {env['policy_warmup']} question(s) per task; "
+        f"LBSS trace: batch size {env['batch_size']}, {env['max_new_tokens']} new tokens, "
+        f"warm-up {env['policy_warmup']} question(s) per task; "
         f"{env['machine']}, torch {env['torch']}, transformers {env['transformers']}, hf_spin {env['hf_spin']}",
         "",
         "| batch | tasks | plain s | LBSS s | speed-up | drafters chosen (row-steps) |",
@@ -134,18 +135,22 @@ def markdown(env: dict, batches: list[dict], calib: dict) -> str:
     for i, b in enumerate(batches):
         chosen = ", ".join(f"{k} {v}" for k, v in sorted(b["chosen"].items(), key=lambda kv: -kv[1]))
         lines.append(
-            f"| {i} | {', '.join(b['tasks'])} | {b['plain_seconds']:.1f} | {b['lbss_seconds']:.1f} | {b['plain_seconds'] / b['lbss_seconds']:.2f}x | {chosen} |"
+            f"| {i} | {', '.join(b['tasks'])} | {b['plain_seconds']:.1f} | {b['lbss_seconds']:.1f} "
+            f"| {b['plain_seconds'] / b['lbss_seconds']:.2f}x | {chosen} |"
         )
     lines += [
         "",
-        "| chosen | steps | predicted tokens | measured tokens | predicted row s | measured row s | predicted goodput | measured goodput |",
+        "| chosen | steps | predicted tokens | measured tokens | predicted row s | measured row s "
+        "| predicted goodput | measured goodput |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, c in sorted(calib.items(), key=lambda kv: -kv[1]["steps"]):
         n = c["steps"]
         pg = c["predicted_tokens"] / c["predicted_seconds"] if c["predicted_seconds"] else float("nan")
         lines.append(
-            f"| {name} | {n:.0f} | {c['predicted_tokens'] / n:.2f} | {c['tokens'] / n:.2f} | {c['predicted_seconds'] / n:.3f} | {c['seconds'] / n:.3f} | {pg:.2f} | {c['tokens'] / c['seconds']:.2f} |"
+            f"| {name} | {n:.0f} | {c['predicted_tokens'] / n:.2f} | {c['tokens'] / n:.2f} "
+            f"| {c['predicted_seconds'] / n:.3f} | {c['seconds'] / n:.3f} | {pg:.2f} "
+            f"| {c['tokens'] / c['seconds']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

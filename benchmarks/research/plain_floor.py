@@ -98,8 +98,9 @@ def main() -> None:
                 )
     plain = {(r["repeat"], r["batch"]): r["seconds"] for r in records if r["method"] == "plain"}
     lines = [
-        f"hf_spin decoding plainly vs plain `generate`: batch {args.batch_size}, {len(batches)} batches x {args.repeats} repeats, "
-        f"{args.max_new_tokens} new tokens, {args.dtype}; target {TARGET}; {machine()}.",
+        f"hf_spin decoding plainly vs plain `generate`: batch {args.batch_size}, "
+        f"{len(batches)} batches x {args.repeats} repeats, {args.max_new_tokens} new tokens, {args.dtype}; "
+        f"target {TARGET}; {machine()}.",
         "",
         "| method | seconds | time ratio vs plain | per batch run (min-max) | prefill s | verify s | identical rows |",
         "|---|---|---|---|---|---|---|",

@@ -1,9 +1,12 @@
-"""Selection policies replayed on recorded drafts: the pool benchmark's batch-1 comparison with no
+r"""Selection policies replayed on recorded drafts: the pool benchmark's batch-1 comparison with no
 models and no timing noise, in seconds instead of the 20 minutes of a `pool_bench.py` run whose
 policy ratios move by +-5% from run to run.
 
-    python -m benchmarks.research.policy_replay --per-task 3 --max-new-tokens 32 --out benchmarks/results/replay   # records (models), then replays
-    python -m benchmarks.research.policy_replay --drafts benchmarks/results/replay/drafts.json --lbss "" "optimism=0.5" --seeds 0 1 2
+    # records (models), then replays:
+    python -m benchmarks.research.policy_replay --per-task 3 --max-new-tokens 32 \
+        --out benchmarks/results/replay
+    python -m benchmarks.research.policy_replay --drafts benchmarks/results/replay/drafts.json \
+        --lbss "" "optimism=0.5" --seeds 0 1 2
 
 Greedy decoding commits the target's greedy tokens whatever it verifies, so what a drafter proposes
 at a position depends only on the committed prefix there. Recorded once per drafter and position
@@ -524,13 +527,17 @@ def main() -> None:
         "policy_warmup": sum(r["held_out"] for r in rec["requests"]) // len(tasks),
     }
     costs = (
-        f"verify ({verify.base:.4f} + {verify.per_token:.4f} n^{verify.power:.2f}) s, x {verify.sustained:.3f} without a draft model; "
+        f"verify ({verify.base:.4f} + {verify.per_token:.4f} n^{verify.power:.2f}) s, "
+        f"x {verify.sustained:.3f} without a draft model; "
         + "; ".join(
             f"{d.name} {d.forward_seconds * 1e3:.1f} ms/forward, {d.catch_up_seconds * 1e3:.2f} ms/token caught up"
             for d in drafters
         )
     )
-    header = f"Replay of {args.drafts} (batch sizes {args.batch_sizes}, seeds {args.seeds}, cost noise {args.noise}); batch-1 costs: {costs}.\n\n"
+    header = (
+        f"Replay of {args.drafts} (batch sizes {args.batch_sizes}, seeds {args.seeds}, cost noise {args.noise}); "
+        f"batch-1 costs: {costs}.\n\n"
+    )
     md = header + markdown(summarize(records), env) + spread(per_seed, list(table))
     path = write_results(
         args.out, "policy_replay", {"env": env, "seeds": args.seeds, "per_seed": per_seed, "records": records}, md

@@ -1,7 +1,9 @@
-"""Several `pool_bench.py` runs of the same workload read together: how noisy one run is, how much
+r"""Several `pool_bench.py` runs of the same workload read together: how noisy one run is, how much
 of the oracle is noise, and where a policy gains or loses against a reference method per task.
 
-    python -m benchmarks.research.pool_runs benchmarks/results/b1_cold13 benchmarks/results/b1_cold14 benchmarks/results/b1_cold15 --policy policy:lbss --reference spin:smollm2-135m
+    python -m benchmarks.research.pool_runs \
+        benchmarks/results/b1_cold13 benchmarks/results/b1_cold14 benchmarks/results/b1_cold15 \
+        --policy policy:lbss --reference spin:smollm2-135m
 
 One run's per-request times move with the machine (this CPU's speed drifts by +-30% over minutes),
 so a policy's ratio to the best single drafter, and its fraction of the per-request oracle (the best
@@ -217,7 +219,8 @@ def markdown(
         later = per_task(runs, later_qids, policy, reference)["ALL"]
         lines += [
             "",
-            f"After the first {skip} requests of each run, over all runs: {policy} / {reference} {later[policy]:.3f}, oracle fraction {later['oracle fraction']:.3f}.",
+            f"After the first {skip} requests of each run, over all runs: {policy} / {reference} {later[policy]:.3f}, "
+            f"oracle fraction {later['oracle fraction']:.3f}.",
         ]
     return "\n".join(lines) + "\n"
 
@@ -249,7 +252,8 @@ def main() -> None:
         "--plot",
         type=Path,
         default=None,
-        help="write the policy's per-request ratio to the reference, in the bench's order, to this image (needs matplotlib)",
+        help="write the policy's per-request ratio to the reference, in the bench's order, to this image "
+        "(needs matplotlib)",
     )
     args = ap.parse_args()
     bs, first = load(args.runs[0], args.batch_size)
@@ -265,7 +269,8 @@ def main() -> None:
         raise SystemExit(f"--skip {args.skip} leaves no request of the {len(qids)} the runs share")
     if args.skip and any(after_first(run, qids, 0) != after_first(runs[0], qids, 0) for run in runs):
         raise SystemExit(
-            f"--skip {args.skip}: the runs ran their shared requests in different orders, so their first requests differ"
+            f"--skip {args.skip}: the runs ran their shared requests in different orders, "
+            "so their first requests differ"
         )
     print(markdown(args.runs, bs, qids, runs, args.policy, args.reference, args.skip))
     if args.plot:
