@@ -24,6 +24,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import CACHE_NAMES
+from .cache.static_forward import StaticOptions
 from .pool import AssistantPool
 from .stats import GenerationStats
 from .step.engine import SpinEngine
@@ -59,11 +60,16 @@ def _validate(model, input_ids, config, pool, model_kwargs, processors) -> None:
     for name in UNSUPPORTED_OUTPUTS:
         if getattr(config, name, False) and config.return_dict_in_generate:
             raise ValueError(f"{name}=True is not supported with assistant_pool; sequences and stats are returned")
-    if config.cache_implementation not in (None, "dynamic"):
+    if config.cache_implementation not in (None, "dynamic", "static"):
         raise ValueError(
             f"cache_implementation={config.cache_implementation!r} is not supported with assistant_pool; "
-            "hf_spin manages its own KV cache (leave cache_implementation unset; "
-            "AssistantPool(cache=...) picks its layout)"
+            "supported: 'dynamic' (the pool's layout) and 'static' (the target on hf_spin's static layout); "
+            "AssistantPool(cache=...) picks the layout for every call"
+        )
+    if config.cache_implementation == "static" and pool.cache_layout == "packed":
+        raise ValueError(
+            "cache_implementation='static' with a pool on cache='packed': two layouts for the target; "
+            "use AssistantPool(cache='static') or leave cache_implementation unset"
         )
     unknown = set(model_kwargs) - KNOWN_MODEL_KWARGS
     if unknown:
@@ -107,7 +113,11 @@ def generate(
     pad_id = int(config._pad_token_tensor) if getattr(config, "_pad_token_tensor", None) is not None else 0
 
     # 1. Every row joins at once, prefilled exactly as `generate` prefills them.
-    engine = SpinEngine(model, assistant_pool, spin_tokenizer)
+    # `cache_implementation="static"`: the target verifies on hf_spin's static layout (compiled on CUDA)
+    static = (
+        StaticOptions("auto") if config.cache_implementation == "static" and assistant_pool.static is None else None
+    )
+    engine = SpinEngine(model, assistant_pool, spin_tokenizer, static=static)
     start = perf_counter()
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:

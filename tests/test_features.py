@@ -166,7 +166,10 @@ def test_failing_drafter_is_dropped_and_output_stays_exact(target, drafter):
     [
         (dict(num_beams=2), "num_beams=2 is not supported"),
         (dict(return_dict_in_generate=True, output_scores=True), "output_scores=True is not supported"),
-        (dict(cache_implementation="static"), "cache_implementation='static' is not supported"),
+        (
+            dict(cache_implementation="offloaded"),
+            "cache_implementation='offloaded' is not supported with assistant_pool; supported: 'dynamic'",
+        ),
         (dict(prefix_allowed_tokens_fn=lambda b, ids: [5]), "PrefixConstrainedLogitsProcessor is not supported"),
     ],
 )

@@ -180,3 +180,26 @@ def test_rows_joining_a_running_batch_take_free_slots_and_stay_exact(fresh_dynam
         assert row.generated == alone(target, p, n), f"row {row.id}"
     assert_speculated(DrafterStats.total(engine.drafter_stats.values()))
     assert fresh_dynamo["stats"]["unique_graphs"] == len(slots) > 1  # one graph per row-slot bucket grown through
+
+
+def test_generate_honours_cache_implementation_static(monkeypatch):
+    """`generate(..., cache_implementation="static")` with a rectangular pool verifies on the static layout
+    (not refused, not silently rectangular), greedy output still plain generate's; a packed pool is refused."""
+    from hf_spin.cache import static_forward
+
+    calls = []
+    real = static_forward.forward_static
+    monkeypatch.setattr(static_forward, "forward_static", lambda *a, **k: calls.append(1) or real(*a, **k))
+    target, other = _models("llama")
+    inputs, reference = _case("llama", 4)
+    pool = spin_pool([other], tree=False)
+    out = target.generate(
+        **inputs, custom_generate=hf_spin.generate, assistant_pool=pool, cache_implementation="static"
+    )
+    assert torch.equal(out, reference) and calls
+    assert_speculated(pool.last_stats)
+    packed = spin_pool(["prompt_lookup"], cache="packed")
+    with pytest.raises(ValueError, match="two layouts"):
+        target.generate(
+            **inputs, custom_generate=hf_spin.generate, assistant_pool=packed, cache_implementation="static"
+        )

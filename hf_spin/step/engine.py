@@ -37,7 +37,7 @@ import torch
 
 from .. import host_syncs
 from ..cache import PackedCache, RowCache, forward_ragged
-from ..cache.static_forward import StaticTarget
+from ..cache.static_forward import StaticOptions, StaticTarget
 from ..drafters import Drafter
 from ..drafters.model import common_prefix_length
 from ..planning.plan import BatchView, Plan, StepFeedback, shadow_lengths
@@ -67,9 +67,8 @@ class Proposal:
     proposals: list[dict[int, list[int]]]  # [B] drafter -> its own draft
     draft_seconds: list[float]  # [num_drafters] wall time per drafter in this step (shadow drafts included)
     shadows: list[dict[int, list[int]]]  # [B] drafter -> its shadow draft (Plan.shadow): compared, never verified
-    match_lengths: list[
-        dict[int, int]
-    ]  # [B] drafter -> the match its draft (served or shadow) continued, where it reports one
+    # [B] drafter -> the match its draft (served or shadow) continued, where it reports one
+    match_lengths: list[dict[int, int]]
     trees: list[TokenTree | None] | None = None  # [B] a vote's whole token tree per row (tree_step.py); None: chains
 
 
@@ -88,6 +87,8 @@ class SpinEngine:
         instead of at the end of `verify`, so that in a pipeline only the drafting thread runs drafters.
     faults: the fault policy (default `Faults(isolate_faults)`; a pipeline's lanes call drafters on
         its drafting stream).
+    static: verify on the static layout with these options whatever the pool's layout says (`generate`'s
+        `cache_implementation="static"` with a rectangular pool); None: the pool's.
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class SpinEngine:
         row_ids=None,
         defer_idle_catch_up: bool = False,
         faults: Faults | None = None,
+        static: StaticOptions | None = None,
     ):
         self.model = model
         self.pool = pool
@@ -113,8 +115,11 @@ class SpinEngine:
         else:
             self.drafters, self.policy, self.names = [], None, []
         self.cache_layout = pool.cache_layout if pool is not None else "rectangular"  # pool.CACHE_LAYOUTS
+        if static is not None and self.cache_layout == "packed":
+            raise ValueError("a static cache for the target and cache='packed' are two layouts; pick one")
+        static = static or (pool.static if pool is not None else None)
         # the target's verification forward on the static layout; None: rectangular or packed
-        self.static = StaticTarget(model, pool.static) if pool is not None and pool.static is not None else None
+        self.static = StaticTarget(model, static) if static is not None else None
         # token trees (tree_step.usable): "auto", False, or a node cap; chains on the static layout
         self.tree = pool.tree if pool is not None and self.static is None else False
         self.tree_capability = tree_step.capability(model) if self.tree is not False else (False, False)
