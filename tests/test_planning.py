@@ -286,7 +286,7 @@ def test_policies_read_the_profile():
     costs = pool.policy.costs
     assert costs.verify_seconds(4, 12) == profile.verify_seconds(4, 12)
     assert costs.plain_seconds(4) == profile.plain_seconds(4)
-    assert costs.draft_seconds(0, 3, 6) == pytest.approx(profile.draft_seconds(0, 3, 2))
+    assert costs.draft_seconds(0, 3, 6) == pytest.approx(profile.draft_seconds_for_rows(0, 3, 2))
 
 
 def test_acceptance_learns_per_position_and_per_row():

@@ -255,8 +255,10 @@ class CostProfile:
     def plain_seconds(self, rows: int) -> float:
         return self.target.predict(rows, rows)
 
-    def draft_seconds(self, drafter: int, forwards: float, rows: int) -> float:
-        """`drafter` drafting for `rows` rows in `forwards` sequential forwards (one per draft token)."""
+    def draft_seconds_for_rows(self, drafter: int, forwards: float, rows: int) -> float:
+        """`drafter` drafting for `rows` rows (not row tokens: `CostModel.draft_seconds` takes those) in
+        `forwards` sequential forwards, one per draft token, each over one new position per row.
+        A model-free drafter: its mean seconds per call, whatever the arguments."""
         cost = self.drafters[drafter]
         if cost is None:
             return self.calls[drafter].mean or 0.0
@@ -278,7 +280,7 @@ class CostProfile:
         """(tokens per second, k) of the best draft length at batch 1 for a constant per-token acceptance."""
         target = target or self.target
         rates = [
-            (geometric_tokens(acceptance, k) / (target.predict(k + 1) + self.draft_seconds(drafter, k, 1)), k)
+            (geometric_tokens(acceptance, k) / (target.predict(k + 1) + self.draft_seconds_for_rows(drafter, k, 1)), k)
             for k in range(1, self.max_k + 1)
         ]
         return max(rates)

@@ -211,6 +211,10 @@ class CostModel:
     step (5 draft tokens, 52 catch-up tokens, 0.45 s for SmolLM2-135M on a CPU) gave f and t two
     thirds of the time, a steady step five times its measured cost, and the drafter was never
     chosen again to correct it.
+
+    Its interface, all a policy reads: `verify_seconds`, `plain_seconds`, `plain_goodput`,
+    `steps_without_plain`, `draft_seconds`, `knows_draft`, `draft_evidence`, `catch_up_seconds`,
+    `catch_up_evidence` (and `attach`, `update`). The fits' attributes are its own.
     """
 
     def __init__(self, num_drafters: int):
@@ -285,11 +289,14 @@ class CostModel:
         return self.plain_age.get(bucket(batch_size), float("inf"))
 
     def draft_seconds(self, drafter: int, forwards: float, row_tokens: float) -> float:
-        """Predicted seconds of `drafter` drafting `row_tokens` tokens over its rows in `forwards`
-        sequential forwards, catch-up aside (0 before a step without catch-up: an unmeasured
-        drafter looks free, so it gets tried)."""
+        """Predicted seconds of one step of `drafter`'s drafts, catch-up aside: `forwards` sequential
+        forwards (its longest draft, in tokens) and `row_tokens` draft tokens summed over the rows it
+        serves (not rows: the profile's `CostProfile.draft_seconds_for_rows` takes rows, here
+        row_tokens / forwards). 0 before a step without catch-up: an unmeasured drafter looks free,
+        so it gets tried."""
         if self.profile is not None and self.profile.drafters[drafter] is not None:
-            return self.profile.draft_seconds(drafter, forwards, max(1, round(row_tokens / max(forwards, 1))))
+            rows = max(1, round(row_tokens / max(forwards, 1)))
+            return self.profile.draft_seconds_for_rows(drafter, forwards, rows)
         if self.draft[drafter].count <= 0:
             return 0.0
         f, t = self.draft[drafter].coefficients()
@@ -301,6 +308,17 @@ class CostModel:
             drafter
         ].count > 0
 
+    def draft_evidence(self, drafter: int) -> float:
+        """How much the fitted draft cost of `drafter` rests on: the steps without a catch-up it
+        drafted in, decayed (an effective count; 0 before any). The profile's measurement does not
+        count: this says which drafter's fit to scale from (`Pricing.draft_seconds`)."""
+        return self.draft[drafter].count
+
     def catch_up_seconds(self, drafter: int) -> float:
         """Seconds per token that `drafter` spends catching up a row it did not serve (0 before any)."""
         return self.catch_up[drafter].mean or 0.0
+
+    def catch_up_evidence(self, drafter: int) -> float:
+        """How much `catch_up_seconds(drafter)` rests on: the tokens `drafter` was seen catching up,
+        decayed (an effective count; 0 before any)."""
+        return self.catch_up[drafter].weight

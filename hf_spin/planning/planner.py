@@ -209,7 +209,7 @@ class Planner:
                 for d in chosen[b]:
                     served[d] = served.get(d, 0) + (ks[b] == 0)
                     longest_of[d] = max(longest_of.get(d, 0), i)
-                    draft_of[d] = profile.draft_seconds(d, longest_of[d], served[d])
+                    draft_of[d] = profile.draft_seconds_for_rows(d, longest_of[d], served[d])
             total, longest, value = total + i - ks[b], max(longest, i), value + s
             ks[b] = i
             seconds = (

@@ -102,11 +102,12 @@ class Pricing(LBSSState):
             return cost[drafter] if isinstance(cost, tuple) else cost
         costs = self.costs
         return costs.catch_up_seconds(drafter) or self.by_size(
-            drafter, costs.catch_up_seconds, lambda e: costs.catch_up[e].weight, 1.0
+            drafter, costs.catch_up_seconds, costs.catch_up_evidence, 1.0
         )
 
     def draft_seconds(self, drafter: int, forwards: float, row_tokens: float) -> float:
-        """Predicted seconds of `drafter`'s drafts (`CostModel.draft_seconds`); before its first steady
+        """Predicted seconds of `drafter`'s drafts in a step, `forwards` sequential forwards and
+        `row_tokens` draft tokens summed over its rows (`CostModel.draft_seconds`); before its first steady
         step, those of the drafter measured most scaled by `DRAFT_SIZE_ELASTICITY`: priced at 0, an
         unexplored model drafter looked as cheap as prompt lookup (docs/lbss.md#draft-size-elasticity)."""
         costs = self.costs
@@ -115,14 +116,15 @@ class Pricing(LBSSState):
         return self.by_size(
             drafter,
             lambda e: costs.draft_seconds(e, forwards, row_tokens),
-            lambda e: costs.draft[e].count,
+            costs.draft_evidence,
             DRAFT_SIZE_ELASTICITY,
         )
 
     def by_size(self, drafter: int, measured, weight, elasticity: float) -> float:
         """A cost of `drafter` not measured yet: `measured(e)` of the drafter e with parameters whose
-        cost has the most `weight(e)`, times (parameters of `drafter` / of e) ^ `elasticity`;
-        0 for a drafter without parameters or before any is measured."""
+        cost has the most evidence `weight(e)` (`CostModel.draft_evidence`, `catch_up_evidence`),
+        times (parameters of `drafter` / of e) ^ `elasticity`; 0 for a drafter without parameters or
+        before any is measured."""
         size = self.drafters[drafter].num_parameters
         if not size:
             return 0.0
