@@ -5,6 +5,7 @@ shapes: a Qwen2.5-1.5B target and a Qwen2.5-0.5B drafter).
     python benchmarks/gpu_check.py --out DIR              # the full check on CUDA
     python benchmarks/gpu_check.py --cpu-smoke --out DIR  # reduced: tiny shapes, interpreted kernel
     python benchmarks/gpu_check.py --cpu-host-bound --out DIR  # end to end where the host bounds a step, on CPU
+    python benchmarks/gpu_check.py --sections environment compiled --out DIR  # the static cache compiled
 
 Sections, each written to DIR/gpu_check.json as soon as it ends (a run cut short keeps what it did):
 
@@ -22,6 +23,10 @@ Sections, each written to DIR/gpu_check.json as soon as it ends (a run cut short
    (`hf_spin.host_syncs`: CUDA's sync debug mode; on CPU the instrumented count).
 6. kernel_timing: the kernel against padded SDPA and `torch.nn.attention.varlen.varlen_attn` (where the
    installed torch has it) on ragged verification batches of 1-32 rows, 256-4096 keys.
+7. compiled (its own call, not in the default run: `--sections environment compiled`): the static
+   cache's compiled verification (`cache="static", compile=True`) beside hf_spin eager, plain `generate`
+   and `generate(cache_implementation="static")` compiled by transformers, at the 1.5B and a 7B shape;
+   ms per token, warm-up seconds, recompilations, syncs per step, and the issue's goals PASS/FAIL/NA.
 
 docs/benchmarks.md says how to read it; tests/test_gpu_check.py runs the CPU smoke.
 """
@@ -46,12 +51,13 @@ if "--cpu-smoke" in sys.argv:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
+from transformers import AutoModelForCausalLM, CompileConfig, Qwen2Config  # noqa: E402
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_spin  # noqa: E402
+from hf_spin.cache.static_forward import StaticOptions  # noqa: E402
 from hf_spin.drafters import Draft, Drafter, DraftRequest  # noqa: E402
 from hf_spin.host_syncs import count_syncs  # noqa: E402
 from hf_spin.kernels import pack_tree_masks, varlen_attention, varlen_attention_ref  # noqa: E402
@@ -78,6 +84,14 @@ QWEN_0_5B = dict(
     num_key_value_heads=2,
     vocab_size=151936,
 )
+QWEN_7B = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+)
 TINY_TARGET = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -94,6 +108,7 @@ TINY_DRAFTER = dict(
     num_key_value_heads=2,
     vocab_size=512,
 )
+TINY_7B = dict(TINY_TARGET, hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=2)
 # Deep and narrow: on one CPU thread its forward costs what dispatching its ops costs, as an eager
 # decode's costs its launches on a GPU (the 1.5B shape's 28 layers), so the host's work is the step.
 LAUNCH_BOUND = dict(TINY_TARGET, num_hidden_layers=28)
@@ -118,6 +133,12 @@ FULL = dict(
     split_context=3000,
     timing_rows=(1, 4, 16, 32),
     timing_keys=(256, 4096),
+    # the compiled section: targets in order (a 7B after the 1.5B, skipped where memory or time says no),
+    # batches in order of what the budget keeps (1 and 16 first: the two ends), alphas of the oracle
+    compiled_targets=(("1.5B", QWEN_1_5B), ("7B", QWEN_7B)),
+    compiled_batches=(1, 16, 4),
+    compiled_alphas=(0.0, 0.6, 0.8, 0.9),
+    compiled_first_guess_s=150,  # what the first (model, batch) is assumed to take: two compilations, the runs
     budget_s=450,
 )
 SMOKE = dict(
@@ -139,6 +160,10 @@ SMOKE = dict(
     split_context=300,
     timing_rows=(1, 2),
     timing_keys=(16, 64),
+    compiled_targets=(("1.5B", TINY_TARGET), ("7B", TINY_7B)),
+    compiled_batches=(1, 4),
+    compiled_alphas=(0.0, 0.6, 0.8, 0.9),
+    compiled_first_guess_s=10,
     budget_s=600,
 )
 HOST_BOUND = dict(
@@ -212,22 +237,26 @@ class Check:
         """The random-init target or drafter in `dtype` (default: the run's exact dtype), made once."""
         dtype = dtype or self.cfg["dtype"]
         if (which, dtype) not in self.models:
-            shape = self.cfg[which]
-            config = Qwen2Config(
-                **shape,
-                max_position_embeddings=8192,
-                bos_token_id=None,
-                eos_token_id=None,
-                pad_token_id=0,
-                tie_word_embeddings=which == "drafter",
-            )
-            torch.manual_seed(0 if which == "target" else 1)
-            with self.device:
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-            model.generation_config.eos_token_id = None
-            model.generation_config.pad_token_id = 0
-            self.models[which, dtype] = model
+            seed = 0 if which == "target" else 1
+            self.models[which, dtype] = self.build(self.cfg[which], dtype, seed, tied=which == "drafter")
         return self.models[which, dtype]
+
+    def build(self, shape: dict, dtype: torch.dtype, seed: int, tied: bool = False, device=None):
+        """A random-init Qwen2 of `shape` (on `device`, default the run's; "meta" to count parameters)."""
+        config = Qwen2Config(
+            **shape,
+            max_position_embeddings=8192,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=0,
+            tie_word_embeddings=tied,
+        )
+        torch.manual_seed(seed)
+        with torch.device(device or self.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+        return model
 
     def prompts(self, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded random prompts of ragged lengths: [B, L] ids and mask."""
@@ -676,6 +705,400 @@ def kernel_timing(check: Check) -> dict:
     }
 
 
+# --- 7. compiled: the static cache's compiled verification -----------------------------------------
+
+# The issue's goals for the compiled static layout, printed PASS / FAIL / NA beside the figures (never asserted)
+NEVER_SLOWER = 0.97  # alpha 0, the default pool (profile "auto"): x generate's static cache compiled, every batch
+CHAIN_ALPHA, CHAIN_SPEEDUP = 0.8, 2.0  # a chain of k = 4 at batch 1, x generate's static cache compiled
+DRAFT_COST = 0.4  # a 0.5B-shape draft token (rectangular cache) / the 1.5B's compiled plain step
+WARMUP_RATIO = 1.5  # hf_spin's compilation warm-up / transformers' static-cache warm-up
+# What every hf_spin run of the section records (tests/test_gpu_check.py checks them all)
+SPIN_FIELDS = (
+    "ms_per_token",
+    "tok_s",
+    "speedup_vs_static",
+    "speedup_vs_plain",
+    "accepted_per_step",
+    "theoretical_accepted_per_step",
+    "identical_rows",
+    "identical_rows_static",
+    "host_syncs_per_step",
+    "graphs_compiled",
+    "ms_per_step",
+)
+
+
+def unique_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (a recompilation adds one)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def cudagraph_skips() -> int:
+    """Compiled graphs inductor has run without CUDA graphs so far (mode "reduce-overhead"; its log says why)."""
+    return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+
+def compile_backend(check: Check) -> str:
+    """inductor on CUDA (CUDA graphs); on CPU dynamo alone ("eager": no graph break and no recompilation
+    are checked the same, without code generation, so the smoke takes seconds)."""
+    return "inductor" if check.device.type == "cuda" else "eager"
+
+
+def static_generate(check: Check, model, ids, mask, tokens: int) -> torch.Tensor:
+    """Plain greedy `generate` on transformers' static cache, its decoding forward compiled by transformers:
+    on CUDA its default (inductor, "reduce-overhead"); on CPU, where it compiles only when told, the eager
+    backend."""
+    kwargs = {}
+    if check.device.type != "cuda":
+        kwargs["compile_config"] = CompileConfig(backend="eager", mode=None)
+        kwargs["compile_config"]._compile_all_devices = True
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=tokens,
+        do_sample=False,
+        cache_implementation="static",
+        **kwargs,
+    )
+
+
+def static_spin(check: Check, model, ids, mask, tokens: int, drafter, static: bool, profile: str, compile=True):
+    """hf_spin's greedy generate, chains of k: on the static layout compiled (k + 1 query slots from the
+    first verification on, so one graph serves the run; compile=False: the same forward eager), or eager
+    on the rectangular cache."""
+    k = check.cfg["k"]
+    options = StaticOptions(compile, backend=compile_backend(check), query_slots=k + 1)
+    layout = dict(cache="static", compile=options) if static else dict(cache="rectangular")
+    pool = hf_spin.AssistantPool(
+        [drafter], draft_length=FixedLength(k, min_confidence=0.0), profile=profile, tree=False, **layout
+    )
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=tokens,
+        do_sample=False,
+        custom_generate=hf_spin.generate,
+        assistant_pool=pool,
+    )
+    return out, pool.last_stats
+
+
+def compiled_target(check: Check, shape: dict):
+    """(the target of `shape`, None) or (None, why not): the run's own target where the shapes agree, else
+    built here where the GPU's free memory holds its weights with room for the caches and graphs."""
+    dtype = check.cfg["dtype"]
+    if shape == check.cfg["target"]:
+        return check.model("target", dtype), None
+    if check.device.type == "cuda":
+        meta = check.build(shape, dtype, seed=2, device="meta")
+        need = sum(p.numel() for p in meta.parameters()) * dtype.itemsize
+        free = torch.cuda.mem_get_info(check.device)[0]
+        if free < 1.2 * need + 4 * 2**30:
+            return None, f"memory: {need / 2**30:.1f} GiB of weights in {dtype}, {free / 2**30:.1f} GiB free"
+    try:
+        return check.build(shape, dtype, seed=2), None
+    except torch.OutOfMemoryError as e:
+        return None, f"memory: {e}"[:300]
+
+
+def config_estimate(check: Check, took: dict, label: str, batch: int) -> float:
+    """Seconds a (model, batch) should take: the longest of this model's so far; for a later model with
+    none yet, twice the first model's at this batch (larger weights, the same two compilations); else
+    the configured guess."""
+    mine = [s for (m, _), s in took.items() if m == label]
+    same_batch = [s for (_, b), s in took.items() if b == batch]
+    if mine:
+        return max(mine)
+    if same_batch or took:
+        return 2 * max(same_batch or took.values())
+    return check.cfg["compiled_first_guess_s"]
+
+
+def compiled(check: Check) -> dict:
+    """The static layout's compiled verification against compiled plain decoding, side by side on the
+    same prompts: `generate` (dynamic cache, eager; its static cache compiled by transformers), hf_spin
+    eager (rectangular cache) and compiled (`cache="static", compile=True`) with the oracle drafter at
+    each alpha (alpha 0 with the default profile too: never slower), and a 0.5B-shape model drafter's
+    cost. Per (model, batch), in order, while the budget lasts; the JSON is rewritten after each."""
+    cfg = check.cfg
+    report = {
+        "dtype": str(cfg["dtype"]).removeprefix("torch."),
+        "k": cfg["k"],
+        "tokens": cfg["e2e_tokens"],
+        "backend": compile_backend(check),
+        "trees": "not measured: the static layout verifies chains only for now (tree=N is refused there)",
+        "configs": [],
+        "runs": [],
+    }
+    check.report["compiled"] = report  # saved after each (model, batch): a run cut short keeps what it did
+    print(f"  compiled: chains of k = {cfg['k']}, {report['dtype']}, backend {report['backend']}; {report['trees']}")
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 64  # a graph per (model, batch) and method: counted, not refused
+    start, start_skips, took = unique_graphs(), cudagraph_skips(), {}
+    try:
+        for label, shape in cfg["compiled_targets"]:
+            model, later, refused = None, [], None  # refused: why the model could not be built
+            for batch in cfg["compiled_batches"]:
+                where = {"model": label, "batch": batch}
+                need = config_estimate(check, took, label, batch)
+                why = refused
+                if why is None and check.left() < need:
+                    why = f"time budget: ~{need:.0f} s needed, {check.left():.0f} s left"
+                elif why is None and model is None:
+                    model, refused = compiled_target(check, shape)
+                    why = refused
+                if why:
+                    report["configs"].append({**where, "skipped": why})
+                    print(f"  compiled {label} b={batch}: skipped ({why})")
+                    continue
+                t = time.perf_counter()
+                eager = compiled_config(check, report, label, model, batch)
+                took[label, batch] = time.perf_counter() - t
+                report["configs"].append({**where, "seconds": round(took[label, batch], 1)})
+                later += [eager] if eager else []
+                check.save()
+            for eager in later:  # hf_spin eager after every batch's compiled runs: what the budget drops first
+                eager()
+                check.save()
+            later.clear()  # its runs hold the model: a model built here goes before the next one is
+            model = None
+            if check.device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+    report["graphs_compiled"] = unique_graphs() - start
+    report["cudagraph_skips"] = cudagraph_skips() - start_skips
+    report["goals"] = compiled_goals(report)
+    return report
+
+
+def compiled_config(check: Check, report: dict, label: str, model, batch: int):
+    """One (model, batch), each run appended to report["runs"] as it ends: the two plain baselines (the
+    oracle proposes dynamic generate's greedy output), hf_spin compiled (its first call compiles: warm-up
+    = first call - steady call, as for transformers' static cache), the 0.5B-shape drafter (the 1.5B
+    only). Returns what runs hf_spin eager at this batch (called once every batch's compiled runs are
+    done), or None where the baselines did not fit."""
+    cfg, runs = check.cfg, report["runs"]
+    tokens, k, budget = cfg["e2e_tokens"], cfg["k"], cfg["budget_s"]
+    ids, mask = check.prompts(batch, seed=300 + batch)
+    vocab = model.config.vocab_size
+    where = {"model": label, "batch": batch}
+
+    def record(r: dict) -> None:
+        runs.append(r)
+        head = f"  compiled {label:>4} b={batch:<2} {r['method']:<16}"
+        if "skipped" in r or "error" in r:
+            print(f"{head} {r.get('skipped') or 'ERROR ' + r['error']}")
+            return
+        warm = f", warm-up {r['warmup_s']:.1f} s" if "warmup_s" in r else ""
+        if r.get("first_call_cudagraph_skips"):
+            warm += f" ({r['first_call_cudagraph_skips']} graphs without CUDA graphs: see the log)"
+        spin = ""
+        if r["method"].startswith("hf_spin"):
+            theory = r["theoretical_accepted_per_step"]
+            spin = (
+                f" {r['drafter']:<10}"
+                + (f" alpha={r['alpha']:.1f} profile {r['profile']:<4}" if r["alpha"] is not None else "")
+                + f": accepted/step {r['accepted_per_step']:.2f}"
+                + (f" (theory {theory:.2f})" if theory is not None else "")
+                + f", syncs/step {r['host_syncs_per_step']:.1f}, identical {r['identical_rows']}/{batch} "
+                f"({r['identical_rows_static']}/{batch} vs static),"
+            )
+        draft = f", draft token {r['draft_ms_per_token']:.2f} ms" if "draft_ms_per_token" in r else ""
+        print(
+            f"{head}{spin} {r['ms_per_token']:.2f} ms/token, {r['speedup_vs_static']:.2f}x static generate, "
+            f"graphs {r['graphs_compiled']}{warm}{draft}"
+        )
+
+    # generate, dynamic cache, eager: the reference
+    plain_fn = lambda: generate_plain(model, ids, mask, tokens)  # noqa: E731
+    generate_plain(model, ids, mask, 4)  # warm-up
+    g = unique_graphs()
+    out, plain_s = timed(check, plain_fn)
+    refs = references(out, mask)
+    plain_row = {**where, "method": "generate", "ms_per_token": 1e3 * plain_s / tokens}
+    plain_row.update(tok_s=batch * tokens / plain_s, graphs_compiled=unique_graphs() - g)
+    # generate, static cache compiled by transformers: its first call compiles
+    warmups = [r["warmup_s"] for r in runs if "warmup_s" in r]
+    reserve = max(warmups[-1] if warmups else cfg["compiled_first_guess_s"] / 3, 0.03 * budget)
+    if check.left() < reserve:
+        for method in ("generate", "generate_static"):
+            record({**where, "method": method, "skipped": "time budget"})
+        return None
+    g, skips = unique_graphs(), cudagraph_skips()
+    first_s, static_out = wall(check, lambda: static_generate(check, model, ids, mask, tokens))
+    first_graphs, first_skips = unique_graphs() - g, cudagraph_skips() - skips
+    g = unique_graphs()
+    static_out, static_s = timed(check, lambda: static_generate(check, model, ids, mask, tokens))
+    static_refs = references(static_out, mask)
+    plain_row["speedup_vs_static"] = static_s / plain_s
+    record(plain_row)
+    record(
+        {
+            **where,
+            "method": "generate_static",
+            "ms_per_token": 1e3 * static_s / tokens,
+            "tok_s": batch * tokens / static_s,
+            "speedup_vs_static": 1.0,
+            "identical_rows": sum(a == b for a, b in zip(refs, static_refs)),
+            "first_call_s": first_s,
+            "warmup_s": first_s - static_s,
+            "first_call_graphs": first_graphs,
+            "first_call_cudagraph_skips": first_skips,
+            "graphs_compiled": unique_graphs() - g,
+        }
+    )
+
+    def spin_run(compiled: bool, alpha: float | None, profile: str, first: bool = False, warm: bool = False):
+        """One hf_spin run: timed; before it a first call where it compiles (first) or measures its cost
+        profile (warm); after it the same run again under `count_syncs`. alpha None: the model drafter."""
+        method = "hf_spin_compiled" if compiled else "hf_spin_eager"
+        r = {**where, "method": method, "alpha": alpha, "profile": profile}
+        r["drafter"] = "oracle" if alpha is not None else "0.5B model"
+        if check.left() < (reserve if first else 0.03 * budget):
+            return record({**r, "skipped": "time budget"})
+
+        def run(n: int = tokens, compile: bool = True):  # a fresh oracle: every call drafts the same
+            drafter = Oracle(refs, alpha, vocab, seed=batch) if alpha is not None else check.model("drafter")
+            return static_spin(check, model, ids, mask, n, drafter, compiled, profile, compile=compile)
+
+        try:
+            if first or warm:  # eager: the profile's measurement alone, over 4 tokens
+                g, skips = unique_graphs(), cudagraph_skips()
+                first_s, _ = wall(check, run if compiled else lambda: run(4))
+                first_graphs, first_skips = unique_graphs() - g, cudagraph_skips() - skips
+            g = unique_graphs()
+            (out, stats), s = timed(check, run)
+            # the run again, counted (eager: over fewer tokens; compiled: the same, a shorter run could need
+            # another capacity, another graph); on CPU the instrumented count's dispatch modes and dynamo do
+            # not mix: there the static layout's forward runs eagerly (the host's side of a step is the same)
+            eager_count = compiled and check.device.type != "cuda"
+            r["sync_tokens"] = tokens if compiled else cfg["identity_tokens"]
+            with count_syncs() as counter:
+                run(r["sync_tokens"], compile=not eager_count)
+            graphs = unique_graphs() - g
+        except Exception as e:
+            return record({**r, "error": f"{type(e).__name__}: {e}"[:600], "trace": traceback.format_exc()[-1500:]})
+        steps = max(stats.steps, 1)
+        counts = DrafterStats.total(stats.drafters.values())
+        other_s = stats.wall_seconds - stats.prefill_seconds - stats.verify_seconds - counts.draft_seconds
+        got = references(out, mask)
+        r.update(
+            ms_per_token=1e3 * s / tokens,
+            tok_s=batch * tokens / s,
+            speedup_vs_static=static_s / s,
+            speedup_vs_plain=plain_s / s,
+            accepted_per_step=stats.mean_accepted_length - 1,
+            theoretical_accepted_per_step=theoretical_accepted(alpha, k) if alpha is not None else None,
+            steps=stats.steps,
+            identical_rows=sum(a == b for a, b in zip(refs, got)),
+            identical_rows_static=sum(a == b for a, b in zip(static_refs, got)),
+            host_syncs_per_step=counter.per_step(),
+            sync_mode=counter.mode + (", static layout eager" if eager_count else ""),
+            graphs_compiled=graphs,
+            ms_per_step={
+                "draft": 1e3 * counts.draft_seconds / steps,
+                "verify": 1e3 * stats.verify_seconds / steps,
+                "other": 1e3 * other_s / steps,
+            },
+        )
+        if first:
+            r.update(first_call_s=first_s, warmup_s=first_s - s, first_call_graphs=first_graphs)
+            r["first_call_cudagraph_skips"] = first_skips
+        if alpha is None:  # per draft token of a row (a batched forward), against the compiled plain step
+            r["draft_ms_per_token"] = 1e3 * counts.draft_seconds * batch / max(counts.drafted, 1)
+            r["draft_token_vs_static_step"] = r["draft_ms_per_token"] / (1e3 * static_s / tokens)
+        record(r)
+
+    alphas = cfg["compiled_alphas"]
+    variants = [(0.0, "off"), (0.0, "auto")] + [(a, "off") for a in alphas if a]
+    for i, (alpha, profile) in enumerate(variants):
+        spin_run(True, alpha, profile, first=i == 0, warm=profile == "auto")
+    if model is check.models.get(("target", cfg["dtype"])):  # the drafter shares the 1.5B's vocabulary
+        spin_run(True, None, "off")
+    return lambda: [spin_run(False, alpha, profile, warm=profile == "auto") for alpha, profile in variants]
+
+
+def generate_plain(model, ids, mask, tokens: int) -> torch.Tensor:
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False)
+
+
+def wall(check: Check, fn) -> tuple[float, object]:
+    """(fn's wall seconds, its output): one call, the device synchronised around it."""
+    check.sync()
+    t = time.perf_counter()
+    out = fn()
+    check.sync()
+    return time.perf_counter() - t, out
+
+
+def compiled_goals(report: dict) -> dict:
+    """The issue's goals from the section's runs: PASS where every measured case meets it, FAIL where one
+    does not, NA where none was measured; each with its values."""
+    runs = [r for r in report["runs"] if "skipped" not in r and "error" not in r]
+
+    def pick(**kw):
+        return [r for r in runs if all(r.get(key) == v for key, v in kw.items())]
+
+    def goal(text: str, values: dict, ok) -> dict:
+        verdict = "NA" if not values else "PASS" if all(ok(v) for v in values.values()) else "FAIL"
+        return {"goal": text, "verdict": verdict, "values": values}
+
+    def at(r):
+        return f"{r['model']} b={r['batch']}"
+
+    static_warmup = {at(r): r["warmup_s"] for r in pick(method="generate_static")}
+    goals = {
+        "never_slower": goal(
+            f"alpha 0, default pool (profile auto), compiled: >= {NEVER_SLOWER}x static-cache generate, every batch",
+            {at(r): r["speedup_vs_static"] for r in pick(method="hf_spin_compiled", alpha=0.0, profile="auto")},
+            lambda v: v >= NEVER_SLOWER,
+        ),
+        "chain_speedup": goal(
+            f"alpha {CHAIN_ALPHA}, chain of {report['k']}, batch 1, compiled: "
+            f">= {CHAIN_SPEEDUP}x static-cache generate",
+            {
+                at(r): r["speedup_vs_static"]
+                for r in pick(method="hf_spin_compiled", alpha=CHAIN_ALPHA, profile="off", batch=1)
+            },
+            lambda v: v >= CHAIN_SPEEDUP,
+        ),
+        "draft_cost": goal(
+            f"a 0.5B-shape draft token <= {DRAFT_COST} of the 1.5B's compiled plain step",
+            {at(r): r["draft_token_vs_static_step"] for r in pick(drafter="0.5B model")},
+            lambda v: v <= DRAFT_COST,
+        ),
+        "no_recompilation": goal(
+            "no graph compiled by a run after its warm-up (timed and sync-counted runs)",
+            {f"{at(r)} {run_name(r)}": r["graphs_compiled"] for r in runs},
+            lambda v: v == 0,
+        ),
+        "warmup": goal(
+            f"hf_spin compiled warm-up <= {WARMUP_RATIO}x transformers' static-cache warm-up",
+            {
+                at(r): r["warmup_s"] / max(static_warmup[at(r)], 1e-9)
+                for r in pick(method="hf_spin_compiled")
+                if "warmup_s" in r and at(r) in static_warmup
+            },
+            lambda v: v <= WARMUP_RATIO,
+        ),
+    }
+    for name, g in goals.items():
+        shown = g["values"]
+        if name == "no_recompilation":  # one value a run: those that compiled, if any
+            shown = {key: v for key, v in shown.items() if v} or {f"{len(shown)} runs": 0}
+        values = ", ".join(f"{key} {v:.2f}" if isinstance(v, float) else f"{key} {v}" for key, v in shown.items())
+        print(f"  goal {name}: {g['verdict']} ({g['goal']}) {values}")
+    return goals
+
+
+def run_name(r: dict) -> str:
+    """A compiled-section run's method, with its drafter, alpha and profile where it is hf_spin's."""
+    if not r["method"].startswith("hf_spin"):
+        return r["method"]
+    return f"{r['method']} {r['drafter']}" + (f" alpha {r['alpha']} {r['profile']}" if r["alpha"] is not None else "")
+
+
 SECTIONS = {
     "environment": environment,
     "kernel": kernel,
@@ -683,7 +1106,9 @@ SECTIONS = {
     "end_to_end": end_to_end,
     "syncs": syncs,
     "kernel_timing": kernel_timing,
+    "compiled": compiled,
 }
+DEFAULT_SECTIONS = [name for name in SECTIONS if name != "compiled"]  # compiled: its own call (minutes of compiling)
 
 
 def main(argv=None) -> int:
@@ -700,7 +1125,9 @@ def main(argv=None) -> int:
         help="environment and end to end on CPU, one thread, a 28-layer model of width 64: steps bound by the host's "
         "work, as on a GPU",
     )
-    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS))
+    parser.add_argument(
+        "--sections", nargs="+", choices=list(SECTIONS), help="default: every section but compiled (its own call)"
+    )
     parser.add_argument(
         "--budget-s",
         type=float,
@@ -711,7 +1138,7 @@ def main(argv=None) -> int:
         parser.error("no CUDA device: run with --cpu-smoke or --cpu-host-bound on a machine without a GPU")
     if args.cpu_host_bound:
         torch.set_num_threads(1)
-    args.sections = args.sections or (["environment", "end_to_end"] if args.cpu_host_bound else list(SECTIONS))
+    args.sections = args.sections or (["environment", "end_to_end"] if args.cpu_host_bound else DEFAULT_SECTIONS)
     check = Check(args.cpu_smoke, args.out, args.sections, host_bound=args.cpu_host_bound)
     if args.budget_s:
         check.cfg = {**check.cfg, "budget_s": args.budget_s}

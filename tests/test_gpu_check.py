@@ -89,3 +89,78 @@ def test_host_bound_mode_runs_the_launch_bound_stand_in_on_one_thread(tmp_path, 
     finally:
         torch.set_num_threads(threads)
         sys.path.remove(str(ROOT / "benchmarks"))
+
+
+@pytest.fixture(scope="module")
+def compiled_report(tmp_path_factory) -> dict:
+    """The compiled section alone on CPU: tiny shapes, dynamo with the eager backend (no code generation)
+    for hf_spin's static layout and transformers' static cache; ~20 s on one thread (tiny models: two threads
+    on a shared CPU are ~10x slower, conftest.one_thread)."""
+    out = tmp_path_factory.mktemp("gpu_check_compiled")
+    env = {**os.environ, "HF_SPIN_PROFILES": str(out / "profiles"), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--sections", "compiled", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads((out / "gpu_check.json").read_text())["compiled"]
+
+
+SPIN_FIELDS = (
+    "ms_per_token",
+    "tok_s",
+    "speedup_vs_static",
+    "speedup_vs_plain",
+    "accepted_per_step",
+    "identical_rows",
+    "identical_rows_static",
+    "host_syncs_per_step",
+    "graphs_compiled",
+    "ms_per_step",
+    "steps",
+)
+
+
+def test_compiled_section_runs_every_method_and_records_every_field(compiled_report):
+    report = compiled_report
+    assert "error" not in report and report["backend"] == "eager" and "chains only" in report["trees"]
+    assert [(c["model"], c["batch"]) for c in report["configs"] if "seconds" in c] == [
+        (m, b) for m in ("1.5B", "7B") for b in (1, 4)
+    ]
+    runs = report["runs"]
+    assert not [r for r in runs if "skipped" in r or "error" in r]
+    for model, batch in ((m, b) for m in ("1.5B", "7B") for b in (1, 4)):
+        mine = [r for r in runs if (r["model"], r["batch"]) == (model, batch)]
+        spin = {
+            (r["method"], r["drafter"], r["alpha"], r["profile"]) for r in mine if r["method"].startswith("hf_spin")
+        }
+        variants = [(0.0, "off"), (0.0, "auto"), (0.6, "off"), (0.8, "off"), (0.9, "off")]
+        expected = {(m, "oracle", a, p) for m in ("hf_spin_compiled", "hf_spin_eager") for a, p in variants}
+        if model == "1.5B":  # the 0.5B-shape drafter against the 1.5B's compiled plain step
+            expected.add(("hf_spin_compiled", "0.5B model", None, "off"))
+        assert spin == expected
+        assert {r["method"] for r in mine} == {"generate", "generate_static", "hf_spin_compiled", "hf_spin_eager"}
+        static = next(r for r in mine if r["method"] == "generate_static")
+        assert static["first_call_graphs"] >= 1 and "warmup_s" in static  # transformers compiled it
+        first = next(r for r in mine if r["method"] == "hf_spin_compiled")
+        assert first["first_call_graphs"] >= 1 and "warmup_s" in first  # so did hf_spin, in its first call
+    for r in runs:
+        assert r["graphs_compiled"] == 0 and isinstance(r["ms_per_token"], float), r  # no recompilation
+        assert isinstance(r["speedup_vs_static"], float), r
+    for r in (r for r in runs if r["method"].startswith("hf_spin")):
+        assert all(r[field] is not None for field in SPIN_FIELDS), r
+        assert r["identical_rows"] == r["identical_rows_static"] == r["batch"], r  # float32: exact
+        assert 0 < r["host_syncs_per_step"] <= report["k"] + 2, r
+        if r["drafter"] == "0.5B model":
+            assert r["draft_ms_per_token"] > 0 and r["draft_token_vs_static_step"] > 0
+        elif r["profile"] == "off":
+            assert r["theoretical_accepted_per_step"] is not None
+            assert (r["accepted_per_step"] == 0) if r["alpha"] == 0 else (r["accepted_per_step"] > 0), r
+    goals = report["goals"]
+    assert set(goals) == {"never_slower", "chain_speedup", "draft_cost", "no_recompilation", "warmup"}
+    assert all(g["verdict"] in ("PASS", "FAIL") and g["values"] for g in goals.values()), goals
+    assert goals["no_recompilation"]["verdict"] == "PASS" and report["graphs_compiled"] >= 8
