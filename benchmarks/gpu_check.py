@@ -712,20 +712,6 @@ NEVER_SLOWER = 0.97  # alpha 0, the default pool (profile "auto"): x generate's 
 CHAIN_ALPHA, CHAIN_SPEEDUP = 0.8, 2.0  # a chain of k = 4 at batch 1, x generate's static cache compiled
 DRAFT_COST = 0.4  # a 0.5B-shape draft token (rectangular cache) / the 1.5B's compiled plain step
 WARMUP_RATIO = 1.5  # hf_spin's compilation warm-up / transformers' static-cache warm-up
-# What every hf_spin run of the section records (tests/test_gpu_check.py checks them all)
-SPIN_FIELDS = (
-    "ms_per_token",
-    "tok_s",
-    "speedup_vs_static",
-    "speedup_vs_plain",
-    "accepted_per_step",
-    "theoretical_accepted_per_step",
-    "identical_rows",
-    "identical_rows_static",
-    "host_syncs_per_step",
-    "graphs_compiled",
-    "ms_per_step",
-)
 
 
 def unique_graphs() -> int:
