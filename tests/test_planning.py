@@ -363,10 +363,10 @@ def test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay():
     # batch 1, acceptance 0.6: a pool still learning the drafter probes it on a new prompt (what it
     # learns serves later requests); one that knows it (10 observations) only where nothing is to read
     for pooled, probes in (([0.0, 0.0], True), ([6.0, 4.0], False)):
-        planner = Planner(profile_of(target, [drafter], ["drafter"]))
-        planner.acceptance.pooled[0] = pooled
-        assert (planner.size([0], [{0: 52}], [31], [(0,)], [8], padded=True)[0] > 0) == probes
-        assert planner.size([0], [{0: 1}], [31], [(0,)], [8], padded=True)[0] > 0
+        for lag, drafts in ((52, probes), (1, True)):
+            planner = Planner(profile_of(target, [drafter], ["drafter"]))
+            planner.acceptance.pooled[0] = list(pooled)
+            assert (planner.size([0], [{0: lag}], [31], [(0,)], [8], padded=True)[0] > 0) == drafts, (pooled, lag)
 
 
 def test_trees_are_sized_node_by_node_by_estimated_acceptance():

@@ -28,12 +28,11 @@ def cpu() -> dict:
 
 
 def kernels() -> str:
-    """The vector ISA PyTorch's CPU kernels dispatch to, and oneDNN's cap where one is set: less than
-    the CPU has when `ATEN_CPU_CAPABILITY` / `ONEDNN_MAX_CPU_ISA` say so (how an AVX2-only machine's
-    costs are reproduced on a newer one)."""
-    kind = f"torch {torch.backends.cpu.get_cpu_capability()}"
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
-    return f"{kind}, oneDNN {cap}" if cap else kind
+    """The vector ISA PyTorch's CPU kernels dispatch to, and oneDNN's and MKL's caps where set: less than
+    the CPU has when `ATEN_CPU_CAPABILITY` / `ONEDNN_MAX_CPU_ISA` / `MKL_ENABLE_INSTRUCTIONS` say so (how an
+    AVX2-only machine's costs are reproduced on a newer one: float32 matmuls run in MKL, bf16 ones in oneDNN)."""
+    caps = [("oneDNN", os.environ.get("ONEDNN_MAX_CPU_ISA")), ("MKL", os.environ.get("MKL_ENABLE_INSTRUCTIONS"))]
+    return ", ".join([f"torch {torch.backends.cpu.get_cpu_capability()}"] + [f"{n} {c}" for n, c in caps if c])
 
 
 def describe(device: torch.device | str = "cpu") -> str:

@@ -37,6 +37,8 @@ from collections.abc import Callable
 
 from .cost_profile import CostProfile
 from .estimates import acceptance_with_prior
+from .exploration import ExplorationBudget
+from .journal import StepJournal
 from .plan import StepFeedback
 
 # Acceptance assumed before any evidence (typical of small same-family drafters and of prompt lookup
@@ -54,6 +56,10 @@ SURVIVAL_DECAY = 0.98
 # requests have), so every new request tries a drafter that might pay on it, and one that has shown
 # what it does on the request is judged at about its mean.
 OPTIMISM = 1.0
+# The prior read where a plan must be what the estimates expect to pay (`Planner._explore`): none, the
+# evidence alone (its mean); drafting beyond that plan is a probe, bought from the exploration budget
+# (exploration.py).
+EVIDENCE_ONLY = (0.0, 0.0)
 # Decayed observations of a drafter from which the pool knows it: below, optimism may buy a row's
 # catch-up (the pool is exploring the drafter, and what it learns serves every later request);
 # from there on, a catch-up is paid only where the row's mean acceptance repays it (`Planner.size`).
@@ -125,15 +131,27 @@ class Acceptance:
         return sum(self.pooled[drafter])
 
     def conditional(
-        self, drafter: int, row: int, position: int, match: int | None = None, optimism: float = 0.0
+        self,
+        drafter: int,
+        row: int,
+        position: int,
+        match: int | None = None,
+        optimism: float = 0.0,
+        prior: tuple[float, float] = (PRIOR_ACCEPTANCE, PRIOR_WEIGHT),
     ) -> float:
-        """P(position accepted | positions before it accepted) on request `row`, `optimism` posterior sds up."""
-        above, prior = self.pooled[drafter], (PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
+        """P(position accepted | positions before it accepted) on request `row`, `optimism` posterior sds up;
+        `prior`: (acceptance, pseudo-observations) assumed before evidence (`EVIDENCE_ONLY`: none)."""
+        above = self.pooled[drafter]
+        if sum(above) + prior[1] == 0:
+            return 0.0  # no evidence and no prior: nothing is expected
         pooled = mean = acceptance_with_prior(*above, *prior)
+        if pooled == 0:
+            return 0.0
         for m in (None, self.bucket(match)) if match is not None else (None,):
             a, r = self.counts.get((drafter, m, position), (0.0, 0.0))
             # the level's prior: the level above without this level's own counts (else counted twice)
-            prior = (acceptance_with_prior(max(above[0] - a, 0.0), max(above[1] - r, 0.0), *prior), LEVEL_WEIGHT)
+            rest = (max(above[0] - a, 0.0), max(above[1] - r, 0.0))
+            prior = (acceptance_with_prior(*rest, *prior) if sum(rest) + prior[1] > 0 else mean, LEVEL_WEIGHT)
             mean, above = acceptance_with_prior(a, r, *prior), (a, r)
         a, r = self.rows.get((drafter, row), (0.0, 0.0))
         share = (a + r) / max(self.evidence(drafter), a + r, 1e-9)  # of the pool's evidence, the request's own
@@ -142,11 +160,19 @@ class Acceptance:
             mean += optimism * math.sqrt(mean * (1 - mean) / (a + r + LEVEL_WEIGHT + 1))
         return min(max(mean, 0.0), 0.999)
 
-    def survival(self, drafter: int, row: int, k: int, match: int | None = None, optimism: float = 0.0) -> list[float]:
+    def survival(
+        self,
+        drafter: int,
+        row: int,
+        k: int,
+        match: int | None = None,
+        optimism: float = 0.0,
+        prior: tuple[float, float] = (PRIOR_ACCEPTANCE, PRIOR_WEIGHT),
+    ) -> list[float]:
         """[k] S(i): the probability that a draft for request `row` survives to position i (1..k)."""
         out, s = [], 1.0
         for i in range(1, k + 1):
-            s *= self.conditional(drafter, row, i, match, optimism)
+            s *= self.conditional(drafter, row, i, match, optimism, prior)
             out.append(s)
         return out
 
@@ -162,6 +188,8 @@ class Planner:
         self.steps = 0
         self.drafted_last: set[int] = set()  # drafters that drafted in the last step learned from
         self.lock = threading.Lock()  # a pipeline sizes one micro-batch while another's step is learned from
+        self.budget = ExplorationBudget(profile.plain_seconds(1))  # what probes may lose (exploration.py)
+        self.journal = StepJournal.from_env()  # the step log, where $HF_SPIN_STEP_LOG names one (journal.py)
         self.judge()
 
     @property
@@ -178,11 +206,19 @@ class Planner:
             warnings.warn(f"hf_spin: {self.profile.outlook()}. Decoding plainly.", stacklevel=2)
 
     def _curve(
-        self, row: int, drafters: tuple[int, ...], k: int, match: dict[int, int] | None, optimism: float
+        self,
+        row: int,
+        drafters: tuple[int, ...],
+        k: int,
+        match: dict[int, int] | None,
+        optimism: float,
+        prior: tuple[float, float] = (PRIOR_ACCEPTANCE, PRIOR_WEIGHT),
     ) -> list[float]:
         """[k] survival of request `row` drafted by `drafters` (several: the best of them at each position)."""
         curves = [
-            self.acceptance.survival(d, row, k, (match or {}).get(d), optimism) for d in drafters if self.paying[d]
+            self.acceptance.survival(d, row, k, (match or {}).get(d), optimism, prior)
+            for d in drafters
+            if self.paying[d]
         ]
         return [max(c[i] for c in curves) for i in range(k)] if curves else []
 
@@ -243,28 +279,106 @@ class Planner:
             spread = [
                 self._spread(s, room, c) for s, room, c in zip(seconds, rooms, curves)
             ]  # [B] the least a catch-up is charged
-            ks = self._best(curves, chosen, padded, spread)
-            if not any(ks) or not any(seconds):  # charging catch-ups in full could only cost more (or there are none)
-                return ks
-            means = [
-                self._curve(r, ds, k, None, 0.0) if c else [] for r, ds, k, c in zip(row_ids, chosen, caps, curves)
-            ]
-            # [B] whether the row's catch-up will be repaid: the pool is still exploring its drafters,
-            # or drafting for the row pays at its mean acceptance, the catch-up spread over its steps left
-            repaid = [
-                k > 0
-                for k in self._best(
-                    means, chosen, padded, [self._spread(s, room, m) for s, room, m in zip(seconds, rooms, means)]
-                )
-            ]
-            repaid = [
-                p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)
-            ]
-            # elsewhere a draft would be a probe on a request's optimism alone, which the steps after
-            # it may never repay (at batch 4 a plain step costs little more than at batch 1, four
-            # catch-ups four times one): it is charged in full
-            catch_up = [sp if p else s for s, sp, p in zip(seconds, spread, repaid)]
-            return ks if catch_up == spread else self._best(curves, chosen, padded, catch_up)
+            ks, catch_up = self._best(curves, chosen, padded, spread), spread
+            if any(ks) and any(seconds):  # charging catch-ups in full could only cost more (or there are none)
+                means = [
+                    self._curve(r, ds, k, None, 0.0) if c else [] for r, ds, k, c in zip(row_ids, chosen, caps, curves)
+                ]
+                # [B] whether the row's catch-up will be repaid: the pool is still exploring its drafters,
+                # or drafting for the row pays at its mean acceptance, the catch-up spread over its steps left
+                repaid = [
+                    k > 0
+                    for k in self._best(
+                        means, chosen, padded, [self._spread(s, room, m) for s, room, m in zip(seconds, rooms, means)]
+                    )
+                ]
+                repaid = [
+                    p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)
+                ]
+                # elsewhere a draft would be a probe on a request's optimism alone, which the steps after
+                # it may never repay (at batch 4 a plain step costs little more than at batch 1, four
+                # catch-ups four times one): it is charged in full
+                catch_up = [sp if p else s for s, sp, p in zip(seconds, spread, repaid)]
+                if catch_up != spread:
+                    ks = self._best(curves, chosen, padded, catch_up)
+            return self._explore(row_ids, caps, ks, chosen, padded, catch_up, seconds)
+
+    def _explore(
+        self,
+        row_ids: list[int],
+        caps: list[int],
+        ks: list[int],
+        chosen: list[tuple[int, ...]],
+        padded: bool,
+        catch_up: list[float],
+        full: list[float],
+    ) -> list[int]:
+        """[B] the optimistic sizes `ks` cut to what the exploration budget affords (exploration.py): the
+        plan the evidence alone pays for (no prior), and beyond it probes, shortest first.
+        catch_up: [B] seconds charged a step for each row's catch-up (`size`); full: [B] the whole of it."""
+        bounds = [
+            self._curve(r, ds, k, None, 0.0, EVIDENCE_ONLY) if ds and k > 0 else []
+            for r, ds, k in zip(row_ids, chosen, caps)
+        ]
+        exploit = self._best(bounds, chosen, padded, catch_up)  # [B]
+        # a failed probe wastes its row's catch-up, charged in full; but a drafter the pool has never seen
+        # is tried at the catch-up's spread cost (what its first probe learns serves every later request)
+        price = [
+            c if ds and all(self.acceptance.evidence(d) == 0 for d in ds) else f
+            for c, f, ds in zip(catch_up, full, chosen)
+        ]
+        sized, probe = self._probe(row_ids, exploit, ks, chosen, padded, price)
+        B = len(ks)
+        if self.journal is not None:
+            self.journal.note(
+                row_ids,
+                caps=list(caps),
+                optimistic=ks,
+                exploit=exploit,
+                sized=list(sized),
+                probe_seconds=probe,
+                budget_left=self.budget.left,
+                expected_seconds=self._seconds(sized, chosen, padded, catch_up),
+                plain_seconds=self.profile.plain_seconds(B),
+            )
+        return sized
+
+    def _probe(
+        self,
+        row_ids: list[int],
+        exploit: list[int],
+        wanted: list[int],
+        chosen: list[tuple[int, ...]],
+        padded: bool,
+        catch_up: list[float] | None,
+    ) -> tuple[list[int], float]:
+        """([B] sizes, seconds charged): `exploit` ([B], what the estimates expect to pay) and, beyond it
+        toward `wanted` ([B]), the longest probe the exploration budget affords (exploration.py)."""
+        base = self._seconds(exploit, chosen, padded, catch_up)
+        probes = []  # [(ks, seconds added to the exploit plan)]: one token beyond it, two, ... up to wanted
+        for extra in range(1, max((k - e for k, e in zip(wanted, exploit)), default=0) + 1):
+            trial = [max(e, min(k, e + extra)) for k, e in zip(wanted, exploit)]
+            probes.append((trial, self._seconds(trial, chosen, padded, catch_up) - base))
+        return self.budget.afford(row_ids, exploit, probes, self.profile.plain_seconds(len(wanted)))
+
+    def _seconds(
+        self, ks: list[int], chosen: list[tuple[int, ...]], padded: bool, catch_up: list[float] | None
+    ) -> float:
+        """Predicted seconds of a step drafting ks ([B]): its verify forward and, before drafting (catch_up
+        given: [B] seconds), each drafter's longest draft over the rows it serves and the catch-ups of the
+        rows that draft; as `_best` prices it."""
+        if catch_up is None:
+            catch_up, chosen = [0.0] * len(ks), [()] * len(ks)
+        B, longest, served = len(ks), {}, {}
+        for k, ds in zip(ks, chosen):
+            for d in ds if k > 0 else ():
+                longest[d], served[d] = max(longest.get(d, 0), k), served.get(d, 0) + 1
+        tokens = B * (1 + max(ks, default=0)) if padded else B + sum(ks)
+        return (
+            self.profile.verify_seconds(B, tokens)
+            + sum(self.profile.draft_seconds_for_rows(d, longest[d], served[d]) for d in longest)
+            + sum(c for c, k in zip(catch_up, ks) if k > 0)
+        )
 
     def _catch_up_seconds(self, lags: dict[int, int]) -> float:
         """Seconds a row's model drafters would spend catching up on the tokens they lack (the whole
@@ -306,16 +420,36 @@ class Planner:
                 else (self._curve(r, ds, len(d), m, 0.0) if d else [])
                 for r, d, ds, m, v in zip(row_ids, drafts, chosen, matches, values)
             ]
-            return self._best(curves, chosen, padded), values
+            keep = self._best(curves, chosen, padded)  # [B] what pays at the mean
+            # what the evidence alone pays for, or a probe bought before drafting; beyond that, a probe
+            bounds = [
+                (sorted(self._node_values(r, ds, t, m, EVIDENCE_ONLY), reverse=True) if any(v) else [])
+                if v is not None
+                else (self._curve(r, ds, len(d), m, 0.0, EVIDENCE_ONLY) if d else [])
+                for r, d, ds, t, m, v in zip(row_ids, drafts, chosen, trees, matches, values)
+            ]
+            floor = [max(e, p) for e, p in zip(self._best(bounds, chosen, padded), self.budget.bought(row_ids))]
+            if any(k > f for k, f in zip(keep, floor)):
+                keep, _ = self._probe(row_ids, floor, keep, chosen, padded, None)
+            if self.journal is not None:
+                self.journal.note(row_ids, drafts=[len(d) for d in drafts], kept=list(keep))
+            return keep, values
 
-    def _node_values(self, row: int, drafters: tuple[int, ...], tree, match: dict[int, int] | None) -> list[float]:
+    def _node_values(
+        self,
+        row: int,
+        drafters: tuple[int, ...],
+        tree,
+        match: dict[int, int] | None,
+        prior: tuple[float, float] = (PRIOR_ACCEPTANCE, PRIOR_WEIGHT),
+    ) -> list[float]:
         """[N] the probability that each node of a row's token tree is accepted: the survival S(d) of the
         drafters' draft at the node's depth d (what the heaviest path has shown), scaled by the node's
         weight over the heaviest weight at its depth (a sibling drafted as less likely is accepted less
         often). At most one child of a node is accepted, and only after the node: siblings' values
         are scaled down to add up to at most their parent's (1 for the root's children)."""
         depths = tree.depths()
-        chain = self._curve(row, drafters, max(depths, default=0), match, 0.0)  # [D]
+        chain = self._curve(row, drafters, max(depths, default=0), match, 0.0, prior)  # [D]
         if not chain:
             return [0.0] * len(tree)
         top: dict[int, float] = {}
@@ -361,6 +495,15 @@ class Planner:
                 for d, p in proposed.items():
                     match = feedback.match_lengths[b].get(d) if feedback.match_lengths else None
                     acceptance.observe(d, feedback.row_ids[b], p, matched.get(d, 0), committed, match)
+        self.budget.settle(feedback.row_ids, feedback.accepted, profile.plain_seconds(B))
+        if self.journal is not None:
+            self.journal.close(
+                feedback.row_ids,
+                verify_seconds=feedback.verify_seconds,
+                draft_seconds=feedback.draft_seconds,
+                verified=feedback.drafted,
+                accepted=feedback.accepted,
+            )
         self.steps += 1
         if self.steps % 64 == 0:  # the profile has been refined: judge the drafters again
             self.judge()

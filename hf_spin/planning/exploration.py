@@ -1,0 +1,79 @@
+"""Exploration within a budget: what the planner may spend on drafts its estimates do not expect to pay.
+
+Before drafting, the planner reads each request's survival one sd up (`planner.OPTIMISM`): a new
+request tries a drafter that might pay on it. Where verification is flat such a probe costs almost
+nothing; where it is not (a CPU without fast bf16 matmuls verifies 8 tokens at ~6 plain steps) an
+8-token probe at 0% acceptance costs 5 plain steps, and a pool probing every new request ran 0.94x
+plain decoding (docs/planning.md, "Exploration").
+
+What the estimates expect to pay is the plan at the mean read without the prior (`exploit`: the
+prior's guess of 0.6 is no expectation; a pool that has seen a drafter right 22 times in 25 expects
+about 0.8 of it). Drafting beyond it is a probe, priced at its worst case: the seconds it adds to
+the step (its tokens all rejected, its catch-up wasted). A probe is bought only where the budget
+covers that, and the budget is a share (`SHARE`) of the plain time of the tokens committed so far,
+at least one plain step (an advance: a fresh pool may probe its first request). The tokens a probe
+gets accepted beyond the exploit plan are refunded at plain decoding's price, so a probe that
+pays funds the next. A probe is as short as what it must learn: one token tells whether the
+drafter's guesses hold on the request; it grows only while each extra token adds at most `FREE`
+of a plain step (flat verification: a GPU, an AMX CPU, where long probes cost nothing). The same
+rule on every machine, read from its profile.
+"""
+
+from __future__ import annotations
+
+# The share of the plain time so far that probes may lose.
+SHARE = 0.02
+# A probe grows past one token only while each extra token adds at most this share of a plain step.
+FREE = 0.01
+
+
+class ExplorationBudget:
+    """Seconds the planner may still lose on probes, and what it has lost (charged at each probe's
+    worst case, refunded by what it got accepted)."""
+
+    def __init__(self, advance: float, share: float = SHARE):
+        self.share = share
+        self.advance = advance  # seconds: a plain step's, what probes may lose before SHARE of the plain time is more
+        self.plain_seconds = 0.0  # what plain decoding would have taken for the tokens committed so far
+        self.spent = 0.0  # probes' seconds, less their refunds
+        self.open: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}  # row ids -> (exploit ks, probed ks)
+
+    @property
+    def left(self) -> float:
+        return max(self.advance, self.share * self.plain_seconds) - self.spent
+
+    def afford(
+        self, row_ids: list[int], exploit: list[int], probes: list[tuple[list[int], float]], plain_step: float
+    ) -> tuple[list[int], float]:
+        """(ks, seconds charged): of `probes` ([(ks, seconds it adds to the exploit plan)], a token a row
+        beyond it, two, ...), the longest whose tokens past the first probe's add at most `FREE` of
+        `plain_step` each, if the budget covers it; the exploit plan (charged nothing) where not even the
+        first probe is covered."""
+        chosen = (exploit, 0.0)
+        for ks, seconds in probes:
+            extra = sum(ks) - sum(probes[0][0])
+            if seconds > self.left or seconds > probes[0][1] + FREE * plain_step * extra:
+                break
+            chosen = (ks, seconds)
+        if chosen[1] > 0:
+            self.spent += chosen[1]
+            before = self.open.get(tuple(row_ids), (exploit, exploit))  # bought before drafting, trimmed after
+            self.open[tuple(row_ids)] = (
+                [min(a, b) for a, b in zip(before[0], exploit)],
+                [max(a, b) for a, b in zip(before[1], chosen[0])],
+            )
+        return chosen
+
+    def bought(self, row_ids: list[int]) -> list[int]:
+        """[B] the sizes a probe bought for this step's rows (0 where none)."""
+        return self.open.get(tuple(row_ids), (None, [0] * len(row_ids)))[1]
+
+    def settle(self, row_ids: list[int], accepted: list[int], plain_step: float) -> None:
+        """A step of `len(row_ids)` rows accepted `accepted` ([B]) draft tokens: earn its share of the plain
+        time of what it committed, and refund a probe its tokens accepted beyond the exploit plan."""
+        B = len(row_ids)
+        self.plain_seconds += (sum(accepted) + B) / B * plain_step
+        exploit, probed = self.open.pop(tuple(row_ids), (None, None))
+        if probed is not None:
+            gained = sum(max(0, min(a, p) - e) for a, p, e in zip(accepted, probed, exploit))
+            self.spent -= gained / B * plain_step

@@ -1,0 +1,86 @@
+"""Exploration within a budget (hf_spin/planning/exploration.py), on injected cost structures.
+
+The default path (a cost profile, the planner) on four machines it may meet, as t(N) of the target's
+forward over N positions (a plain step = 0.1 s): flat (a GPU, an AMX CPU), AVX-512 bf16 (8 tokens
+~1.3 steps), AVX2 float32 (~1.8 steps), AVX2 bf16 (~6 steps). Where no drafter pays, a run costs
+within 3% of plain decoding's (the clock totals of both runs, prefill included); probes are one
+token long where verification is not flat, and what they lose stays inside the budget.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_spin
+from hf_spin.planning.exploration import SHARE
+from hf_spin.planning.planner import EVIDENCE_ONLY, OPTIMISM, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, Planner
+
+from .archs import EOS, tiny_model
+from .test_planning import CostClock, Scripted, case, profile_of, run, table
+
+STRUCTURES = {
+    "flat": lambda n: 0.1,
+    "avx512_bf16": lambda n: 0.1 * (1 + 0.3 * (n - 1) / 7),
+    "avx2_fp32": lambda n: 0.1 * (1 + 0.8 * (n - 1) / 7),
+    "avx2_bf16": lambda n: 0.1 * (0.3 + 0.7 * n),
+}
+DRAFT_TOKEN = 0.3  # a draft model's forward, in plain steps (a 0.5B drafter for a 1.5B target)
+
+
+def plain_clock(target, prompts, clock, new_tokens) -> float:
+    start = clock.now
+    target.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS)
+    return clock.now - start
+
+
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+@pytest.mark.parametrize("kind", ["model-free", "model"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_where_nothing_pays_the_default_path_costs_what_plain_does(structure, kind, batch, monkeypatch):
+    """Drafts that are never right (a scripted drafter at 0%, or an unrelated draft model at ~0%): the
+    default path's run costs at most 3% more than plain `generate`'s on every cost structure, and the
+    probes' net loss stays inside the budget (SHARE of the plain time so far, at least one plain step)."""
+    new_tokens = 100
+    target, prompts, plain, refs = case(batch=batch, new_tokens=new_tokens)
+    cost = table(STRUCTURES[structure])
+    clock = CostClock()
+    clock.hook(target, cost)
+    if kind == "model":
+        drafter = tiny_model("llama", seed=1)  # unrelated weights: its guesses are almost never the target's
+        clock.hook(drafter, table(lambda n: DRAFT_TOKEN * STRUCTURES[structure](n)))
+        profile = profile_of(cost, [table(lambda n: DRAFT_TOKEN * STRUCTURES[structure](n))], ["drafter"])
+    else:
+        drafter = Scripted(refs, [0.0] * batch)
+        profile = profile_of(cost, [None], ["scripted"])
+    pool = hf_spin.AssistantPool([drafter], profile=profile)
+    out = run(target, prompts, pool, clock, monkeypatch, new_tokens=new_tokens)
+    assert torch.equal(out, plain)
+    spin = clock.now
+    plain_seconds = plain_clock(target, prompts, clock, new_tokens)
+    assert spin <= 1.03 * plain_seconds, f"{structure}: {spin:.2f}s against plain {plain_seconds:.2f}s"
+    budget = pool.planner.budget
+    assert budget.spent <= max(budget.advance, SHARE * budget.plain_seconds) + 1e-9
+
+
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+def test_a_probe_is_one_token_beyond_what_pays_unless_verification_is_flat(structure):
+    """A fresh request and a drafter the pool has seen right 6 (8) times in 10: one sd up it might pay for
+    k tokens on the request, the evidence alone (no prior) for fewer. With budget left the planner
+    drafts one token beyond the latter where verification is not flat, all of the former where it is;
+    with none left, only the latter."""
+    cost = table(STRUCTURES[structure])
+    planner = Planner(profile_of(cost, [None], ["lookup"]))
+    planner.acceptance.pooled[0] = [8.0, 2.0] if structure == "avx2_bf16" else [6.0, 4.0]  # a probe's room to grow
+
+    def best(optimism: float, prior: tuple[float, float] = (PRIOR_ACCEPTANCE, PRIOR_WEIGHT)) -> int:
+        curve = planner.acceptance.survival(0, 0, 8, optimism=optimism, prior=prior)
+        return planner._best([curve], [(0,)], True, [0.0])[0]
+
+    exploit, optimistic = best(0.0, EVIDENCE_ONLY), best(OPTIMISM)
+    planner.budget.plain_seconds = 100 * cost.predict(1)  # a hundred plain steps so far: probes are affordable
+    ks = planner.size([0], [{}], [64], [(0,)], [8], padded=True)
+    assert ks == ([optimistic] if structure == "flat" else [exploit + 1]), (exploit, optimistic, ks)
+    assert exploit + 1 < optimistic or structure == "flat"  # the case tells a k-token probe from a 1-token one
+    planner.budget.spent = max(planner.budget.advance, SHARE * planner.budget.plain_seconds)  # nothing left
+    assert planner.size([1], [{}], [64], [(0,)], [8], padded=True) == [exploit]
