@@ -84,3 +84,22 @@ def test_a_probe_is_one_token_beyond_what_pays_unless_verification_is_flat(struc
     assert exploit + 1 < optimistic or structure == "flat"  # the case tells a k-token probe from a 1-token one
     planner.budget.spent = max(planner.budget.advance, SHARE * planner.budget.plain_seconds)  # nothing left
     assert planner.size([1], [{}], [64], [(0,)], [8], padded=True) == [exploit]
+
+
+def test_a_drafter_that_cannot_pay_is_not_caught_up_either(monkeypatch):
+    """LBSS asks idle drafters to catch up on rows they may serve next (`Plan.catch_up`); a draft model
+    that costs 10 target steps a token can never pay, so the planner sizes it 0 and the engine skips
+    its catch-ups too: it spends no time at all."""
+    target, prompts, plain, _ = case(batch=2, new_tokens=30)
+    drafter = tiny_model("llama", seed=1)
+    clock = CostClock()
+    clock.hook(target, table(STRUCTURES["flat"]))
+    clock.hook(drafter, table(lambda n: 1.0 * n))
+    profile = profile_of(table(STRUCTURES["flat"]), [table(lambda n: 1.0 * n), None], ["drafter", "prompt_lookup"])
+    pool = hf_spin.AssistantPool([drafter, "prompt_lookup"], policy="lbss", profile=profile)
+    calls = []
+    monkeypatch.setattr(pool.drafters[0], "catch_up", lambda *a, **kw: calls.append(a))
+    out = run(target, prompts, pool, clock, monkeypatch, new_tokens=30)
+    assert torch.equal(out, plain)
+    assert pool.planner.paying == [False, True] and calls == []
+    assert pool.last_stats.drafters[pool.names[0]].draft_seconds == 0.0

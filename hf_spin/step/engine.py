@@ -504,7 +504,9 @@ class SpinEngine:
         sequences = [r.sequence for r in self.rows]
         for d_idx, wanted in catch_up.items():
             bs = [b for b in wanted if d_idx not in self.rows[b].banned]
-            if self.usable[d_idx] and bs:
+            # a drafter the planner judges unable to pay here is never sized above 0: catching it up is waste
+            pays = self.planner is None or self.planner.paying[d_idx]
+            if self.usable[d_idx] and bs and pays:
                 call = self._call_drafter(d_idx, lambda: self.drafters[d_idx].catch_up(bs, sequences), bs)
                 if call.ok:
                     draft_seconds[d_idx] += call.seconds
