@@ -345,21 +345,21 @@ def test_planner_sizes_zero_and_full():
 
 def test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay():
     """Batch 4 on a CPU-like profile (rectangular cache; measured costs of a 1.5B target and a 0.5B
-    drafter in bf16), four requests new to the drafter, whose pooled acceptance is 0.86. Caught up,
+    drafter in bf16), four requests new to the drafter, whose pooled acceptance is 0.86 (100 observations). Caught up,
     drafting pays at that mean; but reading four 50-80-token prompts first repays over a 30-token
     answer only on the optimistic bound: the step is plain. With nothing to catch up, or an answer
     long enough to repay the catch-up at the mean, the rows draft."""
     target = ForwardCost.from_table({1: 0.211, 2: 0.225, 4: 0.267, 8: 0.345})
     drafter = ForwardCost.from_table({1: 0.091, 2: 0.091, 4: 0.107, 8: 0.136})
     planner = Planner(profile_of(target, [drafter], ["drafter"]))
-    planner.acceptance.pooled[0] = [22.0, 3.5]
+    planner.acceptance.pooled[0] = [86.0, 14.0]
 
     def size(lags, room):
         return planner.size([0, 1, 2, 3], [{0: lag} for lag in lags], [room] * 4, [(0,)] * 4, [8] * 4, padded=True)
 
     assert size([52, 76, 57, 78], 31) == [0, 0, 0, 0]
     assert min(size([1, 1, 1, 1], 31)) > 0
-    assert min(size([52, 76, 57, 78], 400)) > 0
+    assert min(size([52, 76, 57, 78], 1000)) > 0
     # batch 1, acceptance 0.6: a pool still learning the drafter probes it on a new prompt (what it
     # learns serves later requests); one that knows it (10 observations) only where nothing is to read
     for pooled, probes in (([0.0, 0.0], True), ([6.0, 4.0], False)):

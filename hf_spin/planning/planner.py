@@ -56,10 +56,11 @@ SURVIVAL_DECAY = 0.98
 # requests have), so every new request tries a drafter that might pay on it, and one that has shown
 # what it does on the request is judged at about its mean.
 OPTIMISM = 1.0
-# The prior read where a plan must be what the estimates expect to pay (`Planner._explore`): none, the
-# evidence alone (its mean); drafting beyond that plan is a probe, bought from the exploration budget
-# (exploration.py).
-EVIDENCE_ONLY = (0.0, 0.0)
+# The prior read where a plan must be what the estimates expect to pay (`Planner._explore`): acceptance 0
+# worth PRIOR_WEIGHT observations, so the evidence alone earns it (4 of 4 right reads 0.67, not 1.0: a few
+# lucky drafts do not buy a draft model's catch-up); drafting beyond that plan is a probe, bought from the
+# exploration budget (exploration.py).
+EVIDENCE_ONLY = (0.0, PRIOR_WEIGHT)
 # Decayed observations of a drafter from which the pool knows it: below, optimism may buy a row's
 # catch-up (the pool is exploring the drafter, and what it learns serves every later request);
 # from there on, a catch-up is paid only where the row's mean acceptance repays it (`Planner.size`).
