@@ -1,0 +1,112 @@
+"""Record and replay (benchmarks/replay): a trace recorded from tiny random models replays with forced models and
+reproduces the recorded hf_spin runs step by step, per drafter, for chains and trees at batch 1 and 4; a forced
+target one position off fails the check (the lossy control)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.replay.checks import CheckConfig, generated, left_pad
+from benchmarks.replay.forced import force, match, replay_drafters
+from benchmarks.replay.record import record
+from benchmarks.replay.run import check
+from benchmarks.replay.trace import Request, load
+
+from .archs import VOCAB, tiny_model
+from .speculation import perturbed
+
+CHECKS = (
+    CheckConfig("fixed", False, 1),
+    CheckConfig("fixed", True, 4),
+    CheckConfig("round_robin", True, 4),
+    CheckConfig("vote", False, 4),
+    CheckConfig("vote", True, 1),
+)
+NEW_TOKENS, K = 12, 4
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Ragged prompts that repeat a phrase, so prompt lookup and suffix drafting find matches."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        phrase = torch.randint(3, VOCAB, (3 + i % 3,), generator=g).tolist()
+        out.append(torch.randint(3, VOCAB, (2 + i,), generator=g).tolist() + phrase * 2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    torch.set_num_threads(1)
+    target = tiny_model("llama", seed=0)
+    small = tiny_model("llama", seed=1, num_hidden_layers=1)  # another seed and size, the same vocabulary
+    requests = [Request(str(i), "w", f"g{i % 2}", p, []) for i, p in enumerate(prompts(6))]
+    recorded = record(
+        target,
+        [perturbed("llama"), small, "prompt_lookup", "suffix"],
+        requests,
+        NEW_TOKENS,
+        K,
+        CHECKS,
+        min_confidence=0.0,  # tiny random models are never 40% sure of a token
+    )
+    return load(recorded.save(tmp_path_factory.mktemp("replay") / "trace.npz"))
+
+
+@pytest.fixture(scope="module")
+def forced(trace):
+    model = tiny_model("llama", seed=5)  # the recorded config, other weights: only the forcing makes its tokens
+    force(model, trace)
+    return model
+
+
+def test_trace_round_trip_holds_drafts_and_trees(trace):
+    assert [d.kind for d in trace.drafters] == ["model", "model", "prompt_lookup", "suffix"]
+    assert trace.drafters[0].trees is not None and trace.drafters[0].chains.shape[1] == K
+    assert all(0 < len(r.continuation) <= NEW_TOKENS for r in trace.requests)
+    assert [c["config"] for c in trace.checks] == [vars(c) for c in CHECKS]
+
+
+def test_recorded_checks_speculated(trace):
+    """The check logs are worth replaying: drafts accepted and rejected, by several drafters."""
+    steps = [s for log in trace.checks for rows in log["steps"].values() for s in rows]
+    assert any(accepted >= 2 for _, accepted, _ in steps)
+    assert any(accepted < drafted for drafted, accepted, _ in steps)
+    assert {name for *_, drafters in steps for name in drafters} == {d.name for d in trace.drafters}
+
+
+@pytest.mark.parametrize("cache", ["rectangular", "packed"])
+def test_replay_reproduces_every_check(trace, forced, cache):
+    """Forced target + replay drafters: every step of every check run as recorded (chains, trees, batch 1, 4)."""
+    assert check(trace, forced, replay_drafters(trace, torch.float32, "cpu"), cache=cache) == {
+        c.name: [] for c in CHECKS
+    }
+
+
+def test_off_by_one_target_fails_the_check(trace):
+    model = tiny_model("llama", seed=5)
+    force(model, trace, shift=1)
+    results = check(trace, model, replay_drafters(trace, torch.float32, "cpu"))
+    assert all(problems for problems in results.values())
+
+
+def test_forced_target_under_plain_generate_and_prompt_lookup(trace, forced):
+    pad, eos = trace.target["pad_token_id"], trace.target["eos_token_id"]
+    ids, mask = left_pad([r.prompt for r in trace.requests], pad, "cpu")
+    out = forced.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert generated(out, ids.shape[1], eos, pad) == [r.continuation for r in trace.requests]
+    for r in trace.requests[:2]:
+        ids = torch.tensor([r.prompt])
+        out = forced.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False, prompt_lookup_num_tokens=K)
+        assert out[0, ids.shape[1] :].tolist() == r.continuation
+
+
+def test_rows_matched_after_some_retire():
+    """Rows keep their order; a row may only vanish if its last forward could have reached its end."""
+    sequences = [list(range(10)), [5] * 20, list(range(30, 60))]
+    # row 0 (10 tokens) was at position 6 with 4 slots: it could end; rows 1 and 2 go on to positions 9 and 12
+    before = [(6, 6, 4), (5, 7, 4), (41, 11, 4)]
+    assert match(before, [(5, 9), (42, 12)], [0, 1, 2], sequences) == [1, 2]
+    with pytest.raises(RuntimeError, match="lost its rows"):  # row 1 could not have ended by position 7 + 4 + 1
+        match(before, [(42, 12)], [0, 1, 2], sequences)
