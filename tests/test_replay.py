@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.replay.__main__ import main
 from benchmarks.replay.checks import CheckConfig, generated, left_pad
 from benchmarks.replay.forced import force, match, replay_drafters
 from benchmarks.replay.record import record
@@ -37,7 +38,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def trace(tmp_path_factory):
+def trace_file(tmp_path_factory):
     torch.set_num_threads(1)
     target = tiny_model("llama", seed=0)
     small = tiny_model("llama", seed=1, num_hidden_layers=1)  # another seed and size, the same vocabulary
@@ -51,7 +52,12 @@ def trace(tmp_path_factory):
         CHECKS,
         min_confidence=0.0,  # tiny random models are never 40% sure of a token
     )
-    return load(recorded.save(tmp_path_factory.mktemp("replay") / "trace.npz"))
+    return recorded.save(tmp_path_factory.mktemp("replay") / "trace.npz")
+
+
+@pytest.fixture(scope="module")
+def trace(trace_file):
+    return load(trace_file)
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +100,11 @@ def test_off_by_one_target_fails_the_check(trace):
 def test_forced_target_under_plain_generate_and_prompt_lookup(trace, forced):
     pad, eos = trace.target["pad_token_id"], trace.target["eos_token_id"]
     ids, mask = left_pad([r.prompt for r in trace.requests], pad, "cpu")
-    out = forced.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
-    assert generated(out, ids.shape[1], eos, pad) == [r.continuation for r in trace.requests]
+    for cache in ("dynamic", "static"):
+        out = forced.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation=cache
+        )
+        assert generated(out, ids.shape[1], eos, pad) == [r.continuation for r in trace.requests]
     for r in trace.requests[:2]:
         ids = torch.tensor([r.prompt])
         out = forced.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False, prompt_lookup_num_tokens=K)
@@ -110,3 +119,10 @@ def test_rows_matched_after_some_retire():
     assert match(before, [(5, 9), (42, 12)], [0, 1, 2], sequences) == [1, 2]
     with pytest.raises(RuntimeError, match="lost its rows"):  # row 1 could not have ended by position 7 + 4 + 1
         match(before, [(42, 12)], [0, 1, 2], sequences)
+
+
+def test_command_line_runs_the_benchmark_and_the_check(trace_file, tmp_path):
+    assert main(["run", str(trace_file), "--check", "--threads", "1"]) == 0
+    assert main(["run", str(trace_file), "--batch-sizes", "2", "--out", str(tmp_path), "--threads", "1"]) == 0
+    (md,) = tmp_path.glob("replay-*.md")
+    assert "| w | 2 | hf_spin_all |" in md.read_text()

@@ -109,9 +109,11 @@ class ForcedTarget:
         first_ids = ids[:, 0] if meta is None else ids[0, starts]  # [B] on the device; read only when rows leave
         first_positions = positions[:, 0] if meta is None else positions[0, starts]  # [B]
         if cache is None or int(cache.get_seq_length()) == 0:
-            self._prefill(ids, kwargs.get("attention_mask"), meta)
+            self._prefill(ids, positions, meta)
         else:
-            if len(first_ids) != len(self.requests):
+            if len(first_ids) > len(self.requests):  # rows that no prefill showed (a cost-profile probe)
+                self.requests = [UNKNOWN] * len(first_ids)
+            elif len(first_ids) < len(self.requests):
                 now = list(zip(first_ids.tolist(), first_positions.tolist()))
                 self.requests = match(self._before(), now, self.requests, self.sequences)
             self.last = (first_ids, first_positions, ids.shape[1] if meta is None else meta.max_seqlen_q)
@@ -120,21 +122,21 @@ class ForcedTarget:
             module.replay_rows = torch.tensor(rows, device=module.replay_rows.device)
             self.buffered = rows
 
-    def _prefill(self, ids, mask, meta) -> None:
-        """A forward on an empty cache: each row's tokens (left padding dropped) start with its prompt."""
-        host = ids.tolist()
+    def _prefill(self, ids, positions, meta) -> None:
+        """A forward on an empty cache: each row's tokens start with its prompt. Left padding comes first, so a
+        row's tokens are its last (last position + 1) ones, whatever the mask's format (2D, 4D, none)."""
         if meta is not None:
             cu = meta.cu_seqlens_q.tolist()
-            prompts = [host[0][a:b] for a, b in zip(cu[:-1], cu[1:])]
-        elif mask is not None and mask.dim() == 2:
-            prompts = [
-                [t for t, m in zip(row, keep) if m] for row, keep in zip(host, mask[:, -ids.shape[1] :].tolist())
-            ]
+            rows, last = (
+                [ids[0, a:b].tolist() for a, b in zip(cu[:-1], cu[1:])],
+                positions[0, meta.cu_seqlens_q[1:] - 1],
+            )
         else:
-            prompts = host
+            rows, last = ids.tolist(), positions[:, -1]
+        prompts = [row[len(row) - n - 1 :] for row, n in zip(rows, last.tolist())]
         # a prompt, or a prompt and drafts (transformers' assisted decoding has no separate prefill)
         self.requests = [UNKNOWN if (r := self.trace.request_of(p)) is None else r for p in prompts]
-        self.last = [(p[-1] if p else 0, len(p) - 1, 1) for p in prompts]  # the next forward starts after the prompt
+        self.last = [(p[-1] if p else 0, len(p) - 1, 1) for p in prompts]  # the next forward starts after these
 
     def _before(self) -> list[tuple[int, int, int]]:
         """[B] (first token, its position, width) of each row in the latest forward."""

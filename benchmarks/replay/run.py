@@ -156,10 +156,11 @@ def table(records: list[dict]) -> str:
     base = {(r["workload"], r["batch"]): r["tokens"] / r["seconds"] for r in records if r["method"] == "generate"}
     for r in records:
         rate = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
+        speedup = rate / base[r["workload"], r["batch"]]
         per_forward = f"{r['tokens'] / r['forwards']:.2f}" if r["forwards"] else "-"
         accept = ", ".join(f"{d} {a / n:.0%} ({a}/{n})" for d, (n, a) in r["drafters"].items() if n) or "-"
         lines.append(
-            f"| {r['workload']} | {r['batch']} | {r['method']} | {rate:.1f} | {rate / base[r['workload'], r['batch']]:.2f} "
+            f"| {r['workload']} | {r['batch']} | {r['method']} | {rate:.1f} | {speedup:.2f} "
             f"| {per_forward} | {accept} | {r['identical']}/{r['requests']} |"
         )
     return "\n".join(lines)
