@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import CompileConfig
 
 from benchmarks.replay.__main__ import main
 from benchmarks.replay.checks import CheckConfig, generated, left_pad
@@ -95,16 +96,23 @@ def test_off_by_one_target_fails_the_check(trace):
     force(model, trace, shift=1)
     results = check(trace, model, replay_drafters(trace, torch.float32, "cpu"))
     assert all(problems for problems in results.values())
+    assert any("differs" in p for problems in results.values() for p in problems)  # not only a lost row
 
 
 def test_forced_target_under_plain_generate_and_prompt_lookup(trace, forced):
+    """Plain `generate` (dynamic cache, static cache, static compiled) and transformers' prompt lookup commit the
+    recorded continuations."""
     pad, eos = trace.target["pad_token_id"], trace.target["eos_token_id"]
     ids, mask = left_pad([r.prompt for r in trace.requests], pad, "cpu")
-    for cache in ("dynamic", "static"):
-        out = forced.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation=cache
-        )
-        assert generated(out, ids.shape[1], eos, pad) == [r.continuation for r in trace.requests]
+    compiled = CompileConfig(backend="eager", mode=None)  # dynamo traces the hook as on a GPU; no inductor here
+    compiled._compile_all_devices = True
+    for kwargs in (
+        {},
+        {"cache_implementation": "static"},
+        {"cache_implementation": "static", "compile_config": compiled},
+    ):
+        out = forced.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+        assert generated(out, ids.shape[1], eos, pad) == [r.continuation for r in trace.requests], kwargs
     for r in trace.requests[:2]:
         ids = torch.tensor([r.prompt])
         out = forced.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False, prompt_lookup_num_tokens=K)

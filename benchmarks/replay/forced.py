@@ -211,6 +211,10 @@ class ReplayDrafter(ModelDrafter):
         self.cost_vocab = model.config.get_text_config().vocab_size
         self.known: dict[int, int] = {}  # id of a row's sequence list -> its request
 
+    def start(self, target, sequences: list[list[int]], target_cache=None) -> None:
+        super().start(target, sequences, target_cache)
+        self.known = {}
+
     def to_draft_space(self, sequence: list[int]) -> list[int]:
         return [t % self.cost_vocab for t in sequence]  # the stand-in's ids: as many tokens, any ids cost alike
 

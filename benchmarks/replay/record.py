@@ -23,6 +23,7 @@ import hf_spin
 from benchmarks import workloads
 from benchmarks.common import machine
 from hf_spin.drafters import DraftRequest, ModelDrafter, PromptLookupDrafter, SuffixDrafter, TranslatingDrafter
+from hf_spin.models import load
 from hf_spin.policies import DEFAULT_MIN_CONFIDENCE
 
 from .checks import DEFAULT_CHECKS, CheckConfig, run_check
@@ -206,8 +207,6 @@ def requests_from_workloads(args, target, tokenizer) -> list[Request]:
 
 
 def main(args) -> None:
-    from hf_spin.models import load
-
     torch.set_num_threads(args.threads)
     target, tokenizer = load(args.target, dtype=torch.float32, device="cpu")
     entries = []

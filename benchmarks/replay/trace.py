@@ -1,7 +1,7 @@
 """The trace: what a recording with real weights saw, in one compressed .npz small enough to travel to a GPU
 machine (no pickles: numpy arrays and one JSON header).
 
-    header                 0-d str array, JSON: format version, the target and the drafters (name, kind, config,
+    header                 uint8, UTF-8 JSON: format version, the target and the drafters (name, kind, config,
                            parameter count, tree width), k_max, max_new_tokens, min_confidence, eos / pad ids, the
                            pools, the requests (id, workload, group), the check runs' step logs, the machine
     prompt_ids             int32 [sum P]   every request's prompt ids back to back; prompt_offsets int64 [R + 1]
@@ -153,7 +153,7 @@ class Trace:
             "env": self.env,
         }
         arrays = {
-            "header": np.array(json.dumps(header)),
+            "header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
             "prompt_ids": np.array([t for r in self.requests for t in r.prompt], dtype=np.int32),
             "prompt_offsets": np.cumsum([0] + [len(r.prompt) for r in self.requests]).astype(np.int64),
             "continuation_ids": np.array([t for r in self.requests for t in r.continuation], dtype=np.int32),
@@ -172,7 +172,7 @@ class Trace:
 def load(path: str | Path) -> Trace:
     """The trace saved at `path` (`Trace.save`)."""
     with np.load(path, allow_pickle=False) as f:
-        header = json.loads(str(f["header"]))
+        header = json.loads(f["header"].tobytes().decode())
         if header.get("format") != FORMAT:
             raise ValueError(f"{path} is a trace of format {header.get('format')!r}; this code reads format {FORMAT}")
         prompts = _split(f["prompt_ids"], f["prompt_offsets"])
