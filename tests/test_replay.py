@@ -120,17 +120,21 @@ def test_forced_target_under_plain_generate_and_prompt_lookup(trace, forced):
 
 
 def test_rows_matched_after_some_retire():
-    """Rows keep their order; a row may only vanish if its last forward could have reached its end."""
-    sequences = [list(range(10)), [5] * 20, list(range(30, 60))]
-    # row 0 (10 tokens) was at position 6 with 4 slots: it could end; rows 1 and 2 go on to positions 9 and 12
-    before = [(6, 6, 4), (5, 7, 4), (41, 11, 4)]
-    assert match(before, [(5, 9), (42, 12)], [0, 1, 2], sequences) == [1, 2]
-    with pytest.raises(RuntimeError, match="lost its rows"):  # row 1 could not have ended by position 7 + 4 + 1
-        match(before, [(42, 12)], [0, 1, 2], sequences)
+    """Rows keep their order; of the assignments that fit, the one whose retired rows reached their end wins."""
+    sequences = [list(range(14)), list(range(40)), list(range(30, 60))]
+    # rows 0 and 1 were at position 10 with 4 slots, row 2 at 11: only row 0 could reach its end
+    before = [(10, 10, 4), (10, 10, 4), (41, 11, 4)]
+    assert match(before, [(12, 12), (42, 12)], [0, 1, 2], sequences) == [1, 2]
+    assert match(before, [(12, 12)], [0, 1, 2], sequences) == [1]  # row 2 stopped early (a smaller max_new_tokens)
+    with pytest.raises(RuntimeError, match="lost its rows"):  # no row holds 99 at 12
+        match(before, [(99, 12)], [0, 1, 2], sequences)
 
 
-def test_command_line_runs_the_benchmark_and_the_check(trace_file, tmp_path):
+def test_command_line_runs_the_benchmark_and_the_check(trace_file, trace, tmp_path):
     assert main(["run", str(trace_file), "--check", "--threads", "1"]) == 0
-    assert main(["run", str(trace_file), "--batch-sizes", "2", "--out", str(tmp_path), "--threads", "1"]) == 0
+    argv = ["run", str(trace_file), "--batch-sizes", "1", "4", "--compile-backend", "eager", "--threads", "1"]
+    assert main(argv + ["--out", str(tmp_path)]) == 0
     (md,) = tmp_path.glob("replay-*.md")
-    assert "| w | 2 | hf_spin_all |" in md.read_text()
+    for method in ("generate", "generate_static", "transformers_lookup", "hf_spin_all"):
+        assert f"| w | 1 | {method} |" in md.read_text()
+    assert md.read_text().count(f"{len(trace.requests)}/{len(trace.requests)} |") == 7  # identical: every row

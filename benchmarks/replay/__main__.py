@@ -45,6 +45,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--device", help="default: cuda when there is one, else cpu")
     run.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
     run.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    run.add_argument(
+        "--compile-backend",
+        help="the static-cache generate's torch.compile backend (e.g. eager: dynamo alone, so it runs on CPU too); "
+        "default: transformers' own, on CUDA only",
+    )
     run.add_argument("--threads", type=int, default=2)
     run.add_argument("--out", type=Path, default=Path("benchmarks/results/replay"))
     return p

@@ -151,10 +151,12 @@ def match(
 ) -> list[int]:
     """The requests of the rows left after rows retired: `now` ([B] each row's first token and its position, the
     row's last committed token) against `before` ([B0] the latest forward's rows: first token, position, width,
-    with `requests` [B0]). Rows keep their order; row i is earlier row j if j's recorded sequence holds i's token at
-    i's position, one its last forward could have reached, short of its end; a row skipped must have been able to
-    reach its end. Example: before [(a, 9, 5), (b, 20, 5)], now [(c, 23)]: row 0 continues earlier row 1 if that
-    sequence has c at 23, and earlier row 0 must then be able to end by 9 + 5 + 1.
+    with `requests` [B0]). Rows keep their order; row i may be earlier row j if j's recorded sequence holds i's token
+    at i's position, one j's last forward could have reached, short of its end. Of the assignments that fit, the
+    one whose retired rows could have reached their recorded end (EOS, or the recording's max_new_tokens) wins;
+    a row may also have stopped earlier (a smaller max_new_tokens). Example: sequences [0..13] and [0..39], before
+    [(10, 10, 4), (10, 10, 4)], now [(12, 12)]: both fit, but only the first could have reached its end (at 13),
+    so the row left is the second.
     """
     B0, B = len(before), len(now)
     if all(r == UNKNOWN for r in requests):
@@ -164,27 +166,30 @@ def match(
         r, (token, pos), (_, p0, width) = requests[j], now[i], before[j]
         return r != UNKNOWN and p0 < pos <= p0 + width and pos < len(sequences[r]) - 1 and sequences[r][pos] == token
 
-    def may_end(j: int) -> bool:
+    def early(j: int) -> int:
+        """1 if row j's retiring needs it to have stopped short of its recorded end, else 0."""
         r, (_, p0, width) = requests[j], before[j]
-        return r == UNKNOWN or p0 + width + 1 >= len(sequences[r])
+        return int(r != UNKNOWN and p0 + width + 1 < len(sequences[r]))
 
-    # ok[i][j]: rows i.. can be earlier rows j.. (in order, skipping only rows that may have ended)
-    ok = [[False] * (B0 + 1) for _ in range(B + 1)]
-    ok[B][B0] = True
+    # cost[i][j]: the fewest early stops for rows i.. to be earlier rows j.. (in order); B0 + 1: impossible
+    impossible = B0 + 1
+    cost = [[impossible] * (B0 + 1) for _ in range(B + 1)]
+    cost[B][B0] = 0
     for j in range(B0 - 1, -1, -1):
-        ok[B][j] = ok[B][j + 1] and may_end(j)
+        cost[B][j] = cost[B][j + 1] + early(j)
     for i in range(B - 1, -1, -1):
         for j in range(B0 - 1, -1, -1):
-            ok[i][j] = (fits(i, j) and ok[i + 1][j + 1]) or (may_end(j) and ok[i][j + 1])
-    if not ok[0][0]:
+            take = cost[i + 1][j + 1] if fits(i, j) else impossible
+            cost[i][j] = min(take, cost[i][j + 1] + early(j), impossible)
+    if cost[0][0] >= impossible:
         raise RuntimeError(
             f"the forced target lost its rows: {B0} rows ({requests}) became {B} starting at (token, position) {now}, "
             "and no order-keeping choice of them fits the recorded sequences"
         )
     out, j = [], 0
     for i in range(B):
-        while not (fits(i, j) and ok[i + 1][j + 1]):
-            j += 1  # a row that ended
+        while not (fits(i, j) and cost[i + 1][j + 1] == cost[i][j]):
+            j += 1  # a row that retired
         out.append(requests[j])
         j += 1
     return out

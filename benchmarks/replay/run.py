@@ -17,15 +17,17 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import CompileConfig, StaticCache
 
 import hf_spin
 from benchmarks.common import machine
+from hf_spin.cache import CACHE_ARG
 
 from .checks import CheckConfig, compare, generated, left_pad, run_check
 from .forced import build_model, force, replay_drafters
 from .trace import Trace, load
 
-WARMUP_TOKENS = 4  # a first call per method and batch shape, untimed: allocations, kernels, compilations
+WARMUP_TOKENS = 4  # a first call per method and batch size, untimed: allocations, kernels, compilations
 
 
 def check(trace: Trace, target, drafters: list, **pool_kwargs) -> dict[str, list[str]]:
@@ -57,30 +59,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def methods(trace: Trace, target, drafters: list, batch: int) -> dict:
-    """method name -> fn(ids, mask, max_new_tokens) -> (output, stats or None), for this batch size."""
+def methods(trace: Trace, target, drafters: list, batch: int, cache_len: int, compile_config=None) -> dict:
+    """method name -> fn(ids, mask, max_new_tokens) -> (output ids, hf_spin's stats or None), for this batch size.
+
+    cache_len: the static cache's length, one for every batch of a workload (its longest prompt + max_new_tokens),
+    so transformers compiles its decoding step once per batch size. compile_config: the static method's
+    (`--compile-backend eager`: dynamo without inductor, which also runs on CPU); None: transformers' default,
+    and the static method on CUDA only."""
     names = [d.name for d in trace.drafters]
-    plain = dict(do_sample=False)
-    out = {
-        "generate": lambda ids, mask, n: (
-            target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, **plain),
-            None,
-        )
-    }
-    if target.device.type == "cuda":
-        out["generate_static"] = lambda ids, mask, n: (
-            target.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=n, cache_implementation="static", **plain
-            ),
-            None,
-        )
+
+    def plain(ids, mask, n, **kwargs):
+        return target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, **kwargs), None
+
+    out = {"generate": plain}
+    if target.device.type == "cuda" or compile_config is not None:
+        caches = {}  # rows -> the static cache, reused across calls as transformers reuses its own
+
+        def static(ids, mask, n):
+            if ids.shape[0] not in caches:
+                caches[ids.shape[0]] = StaticCache(config=target.config, max_cache_len=cache_len)
+            caches[ids.shape[0]].reset()
+            return plain(ids, mask, n, compile_config=compile_config, **{CACHE_ARG: caches[ids.shape[0]]})
+
+        out["generate_static"] = static
     if batch == 1:
-        out["transformers_lookup"] = lambda ids, mask, n: (
-            target.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=n, prompt_lookup_num_tokens=trace.k_max, **plain
-            ),
-            None,
-        )
+        out["transformers_lookup"] = lambda ids, mask, n: plain(ids, mask, n, prompt_lookup_num_tokens=trace.k_max)
     for pool_name, spec in trace.pools.items():
         pool = hf_spin.AssistantPool(
             [drafters[names.index(n)] for n in spec["drafters"]], policy=spec["policy"], draft_length=trace.k_max
@@ -102,7 +105,7 @@ def methods(trace: Trace, target, drafters: list, batch: int) -> dict:
     return out
 
 
-def bench(trace: Trace, target, drafters: list, batch_sizes: list[int]) -> list[dict]:
+def bench(trace: Trace, target, drafters: list, batch_sizes: list[int], compile_config=None) -> list[dict]:
     """One record per (workload, batch size, method): tokens, seconds, forwards, per-drafter counts, identical."""
     eos, pad = trace.target["eos_token_id"], trace.target["pad_token_id"]
     by_workload = defaultdict(list)
@@ -112,9 +115,10 @@ def bench(trace: Trace, target, drafters: list, batch_sizes: list[int]) -> list[
     for bs in batch_sizes:
         for workload, requests in by_workload.items():
             batches = [requests[i : i + bs] for i in range(0, len(requests), bs)]
-            for name, fn in methods(trace, target, drafters, bs).items():
-                ids, mask = left_pad([r.prompt for r in batches[0]], pad, target.device)
-                fn(ids, mask, WARMUP_TOKENS)
+            cache_len = max(len(r.prompt) for r in requests) + trace.max_new_tokens
+            for name, fn in methods(trace, target, drafters, bs, cache_len, compile_config).items():
+                for chunk in {len(c): c for c in batches}.values():  # untimed, once per batch shape
+                    fn(*left_pad([r.prompt for r in chunk], pad, target.device), WARMUP_TOKENS)
                 rec = {
                     "workload": workload,
                     "batch": bs,
@@ -184,13 +188,23 @@ def main(args) -> int:
             for p in problems[:10]:
                 print(f"    {p}")
         return 0 if not any(results.values()) else 1
-    records = bench(trace, target, drafters, args.batch_sizes)
+    compile_config = None
+    if args.compile_backend:
+        compile_config = CompileConfig(backend=args.compile_backend, mode=None)
+        compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    records = bench(trace, target, drafters, args.batch_sizes, compile_config)
     md = table(records)
     print(md)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    env = {**machine(), "dtype": str(dtype).removeprefix("torch."), "trace": str(args.trace), "recorded_on": trace.env}
+    env = {
+        **machine(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "compile_backend": args.compile_backend,
+        "trace": str(args.trace),
+        "recorded_on": trace.env,
+    }
     (out / f"replay-{stamp}.json").write_text(json.dumps({"env": env, "records": records}, indent=1))
     (out / f"replay-{stamp}.md").write_text(md + "\n")
     return 0
