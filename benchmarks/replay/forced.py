@@ -200,11 +200,13 @@ class ReplayDrafter(ModelDrafter):
     chain, or where the step takes trees and the drafter grew them, its tree), and pays for it by running a
     random-weight model of the real one's config as the real one runs its own: the catch-up forward (rollback of
     rejected drafts included), then one forward a drafted token but the last. A tree's frontier (up to
-    tree_width nodes a depth) is fed as its heaviest path, one token a depth.
+    tree_width nodes a depth) is fed as its heaviest path, one token a depth; a translating drafter runs on the
+    target's ids (mod its vocabulary), without its tokenizers' host work.
 
     The recording holds each position's draft at the k a fixed-length step asks there (trace.room_k) and the
-    recorded confidence stop: exact for those; a shorter k takes a chain's prefix and a tree's top depths cut to
-    tree_width x k nodes (the real drafter re-translating a shorter draft, or growing a shorter tree, may differ).
+    recorded confidence stop: exact for those. A shorter k takes the chain's prefix (exact for a same-tokenizer
+    chain: a greedy chain's prefix is the shorter chain) and the tree's top depths cut to tree_width x k nodes (a
+    translating drafter re-translating a shorter draft, or a shorter tree grown afresh, may differ).
     """
 
     def __init__(self, model, trace: Trace, record: DrafterRecord):
