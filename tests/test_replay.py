@@ -11,7 +11,7 @@ from transformers import CompileConfig
 from benchmarks.replay.__main__ import main
 from benchmarks.replay.checks import CheckConfig, generated, left_pad
 from benchmarks.replay.forced import force, match, replay_drafters
-from benchmarks.replay.record import record
+from benchmarks.replay.record import continuation, record
 from benchmarks.replay.run import check
 from benchmarks.replay.trace import Request, load
 
@@ -44,6 +44,8 @@ def trace_file(tmp_path_factory):
     target = tiny_model("llama", seed=0)
     small = tiny_model("llama", seed=1, num_hidden_layers=1)  # another seed and size, the same vocabulary
     requests = [Request(str(i), "w", f"g{i % 2}", p, []) for i, p in enumerate(prompts(6))]
+    # EOS: a token request 1 emits mid-way, so rows end on it with drafts running past it (read from the tail)
+    target.generation_config.eos_token_id = continuation(target, requests[1].prompt, NEW_TOKENS)[5]
     recorded = record(
         target,
         [perturbed("llama"), small, "prompt_lookup", "suffix"],
@@ -72,6 +74,8 @@ def test_trace_round_trip_holds_drafts_and_trees(trace):
     assert [d.kind for d in trace.drafters] == ["model", "model", "prompt_lookup", "suffix"]
     assert trace.drafters[0].trees is not None and trace.drafters[0].chains.shape[1] == K
     assert all(0 < len(r.continuation) <= NEW_TOKENS for r in trace.requests)
+    ended = [r for r in trace.requests if r.continuation[-1] in trace.target["eos_token_id"]]
+    assert ended and all(len(r.tail) == K for r in ended)
     assert [c["config"] for c in trace.checks] == [vars(c) for c in CHECKS]
 
 

@@ -48,12 +48,12 @@ class ForcedTarget:
         self.trace, self.shift = trace, shift
         self.sequences = [r.sequence for r in trace.requests]
         device = model.device
-        width = max(len(s) for s in self.sequences)
+        width = max(len(r.sequence) + len(r.tail) for r in trace.requests)
         table = torch.zeros(len(self.sequences) + 1, width, dtype=torch.long)  # [R + 1, L]; the last row: UNKNOWN
         lengths = torch.ones(len(self.sequences) + 1, dtype=torch.long)  # [R + 1]
-        for r, seq in enumerate(self.sequences):
-            table[r, : len(seq)] = torch.tensor(seq)
-            lengths[r] = len(seq)
+        for r, req in enumerate(trace.requests):  # past an EOS, the recorded tail
+            table[r, : len(req.sequence) + len(req.tail)] = torch.tensor(req.sequence + req.tail)
+            lengths[r] = len(req.sequence) + len(req.tail)
         # buffers, so a compiled forward (generate's static cache) reads them as graph inputs
         model.register_buffer("replay_table", table.to(device), persistent=False)
         model.register_buffer("replay_lengths", lengths.to(device), persistent=False)

@@ -18,10 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 import hf_spin
 from benchmarks import workloads
 from benchmarks.common import machine
+from hf_spin.cache import CACHE_ARG
 from hf_spin.drafters import DraftRequest, ModelDrafter, PromptLookupDrafter, SuffixDrafter, TranslatingDrafter
 from hf_spin.models import load
 from hf_spin.policies import DEFAULT_MIN_CONFIDENCE
@@ -45,6 +47,19 @@ def continuation(target, prompt: list[int], max_new_tokens: int) -> list[int]:
     eos = eos if isinstance(eos, list) else [eos]
     tokens = out[0, len(prompt) :].tolist()
     return tokens[: next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))]
+
+
+@torch.no_grad()
+def tail(target, sequence: list[int], n: int) -> list[int]:
+    """The target's n greedy tokens after `sequence`, EOS ignored: what a verification reads past a row's EOS
+    (a draft that runs across it is accepted as far as the target would go on)."""
+    cache = DynamicCache(config=target.config)
+    ids, out = torch.tensor([sequence], device=target.device), []
+    for _ in range(n):
+        logits = target(input_ids=ids, use_cache=True, **{CACHE_ARG: cache}).logits  # [1, T, V]
+        out.append(int(logits[0, -1].argmax()))
+        ids = torch.tensor([[out[-1]]], device=target.device)
+    return out
 
 
 def kind_of(drafter) -> str:
@@ -118,18 +133,21 @@ def record(
     pools: name -> {"drafters": [names], "policy": name}, what `run` replays; default one "all" pool, LBSS."""
     seconds = {}
     start = time.perf_counter()
+    eos = target.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
     for req in tqdm(requests, desc="continuations", leave=False):
         req.continuation = req.continuation or continuation(target, req.prompt, max_new_tokens)
+        if req.continuation[-1] in eos:
+            req.tail = tail(target, req.sequence, k_max)
     seconds["continuations"] = time.perf_counter() - start
     pool = hf_spin.AssistantPool(list(drafters), tokenizer=tokenizer, profile="off")
     bound = pool.bind(target, tokenizer)
-    eos = target.generation_config.eos_token_id
     trace = Trace(
         target={
             "name": target_name or target.config.name_or_path,
             "config": target.config.to_dict(),
             "num_parameters": target.num_parameters(),
-            "eos_token_id": eos if isinstance(eos, list) else [eos],
+            "eos_token_id": eos,
             "pad_token_id": target.generation_config.pad_token_id,
         },
         drafters=[],

@@ -7,6 +7,8 @@ machine (no pickles: numpy arrays and one JSON header).
     prompt_ids             int32 [sum P]   every request's prompt ids back to back; prompt_offsets int64 [R + 1]
     continuation_ids       int32 [sum C]   the target's greedy continuation (ending at EOS or max_new_tokens);
                            continuation_offsets int64 [R + 1]
+    tail_ids               int32 [sum T]   past an EOS, the target's next k_max greedy tokens (EOS ignored): a draft
+                           verified across a row's EOS is accepted by them; tail_offsets int64 [R + 1]
     chain_<d>              int32 [sum C, K]  drafter d's chain after g generated tokens of request r, at row
                            continuation_offsets[r] + g (g = 0 is never asked: the first token comes from the
                            prefill); -1 pads
@@ -42,6 +44,7 @@ class Request:
     group: str  # Spec-Bench task group, MT-Bench category and turn, record kind, or the prompts file's "group"
     prompt: list[int]
     continuation: list[int]  # the target's greedy tokens after the prompt
+    tail: list[int] = field(default_factory=list)  # its greedy tokens after an EOS-ended continuation, EOS ignored
 
     @property
     def sequence(self) -> list[int]:
@@ -158,6 +161,8 @@ class Trace:
             "prompt_offsets": np.cumsum([0] + [len(r.prompt) for r in self.requests]).astype(np.int64),
             "continuation_ids": np.array([t for r in self.requests for t in r.continuation], dtype=np.int32),
             "continuation_offsets": self.offsets.astype(np.int64),
+            "tail_ids": np.array([t for r in self.requests for t in r.tail], dtype=np.int32),
+            "tail_offsets": np.cumsum([0] + [len(r.tail) for r in self.requests]).astype(np.int64),
         }
         for i, d in enumerate(self.drafters):
             if d.chains is not None:
@@ -177,6 +182,7 @@ def load(path: str | Path) -> Trace:
             raise ValueError(f"{path} is a trace of format {header.get('format')!r}; this code reads format {FORMAT}")
         prompts = _split(f["prompt_ids"], f["prompt_offsets"])
         continuations = _split(f["continuation_ids"], f["continuation_offsets"])
+        tails = _split(f["tail_ids"], f["tail_offsets"])
         drafters = []
         for i, d in enumerate(header["drafters"]):
             has_trees = d.pop("trees")
@@ -187,7 +193,8 @@ def load(path: str | Path) -> Trace:
                 record.trees = {key: f[f"tree_{key}_{i}"] for key in ("tokens", "parents", "weights", "chain")}
             drafters.append(record)
     requests = [
-        Request(q["id"], q["workload"], q["group"], p, c) for q, p, c in zip(header["requests"], prompts, continuations)
+        Request(q["id"], q["workload"], q["group"], p, c, t)
+        for q, p, c, t in zip(header["requests"], prompts, continuations, tails)
     ]
     return Trace(
         target=header["target"],
