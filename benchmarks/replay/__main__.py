@@ -1,0 +1,71 @@
+"""`python -m benchmarks.replay record|run`: the command line of record.py and run.py."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from benchmarks.common import DEFAULT_QUESTIONS
+from benchmarks.workloads import WORKLOADS
+
+from .checks import DEFAULT_CHECKS
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.replay", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record", help="record a trace on CPU with real models (float32)")
+    rec.add_argument("--workloads", nargs="*", default=["spec_bench"], choices=WORKLOADS)
+    rec.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench's question.jsonl")
+    rec.add_argument("--per-group", type=int, default=1, help="questions per Spec-Bench task group / MT-Bench category")
+    rec.add_argument("--schema-requests", type=int, default=6, help="requests of the schema workload")
+    rec.add_argument("--prompts", type=Path, help='more requests: a jsonl file, one {"prompt": ...} a line')
+    rec.add_argument("--limit", type=int, help="at most this many requests")
+    rec.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="a packaged model (hf_spin.models)")
+    rec.add_argument(
+        "--drafters",
+        nargs="+",
+        default=["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "prompt_lookup", "suffix"],
+        help="packaged models, prompt_lookup, suffix; the first is the default pool, all of them the LBSS pool",
+    )
+    rec.add_argument("--max-new-tokens", type=int, default=32)
+    rec.add_argument("--k", type=int, default=8, help="k_max: the longest draft recorded")
+    rec.add_argument(
+        "--checks",
+        nargs="+",
+        default=[c.name for c in DEFAULT_CHECKS],
+        help="check runs, POLICY-chain|tree-bN (policies fixed, round_robin, vote), or 'none'",
+    )
+    rec.add_argument("--threads", type=int, default=2)
+    rec.add_argument("--out", type=Path, default=Path("benchmarks/results/replay/trace.npz"))
+    run = sub.add_parser("run", help="replay a trace with forced models of the recorded shapes")
+    run.add_argument("trace", type=Path)
+    run.add_argument("--check", action="store_true", help="replay the recorded check runs; exit 1 unless exact")
+    run.add_argument("--device", help="default: cuda when there is one, else cpu")
+    run.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
+    run.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    run.add_argument(
+        "--compile-backend",
+        help="the static-cache generate's torch.compile backend (e.g. eager: dynamo alone, so it runs on CPU too); "
+        "default: transformers' own, on CUDA only",
+    )
+    run.add_argument("--threads", type=int, default=2)
+    run.add_argument("--out", type=Path, default=Path("benchmarks/results/replay"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "record":
+        from .record import main as record
+
+        record(args)
+        return 0
+    from .run import main as run
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Replay a trace on any machine and dtype: forced models of the recorded shapes (forced.py), timed against plain
+`generate`; `--check` replays the recorded check runs and fails unless they agree exactly.
+
+Per workload and batch size (requests in trace order, batches never mixing workloads), methods side by side on
+the same prompts: plain `generate` (dynamic cache; on CUDA also `cache_implementation="static"`, compiled by
+transformers), `transformers`' prompt lookup (batch 1), and hf_spin with each recorded pool (profile "auto": the
+planner sizes drafts from costs measured here). Reported: tokens/s, speed-up over plain dynamic `generate`,
+tokens per target forward, acceptance per drafter, outputs identical to the recorded continuations.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import CompileConfig, StaticCache
+
+import hf_spin
+from benchmarks.common import machine
+from hf_spin.cache import CACHE_ARG
+
+from .checks import CheckConfig, compare, generated, left_pad, run_check
+from .forced import build_model, force, replay_drafters
+from .trace import Trace, load
+
+WARMUP_TOKENS = 4  # a first call per method and batch size, untimed: allocations, kernels, compilations
+
+
+def check(trace: Trace, target, drafters: list, **pool_kwargs) -> dict[str, list[str]]:
+    """Replay every recorded check run on this target and these pool entries (pool keyword arguments: cache=):
+    run name -> what differs (a run that raised, e.g. a forced target that lost its rows, differs too)."""
+    out = {}
+    for recorded in trace.checks:
+        config = CheckConfig(**recorded["config"])
+        try:
+            replayed = run_check(
+                target,
+                drafters,
+                trace.requests,
+                config,
+                trace.k_max,
+                trace.min_confidence,
+                trace.max_new_tokens,
+                **pool_kwargs,
+            )
+        except (RuntimeError, ValueError) as err:
+            out[config.name] = [f"raised {type(err).__name__}: {err}"]
+            continue
+        out[config.name] = compare(recorded, replayed)
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def methods(trace: Trace, target, drafters: list, batch: int, cache_len: int, compile_config=None) -> dict:
+    """method name -> fn(ids, mask, max_new_tokens) -> (output ids, hf_spin's stats or None), for this batch size.
+
+    cache_len: the static cache's length, one for every batch of a workload (its longest prompt + max_new_tokens),
+    so transformers compiles its decoding step once per batch size. compile_config: the static method's
+    (`--compile-backend eager`: dynamo without inductor, which also runs on CPU); None: transformers' default,
+    and the static method on CUDA only."""
+    names = [d.name for d in trace.drafters]
+
+    def plain(ids, mask, n, **kwargs):
+        return target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, **kwargs), None
+
+    out = {"generate": plain}
+    if target.device.type == "cuda" or compile_config is not None:
+        caches = {}  # rows -> the static cache, reused across calls as transformers reuses its own
+
+        def static(ids, mask, n):
+            if ids.shape[0] not in caches:
+                caches[ids.shape[0]] = StaticCache(config=target.config, max_cache_len=cache_len)
+            caches[ids.shape[0]].reset()
+            return plain(ids, mask, n, compile_config=compile_config, **{CACHE_ARG: caches[ids.shape[0]]})
+
+        out["generate_static"] = static
+    if batch == 1:
+        out["transformers_lookup"] = lambda ids, mask, n: plain(ids, mask, n, prompt_lookup_num_tokens=trace.k_max)
+    for pool_name, spec in trace.pools.items():
+        pool = hf_spin.AssistantPool(
+            [drafters[names.index(n)] for n in spec["drafters"]], policy=spec["policy"], draft_length=trace.k_max
+        )
+
+        def spin(ids, mask, n, pool=pool):
+            out = target.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                do_sample=False,
+                custom_generate=hf_spin.generate,
+                assistant_pool=pool,
+                return_dict_in_generate=True,
+            )
+            return out.sequences, out.stats
+
+        out[f"hf_spin_{pool_name}"] = spin
+    return out
+
+
+def bench(trace: Trace, target, drafters: list, batch_sizes: list[int], compile_config=None) -> list[dict]:
+    """One record per (workload, batch size, method): tokens, seconds, forwards, per-drafter counts, identical."""
+    eos, pad = trace.target["eos_token_id"], trace.target["pad_token_id"]
+    by_workload = defaultdict(list)
+    for r in trace.requests:
+        by_workload[r.workload].append(r)
+    records = []
+    for bs in batch_sizes:
+        for workload, requests in by_workload.items():
+            batches = [requests[i : i + bs] for i in range(0, len(requests), bs)]
+            cache_len = max(len(r.prompt) for r in requests) + trace.max_new_tokens
+            for name, fn in methods(trace, target, drafters, bs, cache_len, compile_config).items():
+                for chunk in {len(c): c for c in batches}.values():  # untimed, once per batch shape
+                    fn(*left_pad([r.prompt for r in chunk], pad, target.device), WARMUP_TOKENS)
+                rec = {
+                    "workload": workload,
+                    "batch": bs,
+                    "method": name,
+                    "tokens": 0,
+                    "seconds": 0.0,
+                    "identical": 0,
+                    "requests": 0,
+                    "forwards": 0,
+                    "drafters": defaultdict(lambda: [0, 0]),
+                }
+                for chunk in tqdm(batches, desc=f"{workload} b{bs} {name}", leave=False):
+                    ids, mask = left_pad([r.prompt for r in chunk], pad, target.device)
+                    _sync(target.device)
+                    start = time.perf_counter()
+                    out, stats = fn(ids, mask, trace.max_new_tokens)
+                    _sync(target.device)
+                    rec["seconds"] += time.perf_counter() - start
+                    rows = generated(out, ids.shape[1], eos, pad)
+                    rec["tokens"] += sum(map(len, rows))
+                    rec["requests"] += len(chunk)
+                    rec["identical"] += sum(row == r.continuation for row, r in zip(rows, chunk))
+                    if stats is not None:
+                        rec["forwards"] += sum(row.target_forwards for row in stats.rows)
+                        for d, s in stats.drafters.items():
+                            rec["drafters"][d][0] += s.drafted
+                            rec["drafters"][d][1] += s.accepted
+                rec["drafters"] = dict(rec["drafters"])
+                records.append(rec)
+    return records
+
+
+def table(records: list[dict]) -> str:
+    """Markdown: one line per (workload, batch, method)."""
+    lines = [
+        "| workload | batch | method | tok/s | x generate | tokens / forward | acceptance per drafter | identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base = {(r["workload"], r["batch"]): r["tokens"] / r["seconds"] for r in records if r["method"] == "generate"}
+    for r in records:
+        rate = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
+        speedup = rate / base[r["workload"], r["batch"]]
+        per_forward = f"{r['tokens'] / r['forwards']:.2f}" if r["forwards"] else "-"
+        accept = ", ".join(f"{d} {a / n:.0%} ({a}/{n})" for d, (n, a) in r["drafters"].items() if n) or "-"
+        lines.append(
+            f"| {r['workload']} | {r['batch']} | {r['method']} | {rate:.1f} | {speedup:.2f} "
+            f"| {per_forward} | {accept} | {r['identical']}/{r['requests']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    torch.set_num_threads(args.threads)
+    trace = load(args.trace)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    target = build_model(trace.target["config"], dtype, device)
+    force(target, trace)
+    drafters = replay_drafters(trace, dtype, device)
+    if args.check:
+        if not trace.checks:
+            print(f"{args.trace} holds no check runs (recorded with --checks none)")
+            return 1
+        results = check(trace, target, drafters)
+        for name, problems in results.items():
+            print(f"check {name}: {'PASS' if not problems else 'FAIL'}")
+            for p in problems[:10]:
+                print(f"    {p}")
+        return 0 if not any(results.values()) else 1
+    compile_config = None
+    if args.compile_backend:
+        compile_config = CompileConfig(backend=args.compile_backend, mode=None)
+        compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    records = bench(trace, target, drafters, args.batch_sizes, compile_config)
+    md = table(records)
+    print(md)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    env = {
+        **machine(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "compile_backend": args.compile_backend,
+        "trace": str(args.trace),
+        "recorded_on": trace.env,
+    }
+    (out / f"replay-{stamp}.json").write_text(json.dumps({"env": env, "records": records}, indent=1))
+    (out / f"replay-{stamp}.md").write_text(md + "\n")
+    return 0

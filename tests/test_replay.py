@@ -1,0 +1,144 @@
+"""Record and replay (benchmarks/replay): a trace recorded from tiny random models replays with forced models and
+reproduces the recorded hf_spin runs step by step, per drafter, for chains and trees at batch 1 and 4; a forced
+target one position off fails the check (the lossy control)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+from benchmarks.replay.__main__ import main
+from benchmarks.replay.checks import CheckConfig, generated, left_pad
+from benchmarks.replay.forced import force, match, replay_drafters
+from benchmarks.replay.record import continuation, record
+from benchmarks.replay.run import check
+from benchmarks.replay.trace import Request, load
+
+from .archs import VOCAB, tiny_model
+from .speculation import perturbed
+
+CHECKS = (
+    CheckConfig("fixed", False, 1),
+    CheckConfig("fixed", True, 4),
+    CheckConfig("round_robin", True, 4),
+    CheckConfig("vote", False, 4),
+    CheckConfig("vote", True, 1),
+)
+NEW_TOKENS, K = 12, 4
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Ragged prompts that repeat a phrase, so prompt lookup and suffix drafting find matches."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        phrase = torch.randint(3, VOCAB, (3 + i % 3,), generator=g).tolist()
+        out.append(torch.randint(3, VOCAB, (2 + i,), generator=g).tolist() + phrase * 2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory):
+    torch.set_num_threads(1)
+    target = tiny_model("llama", seed=0)
+    small = tiny_model("llama", seed=1, num_hidden_layers=1)  # another seed and size, the same vocabulary
+    requests = [Request(str(i), "w", f"g{i % 2}", p, []) for i, p in enumerate(prompts(6))]
+    # EOS: a token request 1 emits mid-way, so rows end on it with drafts running past it (read from the tail)
+    target.generation_config.eos_token_id = continuation(target, requests[1].prompt, NEW_TOKENS)[5]
+    recorded = record(
+        target,
+        [perturbed("llama"), small, "prompt_lookup", "suffix"],
+        requests,
+        NEW_TOKENS,
+        K,
+        CHECKS,
+        min_confidence=0.0,  # tiny random models are never 40% sure of a token
+    )
+    return recorded.save(tmp_path_factory.mktemp("replay") / "trace.npz")
+
+
+@pytest.fixture(scope="module")
+def trace(trace_file):
+    return load(trace_file)
+
+
+@pytest.fixture(scope="module")
+def forced(trace):
+    model = tiny_model("llama", seed=5)  # the recorded config, other weights: only the forcing makes its tokens
+    force(model, trace)
+    return model
+
+
+def test_trace_round_trip_holds_drafts_and_trees(trace):
+    assert [d.kind for d in trace.drafters] == ["model", "model", "prompt_lookup", "suffix"]
+    assert trace.drafters[0].trees is not None and trace.drafters[0].chains.shape[1] == K
+    assert all(0 < len(r.continuation) <= NEW_TOKENS for r in trace.requests)
+    ended = [r for r in trace.requests if r.continuation[-1] in trace.target["eos_token_id"]]
+    assert ended and all(len(r.tail) == K for r in ended)
+    assert [c["config"] for c in trace.checks] == [vars(c) for c in CHECKS]
+
+
+def test_recorded_checks_speculated(trace):
+    """The check logs are worth replaying: drafts accepted and rejected, by several drafters."""
+    steps = [s for log in trace.checks for rows in log["steps"].values() for s in rows]
+    assert any(accepted >= 2 for _, accepted, _ in steps)
+    assert any(accepted < drafted for drafted, accepted, _ in steps)
+    assert {name for *_, drafters in steps for name in drafters} == {d.name for d in trace.drafters}
+
+
+@pytest.mark.parametrize("cache", ["rectangular", "packed"])
+def test_replay_reproduces_every_check(trace, forced, cache):
+    """Forced target + replay drafters: every step of every check run as recorded (chains, trees, batch 1, 4)."""
+    assert check(trace, forced, replay_drafters(trace, torch.float32, "cpu"), cache=cache) == {
+        c.name: [] for c in CHECKS
+    }
+
+
+def test_off_by_one_target_fails_the_check(trace):
+    model = tiny_model("llama", seed=5)
+    force(model, trace, shift=1)
+    results = check(trace, model, replay_drafters(trace, torch.float32, "cpu"))
+    assert all(problems for problems in results.values())
+    assert any("differs" in p for problems in results.values() for p in problems)  # not only a lost row
+
+
+def test_forced_target_under_plain_generate_and_prompt_lookup(trace, forced):
+    """Plain `generate` (dynamic cache, static cache, static compiled) and transformers' prompt lookup commit the
+    recorded continuations."""
+    pad, eos = trace.target["pad_token_id"], trace.target["eos_token_id"]
+    ids, mask = left_pad([r.prompt for r in trace.requests], pad, "cpu")
+    compiled = CompileConfig(backend="eager", mode=None)  # dynamo traces the hook as on a GPU; no inductor here
+    compiled._compile_all_devices = True
+    for kwargs in (
+        {},
+        {"cache_implementation": "static"},
+        {"cache_implementation": "static", "compile_config": compiled},
+    ):
+        out = forced.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+        assert generated(out, ids.shape[1], eos, pad) == [r.continuation for r in trace.requests], kwargs
+    for r in trace.requests[:2]:
+        ids = torch.tensor([r.prompt])
+        out = forced.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False, prompt_lookup_num_tokens=K)
+        assert out[0, ids.shape[1] :].tolist() == r.continuation
+
+
+def test_rows_matched_after_some_retire():
+    """Rows keep their order; of the assignments that fit, the one whose retired rows reached their end wins."""
+    sequences = [list(range(14)), list(range(40)), list(range(30, 60))]
+    # rows 0 and 1 were at position 10 with 4 slots, row 2 at 11: only row 0 could reach its end
+    before = [(10, 10, 4), (10, 10, 4), (41, 11, 4)]
+    assert match(before, [(12, 12), (42, 12)], [0, 1, 2], sequences) == [1, 2]
+    assert match(before, [(12, 12)], [0, 1, 2], sequences) == [1]  # row 2 stopped early (a smaller max_new_tokens)
+    with pytest.raises(RuntimeError, match="lost its rows"):  # no row holds 99 at 12
+        match(before, [(99, 12)], [0, 1, 2], sequences)
+
+
+def test_command_line_runs_the_benchmark_and_the_check(trace_file, trace, tmp_path):
+    assert main(["run", str(trace_file), "--check", "--threads", "1"]) == 0
+    argv = ["run", str(trace_file), "--batch-sizes", "1", "4", "--compile-backend", "eager", "--threads", "1"]
+    assert main(argv + ["--out", str(tmp_path)]) == 0
+    (md,) = tmp_path.glob("replay-*.md")
+    for method in ("generate", "generate_static", "transformers_lookup", "hf_spin_all"):
+        assert f"| w | 1 | {method} |" in md.read_text()
+    assert md.read_text().count(f"{len(trace.requests)}/{len(trace.requests)} |") == 7  # identical: every row
