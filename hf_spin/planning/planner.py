@@ -15,14 +15,15 @@ per-position acceptances, `Acceptance`), t_verify the target's forward over the 
 (B + sum k packed, B (1 + max k) padded) and t_draft each drafter's forwards (its longest draft,
 over the rows it serves, plus its catch-up on a row it has not drafted for lately, spread over the
 steps the row has left: a draft model that has never seen a 1000-token prompt must read it first,
-which pays back over a long answer and not over a short one; once the pool knows the drafter, only
-where the row's mean acceptance repays it, else charged in full), all from the `CostProfile`.
+which pays back over a long answer and not over a short one), all from the `CostProfile`.
 Draft slots (b, i) are taken in order of S, most likely first (vLLM's adaptive verification
 budget), and the best prefix wins; if no prefix beats a plain step (B / t_verify(B)) by MIN_GAIN,
-the step is plain. Before drafting the survival is read optimistically (an upper bound on what the
-request has shown, so each new request tries a drafter that might pay on it); after drafting, at
-its mean, with the drafting already paid for and, for prompt lookup, the length of the match each
-draft continued. A token tree is sized node by node: each node is a slot whose value is
+the step is plain. What runs is what the evidence pays for (S read with a pessimistic prior) and,
+beyond it, probes the exploration budget affords (exploration.py: one token long where verification
+is not flat, priced with the row's catch-up in full): before drafting up to the optimistic size (an
+upper bound on what the request has shown, so each new request may try a drafter that might pay on
+it); after drafting up to the mean's, the drafting already paid for and, for prompt lookup, the
+length of the match each draft continued known. A token tree is sized node by node: each node is a slot whose value is
 its estimated acceptance (`Planner._node_values`), so trees grow where the next node pays, rows
 sharing the step's budget. A drafter that cannot pay on this machine at any realistic acceptance
 (`CostProfile.pays`) is never sized above 0.
@@ -61,10 +62,6 @@ OPTIMISM = 1.0
 # lucky drafts do not buy a draft model's catch-up); drafting beyond that plan is a probe, bought from the
 # exploration budget (exploration.py).
 EVIDENCE_ONLY = (0.0, PRIOR_WEIGHT)
-# Decayed observations of a drafter from which the pool knows it: below, optimism may buy a row's
-# catch-up (the pool is exploring the drafter, and what it learns serves every later request);
-# from there on, a catch-up is paid only where the row's mean acceptance repays it (`Planner.size`).
-KNOWN_EVIDENCE = 8.0
 # A speculative step must beat a plain one by this factor: inside it the estimates' noise could
 # make a plan that only ties plain decoding cost time.
 MIN_GAIN = 1.02
@@ -280,29 +277,8 @@ class Planner:
             spread = [
                 self._spread(s, room, c) for s, room, c in zip(seconds, rooms, curves)
             ]  # [B] the least a catch-up is charged
-            ks, catch_up = self._best(curves, chosen, padded, spread), spread
-            if any(ks) and any(seconds):  # charging catch-ups in full could only cost more (or there are none)
-                means = [
-                    self._curve(r, ds, k, None, 0.0) if c else [] for r, ds, k, c in zip(row_ids, chosen, caps, curves)
-                ]
-                # [B] whether the row's catch-up will be repaid: the pool is still exploring its drafters,
-                # or drafting for the row pays at its mean acceptance, the catch-up spread over its steps left
-                repaid = [
-                    k > 0
-                    for k in self._best(
-                        means, chosen, padded, [self._spread(s, room, m) for s, room, m in zip(seconds, rooms, means)]
-                    )
-                ]
-                repaid = [
-                    p or any(self.acceptance.evidence(d) < KNOWN_EVIDENCE for d in ds) for p, ds in zip(repaid, chosen)
-                ]
-                # elsewhere a draft would be a probe on a request's optimism alone, which the steps after
-                # it may never repay (at batch 4 a plain step costs little more than at batch 1, four
-                # catch-ups four times one): it is charged in full
-                catch_up = [sp if p else s for s, sp, p in zip(seconds, spread, repaid)]
-                if catch_up != spread:
-                    ks = self._best(curves, chosen, padded, catch_up)
-            return self._explore(row_ids, caps, ks, chosen, padded, catch_up, seconds)
+            ks = self._best(curves, chosen, padded, spread)  # [B] one sd up: what probes may reach
+            return self._explore(row_ids, caps, ks, chosen, padded, spread, seconds)
 
     def _explore(
         self,
