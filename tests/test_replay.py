@@ -24,6 +24,8 @@ CHECKS = (
     CheckConfig("round_robin", True, 4),
     CheckConfig("vote", False, 4),
     CheckConfig("vote", True, 1),
+    CheckConfig("round_robin", True, 4, cache="packed"),
+    CheckConfig("vote", False, 1, cache="packed"),
 )
 NEW_TOKENS, K = 12, 4
 
@@ -87,12 +89,17 @@ def test_recorded_checks_speculated(trace):
     assert {name for *_, drafters in steps for name in drafters} == {d.name for d in trace.drafters}
 
 
-@pytest.mark.parametrize("cache", ["rectangular", "packed"])
-def test_replay_reproduces_every_check(trace, forced, cache):
-    """Forced target + replay drafters: every step of every check run as recorded (chains, trees, batch 1, 4)."""
-    assert check(trace, forced, replay_drafters(trace, torch.float32, "cpu"), cache=cache) == {
-        c.name: [] for c in CHECKS
-    }
+def test_replay_reproduces_every_check(trace, forced):
+    """Forced target + replay drafters: every step of every check run as recorded (chains, trees, batch 1 and 4,
+    rectangular and packed rows)."""
+    assert check(trace, forced, replay_drafters(trace, torch.float32, "cpu")) == {c.name: [] for c in CHECKS}
+
+
+def test_check_names_parse():
+    for c in CHECKS:
+        assert CheckConfig.parse(c.name) == c
+    with pytest.raises(ValueError, match="POLICY-chain"):
+        CheckConfig.parse("vote-b4")
 
 
 def test_off_by_one_target_fails_the_check(trace):

@@ -35,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
         "--checks",
         nargs="+",
         default=[c.name for c in DEFAULT_CHECKS],
-        help="check runs, POLICY-chain|tree-bN (policies fixed, round_robin, vote), or 'none'",
+        help="check runs, POLICY-chain|tree-bN[-packed] (policies fixed, round_robin, vote), or 'none'",
     )
     rec.add_argument("--threads", type=int, default=2)
     rec.add_argument("--out", type=Path, default=Path("benchmarks/results/replay/trace.npz"))

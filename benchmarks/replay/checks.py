@@ -2,15 +2,16 @@
 (real models) and again at replay (forced models); their step logs must agree exactly.
 
 A configuration is a policy over the trace's whole pool (fixed: its first drafter; round robin; vote), chains or
-token trees, a batch size; every one drafts a fixed k (the trace's k_max, its confidence stop) with profile "off"
-(no planner, so no measured cost decides anything). Its log holds, per request and step, what the policy heard
-(`StepFeedback`): [drafted, accepted, {drafter: [proposed, matched]}], and whether the output is the recorded
-continuation.
+token trees, a batch size and the cache layout (rectangular or packed rows); every one drafts a fixed k (the
+trace's k_max, its confidence stop) with profile "off" (no planner, so no measured cost decides anything). Its
+log holds, per request and step, what the policy heard (`StepFeedback`): [drafted, accepted, {drafter: [proposed,
+matched]}], and whether the output is the recorded continuation.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
@@ -23,6 +24,7 @@ from hf_spin.policies import FixedLength
 from .trace import Request
 
 POLICIES = ("fixed", "round_robin", "vote")
+LAYOUTS = ("rectangular", "packed")
 
 
 @dataclass(frozen=True)
@@ -30,26 +32,31 @@ class CheckConfig:
     policy: str  # one of POLICIES, over every drafter of the trace
     tree: bool  # token trees where the target takes them (tree="auto"), else chains
     batch: int  # requests per generate call, in trace order
+    cache: str = (
+        "rectangular"  # the pool's layout: "rectangular" or "packed" (a model drafter grows trees on the first)
+    )
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"check policy {self.policy!r} is not supported; give one of {POLICIES}")
         if self.batch < 1:
             raise ValueError(f"check batch must be at least 1, got {self.batch}")
+        if self.cache not in LAYOUTS:
+            raise ValueError(f"check cache {self.cache!r} is not supported; give one of {LAYOUTS}")
 
     @property
     def name(self) -> str:
-        return f"{self.policy}-{'tree' if self.tree else 'chain'}-b{self.batch}"
+        name = f"{self.policy}-{'tree' if self.tree else 'chain'}-b{self.batch}"
+        return name if self.cache == LAYOUTS[0] else f"{name}-{self.cache}"
 
     @classmethod
     def parse(cls, name: str) -> CheckConfig:
-        """'vote-tree-b4' -> CheckConfig('vote', True, 4)."""
-        try:
-            policy, shape, batch = name.rsplit("-", 2)
-            assert shape in ("tree", "chain") and batch.startswith("b")
-            return cls(policy, shape == "tree", int(batch[1:]))
-        except (ValueError, AssertionError) as err:
-            raise ValueError(f"check {name!r} is not POLICY-chain|tree-bN (e.g. vote-tree-b4)") from err
+        """'vote-tree-b4' -> CheckConfig('vote', True, 4); 'vote-tree-b4-packed' on packed rows."""
+        match = re.fullmatch(r"(\w+)-(tree|chain)-b(\d+)(?:-(\w+))?", name)
+        if match is None:
+            raise ValueError(f"check {name!r} is not POLICY-chain|tree-bN[-packed] (e.g. vote-tree-b4)")
+        policy, shape, batch, cache = match.groups()
+        return cls(policy, shape == "tree", int(batch), cache or LAYOUTS[0])
 
 
 DEFAULT_CHECKS = tuple(
@@ -105,18 +112,19 @@ def run_check(
     k: int,
     min_confidence: float,
     max_new_tokens: int,
-    **pool_kwargs,
+    tokenizer=None,
 ) -> dict:
-    """One check configuration over `requests` (batches of config.batch in order) with these pool entries (pool
-    keyword arguments: tokenizer=, cache=); the log {"config", "steps": {request index: [...]}, "differ": [request
-    indices whose output is not the recorded continuation]}."""
+    """One check configuration over `requests` (batches of config.batch in order) with these pool entries (and the
+    target's tokenizer, for drafters with another); the log {"config", "steps": {request index: [...]}, "differ":
+    [request indices whose output is not the recorded continuation]}."""
     pool = hf_spin.AssistantPool(
         list(drafters),
         policy=config.policy,
         draft_length=FixedLength(k, min_confidence),
         profile="off",
         tree="auto" if config.tree else False,
-        **pool_kwargs,
+        cache=config.cache,
+        tokenizer=tokenizer,
     )
     pool.reset()
     log = StepLog(pool)

@@ -12,7 +12,8 @@
 Which request a row is comes from the row's own tokens, never from a counter: a prefill (an empty cache) matches
 each row's prompt against the trace's; later forwards keep the rows' order until the batch shrinks (hf_spin
 retires finished rows, in order), when the rows left are matched to the earlier ones by their first token and its
-position (the last committed token: on the recorded sequence) and by which rows could have finished. Rows joining
+position (the last committed token: on the recorded sequence) and by which rows could have finished. Past an
+EOS the lookup reads the recorded tail (what the real target predicted there). Rows joining
 a running batch (the server's continuous batching) are not supported: a prefill starts a new batch.
 """
 
@@ -231,7 +232,8 @@ class ReplayDrafter(ModelDrafter):
         if max(request.k, default=0) == 0:
             return Draft(tokens=[[] for _ in range(n)], q=[None] * n)
         self._catch_up(request.rows, request.sequences)
-        proposals = [self.proposal(request.sequences[row], k, request.trees) for row, k in zip(request.rows, request.k)]
+        trees = self.trees(request)
+        proposals = [self.proposal(request.sequences[row], k, trees) for row, k in zip(request.rows, request.k)]
         fed = {row: chain[:-1] for row, (chain, _) in zip(request.rows, proposals)}  # what the real drafter fed
         for depth in range(max(map(len, fed.values()))):
             chunks = [[] for _ in self.cached]
@@ -240,8 +242,13 @@ class ReplayDrafter(ModelDrafter):
                     chunks[row] = [tokens[depth] % self.cost_vocab]
                     self.cached[row].append(chunks[row][0])
             self._forward(chunks, None)
-        trees = [tree for _, tree in proposals] if request.trees and self.record.trees is not None else None
+        trees = [tree for _, tree in proposals] if trees else None
         return Draft(tokens=[chain for chain, _ in proposals], q=[None] * n, trees=trees)
+
+    def trees(self, request: DraftRequest) -> bool:
+        """Whether the real drafter grew a tree here: the step takes them, it recorded trees, and the rule of
+        `ModelDrafter.grows_trees` holds on this layout (packed rows: chains)."""
+        return request.trees and self.record.trees is not None and self.grows_trees()
 
     def proposal(self, sequence: list[int], k: int, trees: bool) -> tuple[list[int], TokenTree | None]:
         """(the chain, the tree or None) the recording says this drafter proposed after `sequence`, cut to k."""
@@ -260,7 +267,7 @@ class ReplayDrafter(ModelDrafter):
                 f"drafter {self.name!r}: request {req.id!r} after {g} generated tokens is not on its recorded "
                 f"continuation of {len(req.continuation)} (the target is not replaying the trace)"
             )
-        if not (trees and self.record.trees is not None):
+        if not trees:
             return self.trace.chain(self.record, r, g)[:k], None
         chain, tree = self.trace.tree(self.record, r, g)
         if tree is not None and k < self.trace.room_k(g):

@@ -30,9 +30,9 @@ from .trace import Trace, load
 WARMUP_TOKENS = 4  # a first call per method and batch size, untimed: allocations, kernels, compilations
 
 
-def check(trace: Trace, target, drafters: list, **pool_kwargs) -> dict[str, list[str]]:
-    """Replay every recorded check run on this target and these pool entries (pool keyword arguments: cache=):
-    run name -> what differs (a run that raised, e.g. a forced target that lost its rows, differs too)."""
+def check(trace: Trace, target, drafters: list) -> dict[str, list[str]]:
+    """Replay every recorded check run on this target and these pool entries: run name -> what differs (a run
+    that raised, e.g. a forced target that lost its rows, differs too)."""
     out = {}
     for recorded in trace.checks:
         config = CheckConfig(**recorded["config"])
@@ -45,7 +45,6 @@ def check(trace: Trace, target, drafters: list, **pool_kwargs) -> dict[str, list
                 trace.k_max,
                 trace.min_confidence,
                 trace.max_new_tokens,
-                **pool_kwargs,
             )
         except (RuntimeError, ValueError) as err:
             out[config.name] = [f"raised {type(err).__name__}: {err}"]
