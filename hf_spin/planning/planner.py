@@ -310,8 +310,8 @@ class Planner:
             self.journal.note(
                 row_ids,
                 caps=list(caps),
-                optimistic=ks,
-                exploit=exploit,
+                optimistic=list(ks),
+                exploit=list(exploit),
                 sized=list(sized),
                 probe_seconds=probe,
                 budget_left=self.budget.left,
