@@ -6,10 +6,10 @@ nothing; where it is not (a CPU without fast bf16 matmuls verifies 8 tokens at ~
 8-token probe at 0% acceptance costs 5 plain steps, and a pool probing every new request ran 0.94x
 plain decoding (docs/planning.md, "Exploration").
 
-What the estimates expect to pay is the plan at the mean read without the prior (`exploit`: the
-prior's guess of 0.6 is no expectation; a pool that has seen a drafter right 22 times in 25 expects
-about 0.8 of it). Drafting beyond it is a probe, priced at its worst case: the seconds it adds to
-the step (its tokens all rejected, its catch-up wasted). A probe is bought only where the budget
+What the estimates expect to pay is the plan at the mean read with a pessimistic prior (`exploit`:
+the usual prior's guess of 0.6 is no expectation; a pool that has seen a drafter right 22 times in
+25 expects about 0.8 of it, 4 of 4 0.67). Drafting beyond it is a probe, priced at its worst case:
+the seconds it adds to the step (its tokens all rejected, its catch-up wasted). A probe is bought only where the budget
 covers that, and the budget is a share (`SHARE`) of the plain time of the tokens committed so far,
 at least one plain step (an advance: a fresh pool may probe its first request). The tokens a probe
 gets accepted beyond the exploit plan are refunded at plain decoding's price, so a probe that

@@ -138,10 +138,8 @@ class Acceptance:
         prior: tuple[float, float] = (PRIOR_ACCEPTANCE, PRIOR_WEIGHT),
     ) -> float:
         """P(position accepted | positions before it accepted) on request `row`, `optimism` posterior sds up;
-        `prior`: (acceptance, pseudo-observations) assumed before evidence (`EVIDENCE_ONLY`: none)."""
+        `prior`: (acceptance, pseudo-observations) assumed before evidence (`EVIDENCE_ONLY`: a pessimistic one)."""
         above = self.pooled[drafter]
-        if sum(above) + prior[1] == 0:
-            return 0.0  # no evidence and no prior: nothing is expected
         pooled = mean = acceptance_with_prior(*above, *prior)
         if pooled == 0:
             return 0.0
@@ -149,7 +147,7 @@ class Acceptance:
             a, r = self.counts.get((drafter, m, position), (0.0, 0.0))
             # the level's prior: the level above without this level's own counts (else counted twice)
             rest = (max(above[0] - a, 0.0), max(above[1] - r, 0.0))
-            prior = (acceptance_with_prior(*rest, *prior) if sum(rest) + prior[1] > 0 else mean, LEVEL_WEIGHT)
+            prior = (acceptance_with_prior(*rest, *prior), LEVEL_WEIGHT)
             mean, above = acceptance_with_prior(a, r, *prior), (a, r)
         a, r = self.rows.get((drafter, row), (0.0, 0.0))
         share = (a + r) / max(self.evidence(drafter), a + r, 1e-9)  # of the pool's evidence, the request's own
@@ -291,7 +289,7 @@ class Planner:
         full: list[float],
     ) -> list[int]:
         """[B] the optimistic sizes `ks` cut to what the exploration budget affords (exploration.py): the
-        plan the evidence alone pays for (no prior), and beyond it probes, shortest first.
+        plan the evidence pays for (a pessimistic prior), and beyond it probes, shortest first.
         catch_up: [B] seconds charged a step for each row's catch-up (`size`); full: [B] the whole of it."""
         bounds = [
             self._curve(r, ds, k, None, 0.0, EVIDENCE_ONLY) if ds and k > 0 else []
