@@ -13,18 +13,13 @@ import pytest
 import torch
 
 import hf_spin
+from benchmarks.injected_costs import STRUCTURES, CostClock, profile_of, table
 from hf_spin.planning.exploration import SHARE
 from hf_spin.planning.planner import EVIDENCE_ONLY, OPTIMISM, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, Planner
 
 from .archs import EOS, tiny_model
-from .test_planning import CostClock, Scripted, case, profile_of, run, table
+from .test_planning import Scripted, case, run
 
-STRUCTURES = {
-    "flat": lambda n: 0.1,
-    "avx512_bf16": lambda n: 0.1 * (1 + 0.3 * (n - 1) / 7),
-    "avx2_fp32": lambda n: 0.1 * (1 + 0.8 * (n - 1) / 7),
-    "avx2_bf16": lambda n: 0.1 * (0.3 + 0.7 * n),
-}
 DRAFT_TOKEN = 0.3  # a draft model's forward, in plain steps (a 0.5B drafter for a 1.5B target)
 
 
@@ -37,7 +32,7 @@ def plain_clock(target, prompts, clock, new_tokens) -> float:
 @pytest.mark.parametrize("structure", list(STRUCTURES))
 @pytest.mark.parametrize("kind", ["model-free", "model"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_where_nothing_pays_the_default_path_costs_what_plain_does(structure, kind, batch, monkeypatch):
+def test_where_nothing_pays_the_default_path_costs_what_plain_does(structure, kind, batch):
     """Drafts that are never right (a scripted drafter at 0%, or an unrelated draft model at ~0%): the
     default path's run costs at most 3% more than plain `generate`'s on every cost structure, and the
     probes' net loss stays inside the budget (SHARE of the plain time so far, at least one plain step)."""
@@ -54,7 +49,7 @@ def test_where_nothing_pays_the_default_path_costs_what_plain_does(structure, ki
         drafter = Scripted(refs, [0.0] * batch)
         profile = profile_of(cost, [None], ["scripted"])
     pool = hf_spin.AssistantPool([drafter], profile=profile)
-    out = run(target, prompts, pool, clock, monkeypatch, new_tokens=new_tokens)
+    out = run(target, prompts, pool, clock, new_tokens=new_tokens)
     assert torch.equal(out, plain)
     spin = clock.now
     plain_seconds = plain_clock(target, prompts, clock, new_tokens)
@@ -99,7 +94,7 @@ def test_a_drafter_that_cannot_pay_is_not_caught_up_either(monkeypatch):
     pool = hf_spin.AssistantPool([drafter, "prompt_lookup"], policy="lbss", profile=profile)
     calls = []
     monkeypatch.setattr(pool.drafters[0], "catch_up", lambda *a, **kw: calls.append(a))
-    out = run(target, prompts, pool, clock, monkeypatch, new_tokens=30)
+    out = run(target, prompts, pool, clock, new_tokens=30)
     assert torch.equal(out, plain)
     assert pool.planner.paying == [False, True] and calls == []
     assert pool.last_stats.drafters[pool.names[0]].draft_seconds == 0.0

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import hf_spin
+from benchmarks.injected_costs import CostClock, profile_of, table
 from hf_spin.drafters import Draft, Drafter
-from hf_spin.planning.cost_profile import CostProfile, ForwardCost, measure
+from hf_spin.planning.cost_profile import ForwardCost, measure
 from hf_spin.planning.estimates import acceptance_with_prior
 from hf_spin.planning.planner import LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance, Planner, plan_k
 from hf_spin.planning.profiling import build_profile
@@ -26,27 +27,6 @@ from hf_spin.verify.token_tree import TokenTree
 
 from .archs import EOS, VOCAB, tiny_model
 from .speculation import perturbed
-
-
-class CostClock:
-    """A clock that only forwards move: each hooked model's forward adds cost.predict(N, rows)."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def hook(self, model, cost: ForwardCost) -> None:
-        def advance(module, args, kwargs):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            self.now += cost.predict(ids.numel(), ids.shape[0])
-
-        model.register_forward_pre_hook(advance, with_kwargs=True)
-
-
-def table(fn, knots=(1, 2, 4, 8, 16, 32, 64)) -> ForwardCost:
-    return ForwardCost.from_table({n: fn(n) for n in knots})
 
 
 def linear(n):  # an AVX2 CPU in bf16: 8 tokens cost ~6 plain steps
@@ -90,23 +70,17 @@ def case(batch: int, new_tokens: int = 40, seed: int = 0):
     return target, prompts, plain, [row.tolist() for row in plain]
 
 
-def run(target, prompts, pool, clock, monkeypatch, new_tokens=40):
-    for module in (hf_spin.step.engine, hf_spin.step.faults):
-        monkeypatch.setattr(module, "perf_counter", clock)
-    return target.generate(
-        prompts,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        eos_token_id=EOS,
-        custom_generate=hf_spin.generate,
-        assistant_pool=pool,
-    )
-
-
-def profile_of(target_cost: ForwardCost, drafters: list[ForwardCost | None], names: list[str]) -> CostProfile:
-    copy = [ForwardCost.from_dict(c.to_dict()) if c is not None else None for c in drafters]
-    return CostProfile(ForwardCost.from_dict(target_cost.to_dict()), copy, names)
+def run(target, prompts, pool, clock, new_tokens=40):
+    with clock.installed():
+        return target.generate(
+            prompts,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=EOS,
+            custom_generate=hf_spin.generate,
+            assistant_pool=pool,
+        )
 
 
 # --- the profile ---------------------------------------------------------------------------------
@@ -186,14 +160,14 @@ def test_profile_prints_as_a_table_with_its_outlook():
 # --- the planner's decisions ---------------------------------------------------------------------
 
 
-def test_plain_when_verification_grows_linearly_at_moderate_acceptance(monkeypatch):
+def test_plain_when_verification_grows_linearly_at_moderate_acceptance():
     """Linear verification (8 tokens ~6 steps) with drafts right 60% of the time: after a few
     probes the planner decodes plainly, and the run costs no more than plain decoding."""
     target, prompts, plain, refs = case(batch=1, new_tokens=60)
     clock = CostClock()
     clock.hook(target, table(linear))
     pool = hf_spin.AssistantPool([Scripted(refs, [0.6])], profile=profile_of(table(linear), [None], ["scripted"]))
-    out = run(target, prompts, pool, clock, monkeypatch, new_tokens=60)
+    out = run(target, prompts, pool, clock, new_tokens=60)
     assert torch.equal(out, plain)
     stats = pool.last_stats
     assert stats.steps > 40  # mostly one token a step: plain
@@ -201,20 +175,20 @@ def test_plain_when_verification_grows_linearly_at_moderate_acceptance(monkeypat
     assert stats.verify_seconds <= 1.03 * plain_seconds, f"{stats.verify_seconds:.2f}s vs plain {plain_seconds:.2f}s"
 
 
-def test_long_drafts_when_verification_is_flat(monkeypatch):
+def test_long_drafts_when_verification_is_flat():
     target, prompts, plain, refs = case(batch=1)
     clock = CostClock()
     clock.hook(target, table(flat))
     pool = hf_spin.AssistantPool(
         [Scripted(refs, [0.6])], draft_length=8, profile=profile_of(table(flat), [None], ["scripted"])
     )
-    out = run(target, prompts, pool, clock, monkeypatch)
+    out = run(target, prompts, pool, clock)
     assert torch.equal(out, plain)
     d = pool.last_stats.drafters["scripted"]
     assert d.longest_draft == 8 and d.drafted >= 0.85 * 8 * d.steps  # at the cap but where the length limit is nearer
 
 
-def test_model_drafter_sized_by_its_cost(monkeypatch):
+def test_model_drafter_sized_by_its_cost():
     """A real draft model priced by the profile: flat verification, drafting at 5% of a step a token:
     drafts of several tokens, accepted and rejected, output unchanged."""
     target, prompts, plain, _ = case(batch=2)
@@ -226,7 +200,7 @@ def test_model_drafter_sized_by_its_cost(monkeypatch):
     pool = hf_spin.AssistantPool(
         [drafter], draft_length=hf_spin.policies.FixedLength(6, min_confidence=0), profile=profile
     )
-    out = run(target, prompts, pool, clock, monkeypatch)
+    out = run(target, prompts, pool, clock)
     assert torch.equal(out, plain)
     d = pool.last_stats.drafters[pool.names[0]]
     assert d.longest_draft >= 2 and d.accepted > 0 and d.drafted > d.accepted
@@ -250,7 +224,7 @@ def test_batch_budget_goes_to_the_rows_most_likely_to_survive(monkeypatch):
         "trim",
         lambda self, *a, **kw: trims.append(trim(self, *a, **kw)[0]) or (trims[-1], [None] * len(trims[-1])),
     )
-    out = run(target, prompts, pool, clock, monkeypatch, new_tokens=60)
+    out = run(target, prompts, pool, clock, new_tokens=60)
     assert torch.equal(out, plain)
     full = [ks for ks in trims[3:] if len(ks) == 8]  # after a few steps of learning, while every row runs
     high, low = sum(sum(ks[:4]) for ks in full), sum(sum(ks[4:]) for ks in full)
@@ -260,7 +234,7 @@ def test_batch_budget_goes_to_the_rows_most_likely_to_survive(monkeypatch):
     assert all(8 + sum(ks) <= 28 for ks in full)  # within the flat part, give or take one slot
 
 
-def test_a_pool_that_cannot_win_says_so_once_and_decodes_plainly(monkeypatch):
+def test_a_pool_that_cannot_win_says_so_once_and_decodes_plainly():
     target, prompts, plain, _ = case(batch=1)
     drafter = perturbed("llama")
     clock = CostClock()
@@ -270,12 +244,12 @@ def test_a_pool_that_cannot_win_says_so_once_and_decodes_plainly(monkeypatch):
         [drafter], profile=profile_of(table(lambda n: 0.1 * n), [table(lambda n: 0.02 * n)], ["drafter"])
     )
     with pytest.warns(UserWarning, match="speculation cannot pay here"):
-        out = run(target, prompts, pool, clock, monkeypatch)
+        out = run(target, prompts, pool, clock)
     assert torch.equal(out, plain)
     assert pool.last_stats.drafters[pool.names[0]].drafted == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        run(target, prompts, pool, clock, monkeypatch)  # said once per pool and target
+        run(target, prompts, pool, clock)  # said once per pool and target
 
 
 def test_policies_read_the_profile():
@@ -430,7 +404,7 @@ def test_no_step_drafts_past_the_policys_cap_or_the_rows_room(profile, monkeypat
         return proposal
 
     monkeypatch.setattr(hf_spin.step.engine.SpinEngine, "propose", checked)
-    out = run(target, prompts, pool, clock, monkeypatch, new_tokens=15)
+    out = run(target, prompts, pool, clock, new_tokens=15)
     assert torch.equal(out, plain)
     assert all(length <= k <= min(cap, room) for length, cap, room, k in seen), seen
     assert any(length == cap < room for length, cap, room, _ in seen)  # the policy's cap binds
@@ -453,7 +427,7 @@ def test_profile_argument_is_checked():
 
 
 @pytest.mark.parametrize("new_tokens, drafts", [(12, False), (150, True)])
-def test_a_drafter_reads_a_long_prompt_only_where_the_answer_pays_for_it(new_tokens, drafts, monkeypatch):
+def test_a_drafter_reads_a_long_prompt_only_where_the_answer_pays_for_it(new_tokens, drafts):
     """A draft model new to a 150-token prompt must read it first (15 plain steps' worth here). Over 12
     new tokens that never pays back: plain decoding. Over 150 it does: the row drafts."""
     target, drafter = tiny_model("llama", seed=0), perturbed("llama")
@@ -468,7 +442,7 @@ def test_a_drafter_reads_a_long_prompt_only_where_the_answer_pays_for_it(new_tok
     plain = target.generate(
         prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS
     )
-    out = run(target, prompts, pool, clock, monkeypatch, new_tokens=new_tokens)
+    out = run(target, prompts, pool, clock, new_tokens=new_tokens)
     assert torch.equal(out, plain)
     assert (pool.last_stats.drafters[pool.names[0]].drafted > 0) == drafts
 
@@ -497,30 +471,20 @@ def test_trees_cost_what_the_planner_lets_a_chain_cost(costs, monkeypatch):
     linear verification (within 3% of plain's time), branching trees under flat verification."""
     import hf_spin.step.tree_step as tree_step
 
-    target, prompts, _, refs = case(batch=2, new_tokens=30)
-    plain = target.generate(prompts, max_new_tokens=30, do_sample=False, eos_token_id=EOS)
+    target, prompts, plain, refs = case(batch=2, new_tokens=30)
     fn = linear if costs == "linear" else flat
     clock = CostClock()
     clock.hook(target, table(fn))
     seen = []
     real = tree_step.verify
     monkeypatch.setattr(tree_step, "verify", lambda engine, trees: seen.extend(trees) or real(engine, trees))
-    for module in (hf_spin.step.engine, hf_spin.step.faults):
-        monkeypatch.setattr(module, "perf_counter", clock)
     pool = hf_spin.AssistantPool(
         [ScriptedTree(refs, [0.6, 0.6])],
         draft_length=6,
         cache="packed",
         profile=profile_of(table(fn), [None], ["scripted"]),
     )
-    out = target.generate(
-        prompts,
-        max_new_tokens=30,
-        do_sample=False,
-        eos_token_id=EOS,
-        custom_generate=hf_spin.generate,
-        assistant_pool=pool,
-    )
+    out = run(target, prompts, pool, clock, new_tokens=30)
     assert torch.equal(out, plain)
     stats = pool.last_stats
     if costs == "linear":

@@ -10,6 +10,7 @@ from transformers import CompileConfig
 
 from benchmarks.replay.__main__ import main
 from benchmarks.replay.checks import CheckConfig, generated, left_pad
+from benchmarks.replay.costs import FLOOR, run_structures, shortfalls
 from benchmarks.replay.forced import force, match, replay_drafters
 from benchmarks.replay.record import continuation, record
 from benchmarks.replay.run import check
@@ -149,3 +150,18 @@ def test_command_line_runs_the_benchmark_and_the_check(trace_file, trace, tmp_pa
     for method in ("generate", "generate_static", "transformers_lookup", "hf_spin_all"):
         assert f"| w | 1 | {method} |" in md.read_text()
     assert md.read_text().count(f"{len(trace.requests)}/{len(trace.requests)} |") == 7  # identical: every row
+
+
+def test_costs_replay_the_recorded_acceptance_on_injected_cost_structures(trace):
+    """`costs`: on every structure each method commits the recorded continuations; the clock charges each forward
+    the structure's t(N) (flat: a plain decode of n tokens takes n forwards of 0.1 s); a drafter's share is its
+    parameters over the target's; and no pool runs below the floor of plain `generate` where the planner reads
+    the structure it runs on (the regression gate)."""
+    records = run_structures(trace, ["flat", "avx2_bf16"], [1, 4])
+    assert {r["costs"] for r in records} == {"flat", "avx2_bf16"}
+    assert all(r["identical"] == r["requests"] for r in records)
+    plain = next(r for r in records if (r["costs"], r["batch"], r["method"]) == ("flat", 1, "generate"))
+    assert plain["seconds"] == pytest.approx(0.1 * plain["tokens"])
+    shares = records[0]["shares"]
+    assert shares["llama"] == pytest.approx(1.0) and 0 < shares["llama#2"] < 1  # the target's twin, a 1-layer one
+    assert shortfalls(records, FLOOR) == []

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.replay record|run`: the command line of record.py and run.py."""
+"""`python -m benchmarks.replay record|run|costs`: the command line of record.py, run.py and costs.py."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import DEFAULT_QUESTIONS
+from benchmarks.injected_costs import STRUCTURES
 from benchmarks.workloads import WORKLOADS
 
 from .checks import DEFAULT_CHECKS
+from .costs import FLOOR
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,6 +54,15 @@ def parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--threads", type=int, default=2)
     run.add_argument("--out", type=Path, default=Path("benchmarks/results/replay"))
+    costs = sub.add_parser(
+        "costs", help="replay a trace on injected cost structures: the default path's decisions on other machines"
+    )
+    costs.add_argument("trace", type=Path)
+    costs.add_argument("--structures", nargs="+", default=list(STRUCTURES), choices=STRUCTURES)
+    costs.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    costs.add_argument("--floor", type=float, default=FLOOR, help="exit 1 if a pool runs below this x plain")
+    costs.add_argument("--threads", type=int, default=2)
+    costs.add_argument("--out", type=Path, default=Path("benchmarks/results/replay"))
     return p
 
 
@@ -62,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
 
         record(args)
         return 0
+    if args.command == "costs":
+        from .costs import main as costs
+
+        return costs(args)
     from .run import main as run
 
     return run(args)

@@ -287,10 +287,12 @@ def force(model, trace: Trace, shift: int = 0) -> ForcedTarget:
     return ForcedTarget(model, trace, shift)
 
 
-def replay_drafters(trace: Trace, dtype: torch.dtype, device: str | torch.device) -> list:
+def replay_drafters(trace: Trace, dtype: torch.dtype, device: str | torch.device, reshape=None) -> list:
     """Pool entries standing in for the trace's drafters, in its order: a `ReplayDrafter` per model drafter (its
-    stand-in seeded by its index), the name of each live one (a pool makes it afresh)."""
+    stand-in seeded by its index, of the recorded config or of reshape(config)), the name of each live one (a pool
+    makes it afresh)."""
+    reshape = reshape or (lambda config: config)
     return [
-        d.kind if d.live else ReplayDrafter(build_model(d.config, dtype, device, seed=i + 1), trace, d)
+        d.kind if d.live else ReplayDrafter(build_model(reshape(d.config), dtype, device, seed=i + 1), trace, d)
         for i, d in enumerate(trace.drafters)
     ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -58,13 +59,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def methods(trace: Trace, target, drafters: list, batch: int, cache_len: int, compile_config=None) -> dict:
+def methods(
+    trace: Trace, target, drafters: list, batch: int, cache_len: int, compile_config=None, profile=None
+) -> dict:
     """method name -> fn(ids, mask, max_new_tokens) -> (output ids, hf_spin's stats or None), for this batch size.
 
     cache_len: the static cache's length, one for every batch of a workload (its longest prompt + max_new_tokens),
     so transformers compiles its decoding step once per batch size. compile_config: the static method's
     (`--compile-backend eager`: dynamo without inductor, which also runs on CPU); None: transformers' default,
-    and the static method on CUDA only."""
+    and the static method on CUDA only. profile: fn(pool entries) -> the pool's `CostProfile` (injected costs),
+    or None: each pool measures its own ("auto")."""
     names = [d.name for d in trace.drafters]
 
     def plain(ids, mask, n, **kwargs):
@@ -84,8 +88,12 @@ def methods(trace: Trace, target, drafters: list, batch: int, cache_len: int, co
     if batch == 1:
         out["transformers_lookup"] = lambda ids, mask, n: plain(ids, mask, n, prompt_lookup_num_tokens=trace.k_max)
     for pool_name, spec in trace.pools.items():
+        entries = [drafters[names.index(n)] for n in spec["drafters"]]
         pool = hf_spin.AssistantPool(
-            [drafters[names.index(n)] for n in spec["drafters"]], policy=spec["policy"], draft_length=trace.k_max
+            entries,
+            policy=spec["policy"],
+            draft_length=trace.k_max,
+            profile=profile(entries) if profile is not None else None,
         )
 
         def spin(ids, mask, n, pool=pool):
@@ -104,9 +112,15 @@ def methods(trace: Trace, target, drafters: list, batch: int, cache_len: int, co
     return out
 
 
-def bench(trace: Trace, target, drafters: list, batch_sizes: list[int], compile_config=None) -> list[dict]:
-    """One record per (workload, batch size, method): tokens, seconds, forwards, per-drafter counts, identical."""
+def bench(
+    trace: Trace, target, drafters: list, batch_sizes: list[int], compile_config=None, clock=None, profile=None
+) -> list[dict]:
+    """One record per (workload, batch size, method): tokens, seconds, forwards, per-drafter counts, identical.
+
+    clock: a `CostClock` (benchmarks/injected_costs.py) to time calls by, installed as the engine's clock, with no
+    warm-up calls (they change nothing it reads); None: wall time. profile: as `methods` takes it."""
     eos, pad = trace.target["eos_token_id"], trace.target["pad_token_id"]
+    now = clock if clock is not None else lambda: _sync(target.device) or time.perf_counter()
     by_workload = defaultdict(list)
     for r in trace.requests:
         by_workload[r.workload].append(r)
@@ -115,8 +129,8 @@ def bench(trace: Trace, target, drafters: list, batch_sizes: list[int], compile_
         for workload, requests in by_workload.items():
             batches = [requests[i : i + bs] for i in range(0, len(requests), bs)]
             cache_len = max(len(r.prompt) for r in requests) + trace.max_new_tokens
-            for name, fn in methods(trace, target, drafters, bs, cache_len, compile_config).items():
-                for chunk in {len(c): c for c in batches}.values():  # untimed, once per batch shape
+            for name, fn in methods(trace, target, drafters, bs, cache_len, compile_config, profile).items():
+                for chunk in {len(c): c for c in batches}.values() if clock is None else ():  # untimed, per shape
                     fn(*left_pad([r.prompt for r in chunk], pad, target.device), WARMUP_TOKENS)
                 rec = {
                     "workload": workload,
@@ -131,11 +145,10 @@ def bench(trace: Trace, target, drafters: list, batch_sizes: list[int], compile_
                 }
                 for chunk in tqdm(batches, desc=f"{workload} b{bs} {name}", leave=False):
                     ids, mask = left_pad([r.prompt for r in chunk], pad, target.device)
-                    _sync(target.device)
-                    start = time.perf_counter()
-                    out, stats = fn(ids, mask, trace.max_new_tokens)
-                    _sync(target.device)
-                    rec["seconds"] += time.perf_counter() - start
+                    with clock.installed() if clock is not None else nullcontext():
+                        start = now()
+                        out, stats = fn(ids, mask, trace.max_new_tokens)
+                        rec["seconds"] += now() - start
                     rows = generated(out, ids.shape[1], eos, pad)
                     rec["tokens"] += sum(map(len, rows))
                     rec["requests"] += len(chunk)
@@ -151,19 +164,27 @@ def bench(trace: Trace, target, drafters: list, batch_sizes: list[int], compile_
 
 
 def table(records: list[dict]) -> str:
-    """Markdown: one line per (workload, batch, method)."""
+    """Markdown: one line per (workload, batch, method), and per cost structure where records name one
+    (`costs`: benchmarks/replay/costs.py; seconds are then the structure's, not this machine's)."""
+    structured = any("costs" in r for r in records)
     lines = [
-        "| workload | batch | method | tok/s | x generate | tokens / forward | acceptance per drafter | identical |",
-        "|---|---|---|---|---|---|---|---|",
+        ("| costs " if structured else "")
+        + "| workload | batch | method | tok/s | x generate | tokens / forward | acceptance per drafter | identical |",
+        ("|---" if structured else "") + "|---|---|---|---|---|---|---|---|",
     ]
-    base = {(r["workload"], r["batch"]): r["tokens"] / r["seconds"] for r in records if r["method"] == "generate"}
+    base = {
+        (r.get("costs"), r["workload"], r["batch"]): r["tokens"] / r["seconds"]
+        for r in records
+        if r["method"] == "generate"
+    }
     for r in records:
         rate = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
-        speedup = rate / base[r["workload"], r["batch"]]
+        speedup = rate / base[r.get("costs"), r["workload"], r["batch"]]
         per_forward = f"{r['tokens'] / r['forwards']:.2f}" if r["forwards"] else "-"
         accept = ", ".join(f"{d} {a / n:.0%} ({a}/{n})" for d, (n, a) in r["drafters"].items() if n) or "-"
         lines.append(
-            f"| {r['workload']} | {r['batch']} | {r['method']} | {rate:.1f} | {speedup:.2f} "
+            (f"| {r['costs']} " if structured else "")
+            + f"| {r['workload']} | {r['batch']} | {r['method']} | {rate:.1f} | {speedup:.2f} "
             f"| {per_forward} | {accept} | {r['identical']}/{r['requests']} |"
         )
     return "\n".join(lines)
