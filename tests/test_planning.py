@@ -59,11 +59,11 @@ class Scripted(Drafter):
         return Draft(tokens=tokens, q=[None] * len(tokens))
 
 
-def case(batch: int, new_tokens: int = 40, seed: int = 0):
-    """(target, prompts [batch, 8], plain output, reference sequences per row), no EOS stop."""
+def case(batch: int, new_tokens: int = 40, seed: int = 0, prompt_length: int = 8):
+    """(target, prompts [batch, prompt_length], plain output, reference sequences per row), no EOS stop."""
     target = tiny_model("llama", seed=0)
     g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(3, VOCAB, (batch, 8), generator=g)
+    prompts = torch.randint(3, VOCAB, (batch, prompt_length), generator=g)
     plain = target.generate(
         prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS
     )

@@ -39,16 +39,14 @@ STAND_IN = {  # the stand-ins' shape: small, so a run is quick; their cost comes
     "num_key_value_heads": 1,
     "head_dim": 16,
 }
-STAND_IN_DRAFT_VOCAB = 1024  # a replay drafter's ids are taken mod its vocabulary (forced.ReplayDrafter)
 
 
-def stand_in(config: dict, vocab: int | None = None) -> dict:
-    """`config` (a `to_dict()`) shrunk to `STAND_IN` (and to `vocab` tokens if given), layer types cut to match."""
+def stand_in(config: dict) -> dict:
+    """`config` (a `to_dict()`) shrunk to `STAND_IN` (its vocabulary kept: the forced logits index it), layer
+    types cut to match."""
     small = {**config, **{k: v for k, v in STAND_IN.items() if k in config or k == "head_dim"}}
     if config.get("layer_types"):
         small["layer_types"] = config["layer_types"][: STAND_IN["num_hidden_layers"]]
-    if vocab is not None:
-        small["vocab_size"] = vocab
     return small
 
 
@@ -67,7 +65,7 @@ def run_structures(trace: Trace, structures: list[str], batch_sizes: list[int]) 
     """Records of `run.bench` for every structure, each tagged with it (`costs`) and with the drafters' shares."""
     target = build_model(stand_in(trace.target["config"]), torch.float32, "cpu")
     force(target, trace)
-    drafters = replay_drafters(trace, torch.float32, "cpu", reshape=lambda c: stand_in(c, STAND_IN_DRAFT_VOCAB))
+    drafters = replay_drafters(trace, torch.float32, "cpu", reshape=stand_in)
     shares = {
         d.name: parameter_share(d.config, trace.target["config"]) for d in trace.drafters if not d.live
     }  # model drafter -> its cost per forward over the target's

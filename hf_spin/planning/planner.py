@@ -355,6 +355,20 @@ class Planner:
             + sum(c for c, k in zip(catch_up, ks) if k > 0)
         )
 
+    def worth_catching_up(self, row_ids: list[int], drafter: int, lags: list[int], rooms: list[int]) -> list[bool]:
+        """[B] whether an idle catch-up (a policy's `Plan.catch_up`: feeding a drafter a row it does not draft
+        now) pays for itself on each row: drafting the row with `drafter` alone, at what the evidence says (the
+        pessimistic prior of the exploit plan) and with this catch-up of `lags` ([B] tokens) spread over the
+        row's steps left (`rooms`, [B] tokens), beats a plain step. A drafter's first catch-up on a request is
+        paid by a probe, where the budget affords it, not here."""
+        with self.lock:
+            out = []
+            for r, lag, room in zip(row_ids, lags, rooms):
+                curve = self._curve(r, (drafter,), min(room, self.profile.max_k), None, 0.0, EVIDENCE_ONLY)
+                spread = self._spread(self._catch_up_seconds({drafter: lag}), room, curve)
+                out.append(bool(curve) and self._best([curve], [(drafter,)], False, [spread])[0] > 0)
+            return out
+
     def _catch_up_seconds(self, lags: dict[int, int]) -> float:
         """Seconds a row's model drafters would spend catching up on the tokens they lack (the whole
         prompt, for a drafter new to the row)."""

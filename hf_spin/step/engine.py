@@ -501,12 +501,18 @@ class SpinEngine:
 
     def _catch_up_idle(self, catch_up: dict[int, list[int]], draft_seconds: list[float]) -> None:
         """Drafter -> batch rows (indices) it catches up on; its time added to `draft_seconds`."""
-        sequences = [r.sequence for r in self.rows]
+        rows = self.rows
+        sequences = [r.sequence for r in rows]
         for d_idx, wanted in catch_up.items():
-            bs = [b for b in wanted if d_idx not in self.rows[b].banned]
-            # a drafter the planner judges unable to pay here is never sized above 0: catching it up is waste
-            pays = self.planner is None or self.planner.paying[d_idx]
-            if self.usable[d_idx] and bs and pays:
+            bs = [b for b in wanted if d_idx not in rows[b].banned]
+            if self.planner is not None and bs:  # only where the evidence says the catch-up pays for itself
+                drafter = self.drafters[d_idx]
+                lags = [len(rows[b].sequence) - (drafter.synced(b) or 0) for b in bs]
+                worth = self.planner.worth_catching_up(
+                    [rows[b].id for b in bs], d_idx, lags, [rows[b].draft_room for b in bs]
+                )
+                bs = [b for b, w in zip(bs, worth) if w]
+            if self.usable[d_idx] and bs:
                 call = self._call_drafter(d_idx, lambda: self.drafters[d_idx].catch_up(bs, sequences), bs)
                 if call.ok:
                     draft_seconds[d_idx] += call.seconds

@@ -251,11 +251,15 @@ MUTANTS = (
     ),
     Mutant(
         "idle_catch_up_ignores_the_planner",
-        "a drafter the planner will never size above 0 still catches up on idle rows when a policy asks: on an AVX2 CPU the README demo spent 30 s of a 104 s prompt catching two draft models up for nothing",
+        "idle catch-ups run wherever a policy asks, not only where the evidence says they pay: on an AVX2 CPU the README demo spent 30 s of a 104 s prompt catching two draft models up for nothing",
         "hf_spin/step/engine.py",
-        "pays = self.planner is None or self.planner.paying[d_idx]",
-        "pays = True",
-        ("tests/test_exploration.py::test_a_drafter_that_cannot_pay_is_not_caught_up_either",),
+        "bs = [b for b, w in zip(bs, worth) if w]",
+        "bs = list(bs)",
+        (
+            "tests/test_exploration.py::test_a_drafter_that_cannot_pay_is_not_caught_up_either",
+            "tests/test_exploration.py::test_idle_catch_ups_run_only_where_the_evidence_pays_them[avx2_fp32]",
+            "tests/test_exploration.py::test_idle_catch_ups_run_only_where_the_evidence_pays_them[avx2_bf16]",
+        ),
     ),
     Mutant(
         "planner_values_siblings_as_the_chain",
