@@ -15,8 +15,9 @@ at least one plain step (an advance: a fresh pool may probe its first request). 
 gets accepted beyond the exploit plan are refunded at plain decoding's price, so a probe that
 pays funds the next. A probe is as short as what it must learn: one token tells whether the
 drafter's guesses hold on the request; it grows only while each extra token adds at most `FREE`
-of a plain step (flat verification: a GPU, an AMX CPU, where long probes cost nothing). The same
-rule on every machine, read from its profile.
+of a plain step (flat verification: a GPU, an AMX CPU, where long probes cost nothing). An idle
+catch-up the evidence does not pay for is bought from the same budget (`spend`). The same rule on
+every machine, read from its profile.
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ class ExplorationBudget:
                 [max(a, b) for a, b in zip(before[1], chosen[0])],
             )
         return chosen
+
+    def spend(self, seconds: float) -> bool:
+        """Buy something whose worth is unknown (an idle catch-up the evidence does not pay for) at `seconds`,
+        if the budget covers it; nothing is refunded."""
+        if seconds > self.left:
+            return False
+        self.spent += seconds
+        return True
 
     def bought(self, row_ids: list[int]) -> list[int]:
         """[B] the sizes a probe bought for this step's rows (0 where none)."""

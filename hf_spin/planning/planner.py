@@ -356,17 +356,20 @@ class Planner:
         )
 
     def worth_catching_up(self, row_ids: list[int], drafter: int, lags: list[int], rooms: list[int]) -> list[bool]:
-        """[B] whether an idle catch-up (a policy's `Plan.catch_up`: feeding a drafter a row it does not draft
-        now) pays for itself on each row: drafting the row with `drafter` alone, at what the evidence says (the
-        pessimistic prior of the exploit plan) and with this catch-up of `lags` ([B] tokens) spread over the
-        row's steps left (`rooms`, [B] tokens), beats a plain step. A drafter's first catch-up on a request is
-        paid by a probe, where the budget affords it, not here."""
+        """[B] whether to run an idle catch-up (a policy's `Plan.catch_up`: feeding a drafter a row it does not
+        draft now) on each row: where it pays for itself (drafting the row with `drafter` alone, at what the
+        evidence says, the exploit plan's pessimistic prior, with this catch-up of `lags` ([B] tokens) spread
+        over the row's steps left (`rooms`, [B] tokens), beats a plain step), or else as a probe the
+        exploration budget affords at the catch-up's full price. Never for a drafter that cannot pay here."""
+        if not self.paying[drafter]:
+            return [False] * len(row_ids)
         with self.lock:
             out = []
             for r, lag, room in zip(row_ids, lags, rooms):
+                seconds = self._catch_up_seconds({drafter: lag})
                 curve = self._curve(r, (drafter,), min(room, self.profile.max_k), None, 0.0, EVIDENCE_ONLY)
-                spread = self._spread(self._catch_up_seconds({drafter: lag}), room, curve)
-                out.append(bool(curve) and self._best([curve], [(drafter,)], False, [spread])[0] > 0)
+                pays = self._best([curve], [(drafter,)], False, [self._spread(seconds, room, curve)])[0] > 0
+                out.append(pays or self.budget.spend(seconds))
             return out
 
     def _catch_up_seconds(self, lags: dict[int, int]) -> float:
