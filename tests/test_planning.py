@@ -114,10 +114,22 @@ def test_measure_reads_the_injected_costs_within_its_budget():
     clock = CostClock()
     clock.hook(model, table(lambda n: 0.1 * n))
     cost = measure(model, budget=3.0, clock=clock)  # after a warm-up forward the budget does not count
-    # two timed runs a point: 0.2 + 0.4 + 0.8 + 1.6 s spent at N = 8; N = 16 (3.2 s more) would overrun
+    # two timed runs a point, N = 1, 8, 2, 4: 0.2 + 1.6 + 0.4 + 0.8 s; N = 16 (3.2 s more) would overrun
     assert cost.knots == [1, 2, 4, 8]
     assert cost.seconds == pytest.approx([0.1, 0.2, 0.4, 0.8])
     assert cost.per_row == 0.0  # the batch-4 point did not fit either
+
+
+def test_a_short_grid_brackets_the_draft_widths_instead_of_extrapolating():
+    """A slow machine whose GEMV path makes one token cheap and any wider forward cost about two (an AMD
+    EPYC in float32: 431 / 913 / 935 / 897 ms for 1 / 2 / 4 / 8 tokens): the budget affords two points,
+    and they are 1 and 8, so 8 tokens read at about 2 plain steps, not 8.8 from extrapolating 1 and 2."""
+    model = tiny_model("llama", seed=0)
+    clock = CostClock()
+    clock.hook(model, table(lambda n: 0.43 if n == 1 else 0.9))
+    cost = measure(model, budget=3.0, clock=clock)
+    assert cost.knots == [1, 8]
+    assert cost.predict(8) / cost.predict(1) == pytest.approx(0.9 / 0.43)
 
 
 def test_profile_is_cached_per_model_and_threads(tmp_path, monkeypatch):

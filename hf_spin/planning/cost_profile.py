@@ -39,8 +39,11 @@ CORRECTION_DECAY = 0.98
 MAX_LOG_RESIDUAL = 1.0
 # Context (prompt tokens) the grid is measured at: a short chat prompt.
 GRID_CONTEXT = 128
-# Forward positions of the grid, in the order measured: the budget may stop it after any of them.
-GRID_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+# Forward positions of the grid, in the order measured: the budget may stop it after any of them. 1 and 8
+# (a draft's usual verify width) come first, so a slow machine's short grid brackets the widths drafting
+# uses and interpolates them. Extrapolating 1 and 2 instead read an AMD EPYC in float32 (M = 1 a GEMV, M >= 2
+# a GEMM: 431 / 913 / 935 / 897 ms for 1 / 2 / 4 / 8 tokens) as 8 tokens at 8.8 plain steps: 2.1 in truth.
+GRID_TOKENS = (1, 8, 2, 4, 16, 32, 64)
 # Rows of the per-row overhead point (measured with one new token per row).
 GRID_ROWS = 4
 # Seconds the grid of the target may take (beyond its first two points, always measured); a drafter
@@ -175,11 +178,12 @@ def _context_cache(model, rows: int, generator: torch.Generator):
 def measure(
     model, budget: float = GRID_BUDGET, clock: Callable[[], float] = perf_counter, progress=None
 ) -> ForwardCost:
-    """Measure a model's `ForwardCost` on the grid: forwards over N = 1, 2, 4, ... new tokens after a
-    context of GRID_CONTEXT positions (the cache cropped back after each), each timed twice and the
-    faster kept (the first run pays allocations), until the next point would overrun `budget`
-    seconds (a warm-up forward first, outside the budget); then GRID_ROWS rows of one token for the
-    per-row overhead, if the budget allows.
+    """Measure a model's `ForwardCost` on the grid: forwards over N new tokens (in GRID_TOKENS' order:
+    1, 8, then the widths between and beyond) after a context of GRID_CONTEXT positions (the cache
+    cropped back after each), each timed twice and the faster kept (the first run pays allocations),
+    until the next point would overrun `budget` seconds (a warm-up forward first, outside the budget;
+    the first two points always run); then GRID_ROWS rows of one token for the per-row overhead, if
+    the budget allows.
     `progress`: called with each point's description (a progress bar's update)."""
     device = model.device
     vocab = model.config.get_text_config().vocab_size
@@ -207,11 +211,11 @@ def measure(
     table: dict[int, float] = {}
     for n in GRID_TOKENS:
         if len(table) >= 2:
-            last = max(table)
-            if clock() - started + 2 * table[last] * n / last > budget:  # two runs, at worst proportional
+            guess = ForwardCost.from_table(dict(sorted(table.items()))).predict(n)  # what is measured, read at N
+            if clock() - started + 2 * guess > budget:  # two runs
                 break
         table[n] = timed(1, n)
-    cost = ForwardCost.from_table(table)
+    cost = ForwardCost.from_table(dict(sorted(table.items())))
     if clock() - started + 2 * table[1] * GRID_ROWS <= budget:
         cost.per_row = max(timed(GRID_ROWS, 1) - cost.predict(GRID_ROWS), 0.0) / (GRID_ROWS - 1)
     return cost
