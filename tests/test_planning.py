@@ -122,14 +122,16 @@ def test_measure_reads_the_injected_costs_within_its_budget():
 
 def test_a_short_grid_brackets_the_draft_widths_instead_of_extrapolating():
     """A slow machine whose GEMV path makes one token cheap and any wider forward cost about two (an AMD
-    EPYC in float32: 431 / 913 / 935 / 897 ms for 1 / 2 / 4 / 8 tokens): the budget affords two points,
-    and they are 1 and 8, so 8 tokens read at about 2 plain steps, not 8.8 from extrapolating 1 and 2."""
+    EPYC in float32: 431 / 913 / 935 / 897 ms for 1 / 2 / 4 / 8 tokens): the grid measures 1, 8 and 2
+    even past its budget, so 8 tokens read at about 2 plain steps (not 8.8 from extrapolating 1 and 2) and
+    a one-token probe (N = 2) at about 2 too (not 1.2 from interpolating 1 and 8)."""
     model = tiny_model("llama", seed=0)
     clock = CostClock()
     clock.hook(model, table(lambda n: 0.43 if n == 1 else 0.9))
     cost = measure(model, budget=3.0, clock=clock)
-    assert cost.knots == [1, 8]
+    assert cost.knots == [1, 2, 8]
     assert cost.predict(8) / cost.predict(1) == pytest.approx(0.9 / 0.43)
+    assert cost.predict(2) / cost.predict(1) == pytest.approx(0.9 / 0.43)
 
 
 def test_profile_is_cached_per_model_and_threads(tmp_path, monkeypatch):

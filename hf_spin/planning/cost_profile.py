@@ -39,11 +39,13 @@ CORRECTION_DECAY = 0.98
 MAX_LOG_RESIDUAL = 1.0
 # Context (prompt tokens) the grid is measured at: a short chat prompt.
 GRID_CONTEXT = 128
-# Forward positions of the grid, in the order measured: the budget may stop it after any of them. 1 and 8
-# (a draft's usual verify width) come first, so a slow machine's short grid brackets the widths drafting
-# uses and interpolates them. Extrapolating 1 and 2 instead read an AMD EPYC in float32 (M = 1 a GEMV, M >= 2
-# a GEMM: 431 / 913 / 935 / 897 ms for 1 / 2 / 4 / 8 tokens) as 8 tokens at 8.8 plain steps: 2.1 in truth.
+# Forward positions of the grid, in the order measured: the budget may stop it after any of them but the
+# first GRID_MIN_POINTS. 1, 8 (a draft's usual verify width) and 2 come first, so a slow machine's short grid
+# brackets the widths drafting uses and resolves the step from one token to two. Extrapolating 1 and 2 read an
+# AMD EPYC in float32 (M = 1 a GEMV, M >= 2 a GEMM: 431 / 913 / 935 / 897 ms for 1 / 2 / 4 / 8 tokens) as 8
+# tokens at 8.8 plain steps, 2.1 in truth; 1 and 8 alone read a one-token probe (N = 2) at 1.2 steps, 2.1 in truth.
 GRID_TOKENS = (1, 8, 2, 4, 16, 32, 64)
+GRID_MIN_POINTS = 3
 # Rows of the per-row overhead point (measured with one new token per row).
 GRID_ROWS = 4
 # Seconds the grid of the target may take (beyond its first two points, always measured); a drafter
@@ -182,7 +184,7 @@ def measure(
     1, 8, then the widths between and beyond) after a context of GRID_CONTEXT positions (the cache
     cropped back after each), each timed twice and the faster kept (the first run pays allocations),
     until the next point would overrun `budget` seconds (a warm-up forward first, outside the budget;
-    the first two points always run); then GRID_ROWS rows of one token for the per-row overhead, if
+    the first GRID_MIN_POINTS always run); then GRID_ROWS rows of one token for the per-row overhead, if
     the budget allows.
     `progress`: called with each point's description (a progress bar's update)."""
     device = model.device
@@ -210,7 +212,7 @@ def measure(
     started = clock()
     table: dict[int, float] = {}
     for n in GRID_TOKENS:
-        if len(table) >= 2:
+        if len(table) >= GRID_MIN_POINTS:
             guess = ForwardCost.from_table(dict(sorted(table.items()))).predict(n)  # what is measured, read at N
             if clock() - started + 2 * guess > budget:  # two runs
                 break
