@@ -48,10 +48,10 @@ class SpinGenerateOutput(GenerateDecoderOnlyOutput):
     stats: GenerationStats | None = None
 
 
-@dataclass
 class SpinGenerateEncoderDecoderOutput(GenerateEncoderDecoderOutput):
     """What plain `generate` returns for an encoder-decoder model (`sequences`: the decoder prompt, then
-    the generated tokens) plus `stats`; scores, attentions and caches are None, as in `SpinGenerateOutput`."""
+    the generated tokens), scores, attentions and caches None as in `SpinGenerateOutput`. `stats` is an
+    attribute, not a field: Whisper's `generate` splits every field of the output by row."""
 
     stats: GenerationStats | None = None
 
@@ -186,8 +186,11 @@ def generate(
         tail[i, : len(g)] = torch.tensor(g, dtype=input_ids.dtype)
     sequences = torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
     if config.return_dict_in_generate:
-        output = SpinGenerateOutput if encoder is None else SpinGenerateEncoderDecoderOutput
-        return output(sequences=sequences, stats=stats)
+        if encoder is None:
+            return SpinGenerateOutput(sequences=sequences, stats=stats)
+        output = SpinGenerateEncoderDecoderOutput(sequences=sequences)
+        output.stats = stats
+        return output
     return sequences
 
 

@@ -1,10 +1,10 @@
 """Admission: the target's prefill of rows joining the running batch, and their first token.
 
 A whole `generate` batch is prefilled exactly as `generate` prefills it (its own input tensors and
-model kwargs); rows joining a running batch (the server) are left-padded into one block. An encoder-decoder target's rows
-feed their decoder prompts (of one length in a `generate` batch, as `generate` feeds them) beside their
-encoder outputs, whose cross-attention K/V the forward computes once. On packed
-rows (`cache="packed"`) only the new rows' tokens are fed. Either way the new rows' KV is appended
+model kwargs); rows joining a running batch (the server) are left-padded into one block. On packed
+rows (`cache="packed"`) only the new rows' tokens are fed. An encoder-decoder target's rows feed their
+decoder prompts (of one length in a `generate` batch, as `generate` feeds them) beside their encoder
+outputs, whose cross-attention K/V that forward computes once. Either way the new rows' KV is appended
 to the batch's cache, after the rows already running.
 """
 
