@@ -21,7 +21,7 @@ import hf_spin
 import hf_spin.verify.chains
 from hf_spin.generation import SpinGenerateEncoderDecoderOutput
 
-from .archs import EOS, encoder_inputs, tiny_encoder_decoder, tiny_model
+from .archs import EOS, WHISPER_FRAMES, encoder_inputs, tiny_encoder_decoder, tiny_model
 from .speculation import assert_speculated, lookup_would_speculate_somewhere, perturb
 from .speculation import pool as spin_pool
 from .test_sampling import (
@@ -137,6 +137,38 @@ def test_whisper_generate_with_pool_after_enable():
     assert torch.equal(as_dict.sequences, dict_reference.sequences)
 
 
+def test_measured_profile_and_planner(tmp_path):
+    """A measured cost profile (the target's and the model drafter's decoder forwards over a random
+    encoder output) and the planner sizing every step from it: still identical."""
+    target, other = _models("t5")
+    inputs, reference = _case("t5", 4)
+    pool = spin_pool([other, "prompt_lookup"], policy="lbss", profile=tmp_path / "profile.json")
+    out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, reference)
+    assert pool.planner is not None and pool.cost_profile.drafters[0] is not None, str(pool.cost_profile)
+
+
+@pytest.mark.parametrize("form", ("timestamps", "long_form"))
+def test_whisper_timestamps_and_long_form(form):
+    """Timestamp tokens (a logits processor over each row's ids) and long-form audio (Whisper's generate
+    calls hf_spin once per 30-second window, here per WHISPER_FRAMES frames) stay identical."""
+    target, other = _models("whisper")
+    target.generation_config.max_initial_timestamp_index = 5
+    frames = WHISPER_FRAMES * (3 if form == "long_form" else 1)
+    features = torch.randn(2, 8, frames, generator=torch.Generator().manual_seed(0))
+    inputs = dict(
+        input_features=features,
+        attention_mask=torch.ones(2, frames, dtype=torch.long),
+        return_timestamps=True,
+        max_new_tokens=10,
+        **DECODER_PROMPT["whisper"],
+    )
+    pool = spin_pool([other])
+    out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, target.generate(**inputs))
+    assert_speculated(pool.last_stats, rejected=False)
+
+
 def test_dict_output_is_generates_encoder_decoder_output():
     """`return_dict_in_generate=True`: `generate`'s encoder-decoder output (sequences: the decoder prompt,
     then the generated tokens) with the call's stats."""
@@ -155,6 +187,15 @@ def test_refusals():
     pool = spin_pool(["prompt_lookup"])
     with pytest.raises(ValueError, match="num_beams=2 is not supported with assistant_pool; use num_beams=1"):
         target.generate(**features, num_beams=2, custom_generate=hf_spin.generate, assistant_pool=pool)
+    with pytest.raises(ValueError, match="output_scores=True is not supported with assistant_pool"):
+        # Whisper's temperature fallback reads every step's scores
+        target.generate(
+            **features,
+            temperature=(0.0, 0.2),
+            logprob_threshold=-1.0,
+            custom_generate=hf_spin.generate,
+            assistant_pool=pool,
+        )
     for cache in ("packed", "static"):
         with pytest.raises(ValueError, match=f"cache='{cache}' is not supported for the encoder-decoder target"):
             hf_spin.SpinEngine(target, spin_pool(["prompt_lookup"], cache=cache))

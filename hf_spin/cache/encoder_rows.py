@@ -71,7 +71,7 @@ class EncoderRows:
         width = max(p.hidden.shape[1] for p in parts)
         ragged = any(p.hidden.shape[1] != width for p in parts)
         hidden = torch.cat([_pad(p.hidden, width, 0.0) for p in parts])
-        mask = _cat_masks([p.mask for p in parts], [p.hidden for p in parts], width, ragged)
+        mask = _cat_masks([p.mask for p in parts], [p.hidden for p in parts], ragged)
         inputs = input_mask = None
         if all(p.inputs is not None for p in parts):
             in_width = max(p.inputs.shape[1] for p in parts)
@@ -79,7 +79,7 @@ class EncoderRows:
             if in_ragged and any(p.inputs.dim() != 2 for p in parts):
                 raise ValueError("encoder inputs of different lengths can be joined only as [B, S] token ids")
             inputs = torch.cat([_pad(p.inputs, in_width, 0) for p in parts])
-            input_mask = _cat_masks([p.input_mask for p in parts], [p.inputs for p in parts], in_width, in_ragged)
+            input_mask = _cat_masks([p.input_mask for p in parts], [p.inputs for p in parts], in_ragged)
         joined = EncoderRows(hidden, mask, inputs, input_mask)
         layers = [p.cross.layers for p in parts]
         if all(ls and all(layer.is_initialized for layer in ls) for ls in layers):
@@ -123,13 +123,15 @@ def _pad(t: torch.Tensor, width: int, value, dim: int = 1) -> torch.Tensor:
     return torch.cat([t, t.new_full(shape, value)], dim=dim)
 
 
-def _cat_masks(masks, tensors, width: int, ragged: bool) -> torch.Tensor | None:
-    """Masks of parts joined to `width` (a part without one: all real); None when no part has one and
-    no padding was added."""
+def _cat_masks(masks, tensors, ragged: bool) -> torch.Tensor | None:
+    """Masks of parts joined, each padded with 0 to the longest (a part without one: all real over its
+    tensor's length); None when no part has one and the parts are of one length. A mask need not be as
+    long as its tensor (Whisper's covers the input frames, twice its encoder output)."""
     if all(m is None for m in masks) and not ragged:
         return None
     full = [
         m if m is not None else torch.ones(t.shape[:2], dtype=torch.long, device=t.device)
         for m, t in zip(masks, tensors)
     ]
+    width = max(m.shape[1] for m in full)
     return torch.cat([_pad(m, width, 0) for m in full])
