@@ -19,9 +19,10 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import hf_spin
 import hf_spin.verify.chains
+from hf_spin.cache.encoder_rows import EncoderRows
 from hf_spin.generation import SpinGenerateEncoderDecoderOutput
 
-from .archs import EOS, WHISPER_FRAMES, encoder_inputs, tiny_encoder_decoder, tiny_model
+from .archs import EOS, PAD, WHISPER_FRAMES, encoder_inputs, tiny_encoder_decoder, tiny_model
 from .speculation import assert_speculated, lookup_would_speculate_somewhere, perturb
 from .speculation import pool as spin_pool
 from .test_sampling import (
@@ -148,6 +149,33 @@ def test_measured_profile_and_planner(tmp_path):
     assert pool.planner is not None and pool.cost_profile.drafters[0] is not None, str(pool.cost_profile)
 
 
+def test_rows_join_a_running_batch():
+    """Continuous batching (`SpinEngine.add` with a `Request.encoder`): a row joining running rows brings
+    its encoder output (of another length) and cross K/V (`RectangularCache.append_rows`), the model
+    drafter encodes it on joining (`EncoderDecoderDrafter.add_rows`); every row equals its plain output."""
+    target, other = _models("t5")
+    text = encoder_inputs("t5", 3, seed=1)
+    prompts = [ids[mask.bool()][None] for ids, mask in zip(text["input_ids"], text["attention_mask"])]  # [1, S_b]
+    plain = [target.generate(input_ids=ids, max_new_tokens=12, do_sample=False)[0, 1:].tolist() for ids in prompts]
+
+    def request(ids: torch.Tensor) -> hf_spin.Request:
+        with torch.no_grad():
+            hidden = target.get_encoder()(input_ids=ids).last_hidden_state  # [1, S_b, D]
+        mask = torch.ones_like(ids)
+        return hf_spin.Request([PAD], max_new_tokens=12, encoder=EncoderRows(hidden, mask, ids, mask))
+
+    engine = hf_spin.SpinEngine(target, spin_pool([other, "prompt_lookup"], policy="round_robin"))
+    rows = [engine.add(request(prompts[0])), engine.add(request(prompts[1]))]
+    for _ in range(3):
+        engine.step()
+    rows.append(engine.add(request(prompts[2])))
+    while engine.has_work:
+        engine.step()
+    engine.close()
+    assert [r.generated for r in rows] == plain
+    assert all(d.failures == 0 and d.drafted > 0 for d in engine.stats.drafters.values()), str(engine.stats)
+
+
 @pytest.mark.parametrize("form", ("timestamps", "long_form"))
 def test_whisper_timestamps_and_long_form(form):
     """Timestamp tokens (a logits processor over each row's ids) and long-form audio (Whisper's generate
@@ -203,6 +231,8 @@ def test_refusals():
         hf_spin.SpinEngine(target, spin_pool([hf_spin.StreamingDrafter(target)]))
     with pytest.raises(ValueError, match="is an encoder-decoder model and the target 'llama' a causal LM"):
         hf_spin.SpinEngine(tiny_model("llama"), spin_pool([other]))
+    with pytest.raises(ValueError, match="'whisper' is an encoder-decoder model: a Request needs its encoder side"):
+        hf_spin.SpinEngine(target, pool).add(hf_spin.Request([3], max_new_tokens=2))
     bart = tiny_encoder_decoder("bart")
     text = encoder_inputs("bart", 2)
     with pytest.raises(ValueError, match="'bart' is an encoder-decoder model whose decoder reads its positions"):

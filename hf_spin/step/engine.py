@@ -146,6 +146,16 @@ class SpinEngine:
     # -- rows in, rows out ---------------------------------------------------------------------------
     def add(self, request: Request) -> Row:
         """Queue a request; it joins the batch (prefill and first token) at the next step."""
+        seq2seq = bool(getattr(self.model.config, "is_encoder_decoder", False))
+        if seq2seq != (request.encoder is not None):
+            raise ValueError(
+                f"the target {self.model.config.model_type!r} is "
+                + (
+                    "an encoder-decoder model: a Request needs its encoder side (Request.encoder)"
+                    if seq2seq
+                    else "a causal LM: a Request takes no encoder side (Request.encoder=None)"
+                )
+            )
         row = Row(next(self._row_ids), request)
         self.pending.append(row)
         return row
