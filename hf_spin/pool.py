@@ -2,8 +2,9 @@
 what they did.
 
 Entries: a causal LM that shares the target's tokenizer; for an encoder-decoder target, a smaller
-encoder-decoder model of its family (`EncoderDecoderDrafter`: its own encoder, once per row); `(model, tokenizer)` for a drafter with
-another tokenizer (token translation; a shared tokenizer is detected and translation skipped);
+encoder-decoder model of its family (`EncoderDecoderDrafter`: its own encoder, once per row);
+`(model, tokenizer)` for a drafter with another tokenizer (token translation; a shared tokenizer is
+detected and translation skipped);
 `"prompt_lookup"`; `"suffix"` (a suffix index over the prompt, the output so far and earlier requests'
 outputs, kept across calls: `SuffixDrafter(...)` for its knobs); or any `Drafter` object (e.g.
 `ModelDrafter(model)` to skip the vocabulary check).
