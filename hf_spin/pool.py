@@ -18,7 +18,7 @@ import threading
 import warnings
 
 from .cache import check_packed_support, needs_contiguous_slots
-from .cache.encoder_rows import takes_decoder_positions
+from .cache.encoder_rows import reads_encoder_output, takes_decoder_positions
 from .cache.static_forward import StaticOptions
 from .drafters import (
     Drafter,
@@ -206,7 +206,8 @@ class AssistantPool:
             return TranslatingDrafter(entry[0], entry[1])
         if _is_model(entry):
             _check_model(entry, "drafter")
-            return EncoderDecoderDrafter(entry) if _encoder_decoder(entry) else ModelDrafter(entry)
+            cross = _encoder_decoder(entry) or reads_encoder_output(entry)
+            return EncoderDecoderDrafter(entry) if cross else ModelDrafter(entry)
         raise TypeError(
             f"cannot use {type(entry).__name__} as a drafter; give a causal LM, a (model, tokenizer) pair, "
             f"one of {sorted(NAMED_DRAFTERS)}, or a hf_spin.drafters.Drafter"
@@ -234,9 +235,9 @@ class AssistantPool:
         for drafter in self.drafters:
             if isinstance(drafter, EncoderDecoderDrafter) and not _encoder_decoder(target):
                 raise ValueError(
-                    f"drafter {drafter.name!r} is an encoder-decoder model and the target "
-                    f"{target.config.model_type!r} a causal LM: an encoder-decoder drafter needs an "
-                    "encoder-decoder target's encoder input"
+                    f"drafter {drafter.name!r} is an encoder-decoder model (or reads an encoder's output) and the "
+                    f"target {target.config.model_type!r} a causal LM: such a drafter needs an encoder-decoder "
+                    "target's encoder input or output"
                 )
         if self.cache_layout == "packed":
             check_packed_support(target, "target model")

@@ -4,18 +4,20 @@ Greedy: `generate(..., custom_generate=hf_spin.generate, assistant_pool=pool)` e
 on tiny random Whisper (its own `generate`: forced language and task tokens in the decoder prompt) and
 T5 (right-padded encoder inputs of different lengths), at batch 1 and 4, rows stopping at different
 steps (a second EOS id some rows meet) so that rows retire with their cross-attention K/V, with a
-same-family model drafter (its own encoder), prompt lookup and suffix drafting, under the fixed and
-LBSS policies, and through `hf_spin.enable()`. Sampled: the engine keeps a tiny Whisper's joint
+same-family model drafter (its own encoder), a decoder-only assistant reading the target's encoder
+output (distil-whisper's layout), prompt lookup and suffix drafting, under the fixed and LBSS policies,
+and through `hf_spin.enable()`. Sampled: the engine keeps a tiny Whisper's joint
 distribution of three tokens (test_sampling.py's chi-square check and its lossy control).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, WhisperForCausalLM
 
 import hf_spin
 import hf_spin.verify.chains
@@ -109,6 +111,18 @@ def test_greedy_equivalence(arch, drafter, batch):
     _assert_lossless(target, inputs, reference, pool, rejected=drafter != "suffix")
     if drafter == "model":
         assert isinstance(hf_spin.AssistantPool([other]).drafters[0], hf_spin.EncoderDecoderDrafter)
+
+
+def test_decoder_only_assistant_reads_the_targets_encoder_output():
+    """distil-whisper's layout: a `WhisperForCausalLM` (here the target's decoder with noise on its weights)
+    cross-attends to the target's encoder output, running no encoder of its own."""
+    target = _models("whisper")[0]
+    assistant = WhisperForCausalLM(copy.deepcopy(target.config)).eval()  # its init sets is_encoder_decoder=False
+    weights = {"model.decoder." + k: v for k, v in target.model.decoder.state_dict().items()}
+    assistant.load_state_dict({**weights, "proj_out.weight": target.proj_out.weight})
+    pool = spin_pool([perturb(assistant)])
+    assert isinstance(pool.drafters[0], hf_spin.EncoderDecoderDrafter) and not pool.drafters[0].own_encoder
+    _assert_lossless(target, *_case("whisper", 4), pool)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -229,7 +243,10 @@ def test_refusals():
             hf_spin.SpinEngine(target, spin_pool(["prompt_lookup"], cache=cache))
     with pytest.raises(ValueError, match="StreamingDrafter.*supported: an encoder-decoder model of its family"):
         hf_spin.SpinEngine(target, spin_pool([hf_spin.StreamingDrafter(target)]))
-    with pytest.raises(ValueError, match="is an encoder-decoder model and the target 'llama' a causal LM"):
+    with pytest.raises(
+        ValueError,
+        match=r"is an encoder-decoder model \(or reads an encoder's output\) and the target 'llama' a causal LM",
+    ):
         hf_spin.SpinEngine(tiny_model("llama"), spin_pool([other]))
     with pytest.raises(ValueError, match="'whisper' is an encoder-decoder model: a Request needs its encoder side"):
         hf_spin.SpinEngine(target, pool).add(hf_spin.Request([3], max_new_tokens=2))

@@ -93,7 +93,10 @@ class EncoderRows:
         """An encoder-decoder model's forward arguments from a decoder-only forward's `inputs` (input_ids,
         attention_mask, position_ids over the decoder's slots, ...): those under their decoder names
         (positions only where the model takes them; elsewhere its decoder counts slots and the cache is
-        kept contiguous, `needs_contiguous_slots`), and these rows' encoder output and mask."""
+        kept contiguous, `needs_contiguous_slots`), and these rows' encoder output and mask. A decoder
+        that `reads_encoder_output` (`WhisperForCausalLM`) keeps its names and gets the output alone."""
+        if not getattr(model.config, "is_encoder_decoder", False):  # a decoder reading an encoder's output
+            return {**inputs, "encoder_outputs": BaseModelOutput(last_hidden_state=self.hidden)}
         out = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "position_ids")}
         out["decoder_input_ids"] = inputs["input_ids"]
         out["decoder_attention_mask"] = inputs.get("attention_mask")
@@ -112,6 +115,14 @@ class EncoderRows:
 def takes_decoder_positions(model) -> bool:
     """Whether the model's forward takes per-row decoder positions (`decoder_position_ids`: Whisper)."""
     return "decoder_position_ids" in inspect.signature(model.forward).parameters
+
+
+def reads_encoder_output(model) -> bool:
+    """Whether a model that is not an encoder-decoder one still cross-attends to an encoder's output it is
+    given (`encoder_outputs`): distil-whisper's decoder-only assistant, `WhisperForCausalLM`."""
+    return not getattr(model.config, "is_encoder_decoder", False) and (
+        "encoder_outputs" in inspect.signature(model.forward).parameters
+    )
 
 
 def _pad(t: torch.Tensor, width: int, value, dim: int = 1) -> torch.Tensor:

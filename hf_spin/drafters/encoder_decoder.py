@@ -1,9 +1,12 @@
-"""A smaller encoder-decoder model of the target's family drafting for it (a tiny Whisper for a larger one).
+"""Drafters for an encoder-decoder target that cross-attend to an encoder's output of each row.
 
-It reads what the target's encoder read (each row's `EncoderRows.inputs`, from the target's cache) and runs
-its own encoder on it once per row, when the row joins; then it drafts on its decoder exactly as
-`ModelDrafter` does, its self-attention cache rolled back per row and its cross-attention K/V following
-its rows (cache/encoder_rows.py). docs/design.md, "Encoder-decoder targets".
+A smaller encoder-decoder model of the target's family (a tiny Whisper for a larger one) reads what the
+target's encoder read (each row's `EncoderRows.inputs`, from the target's cache) and runs its own encoder
+on it once per row, when the row joins. A decoder-only assistant that cross-attends to the target's
+encoder output (distil-whisper's layout, `WhisperForCausalLM`) reads that output instead and runs no
+encoder. Either drafts on its decoder exactly as `ModelDrafter` does, its self-attention cache rolled back
+per row and its cross-attention K/V following its rows (cache/encoder_rows.py). docs/design.md,
+"Encoder-decoder targets".
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ from __future__ import annotations
 import torch
 
 from ..cache import RectangularCache
-from ..cache.encoder_rows import EncoderRows
+from ..cache.encoder_rows import EncoderRows, reads_encoder_output
 from .model import ModelDrafter
 
 
 class EncoderDecoderDrafter(ModelDrafter):
-    """A draft encoder-decoder model sharing the target's tokenizer; drafts chains or trees on its decoder."""
+    """A draft encoder-decoder model, or a decoder reading the target's encoder output, sharing the
+    target's tokenizer; drafts chains or trees on its decoder."""
 
     def __init__(self, model, name: str | None = None, tree_width: int = 3):
         super().__init__(model, name=name, tree_width=tree_width)
@@ -24,7 +28,7 @@ class EncoderDecoderDrafter(ModelDrafter):
 
     def start(self, target, sequences: list[list[int]], target_cache=None) -> None:
         encoder = getattr(target_cache, "encoder", None)
-        if encoder is None or encoder.inputs is None:
+        if encoder is None or (encoder.inputs is None and self.own_encoder):
             raise ValueError(
                 f"drafter {self.name!r} is an encoder-decoder model: it needs the encoder input of an "
                 "encoder-decoder target's rows (generate's input_features / input_ids)"
@@ -43,9 +47,17 @@ class EncoderDecoderDrafter(ModelDrafter):
         super().finish()
         self.target_cache = None
 
+    @property
+    def own_encoder(self) -> bool:
+        """False for a decoder that reads the target's encoder output (`reads_encoder_output`)."""
+        return not reads_encoder_output(self.model)
+
     @torch.no_grad()
     def _encode(self, target_rows: EncoderRows) -> EncoderRows:
-        """This model's encoder over the rows' encoder inputs: `[B, S, D]` hidden states, computed once."""
+        """This model's encoder over the rows' encoder inputs: `[B, S, D]` hidden states, computed once;
+        the target's own output for a decoder without an encoder."""
+        if not self.own_encoder:
+            return EncoderRows(target_rows.hidden.to(self.model.device, self.model.dtype), target_rows.mask)
         device = self.model.device
         mask = target_rows.input_mask.to(device) if target_rows.input_mask is not None else None
         inputs = {self.model.main_input_name: target_rows.inputs.to(device=device)}

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
+from ..cache.encoder_rows import reads_encoder_output
 from ..cache.forward import CACHE_ARG
 from .estimates import DecayedMean, geometric_tokens
 
@@ -173,15 +174,22 @@ def _context_cache(model, rows: int, generator: torch.Generator):
 
 
 def _encoder_decoder_context(model, rows: int, generator: torch.Generator):
-    """(the cache, the encoder output) of an encoder-decoder model's grid: GRID_CONTEXT decoder positions
-    prefilled over a random encoder output (Whisper's fixed length, else GRID_CONTEXT positions), whose
-    cross-attention K/V the prefill computes once, as the engine's steps find them."""
+    """(the cache, the encoder output) of the grid of an encoder-decoder model (or a decoder reading an
+    encoder's output): GRID_CONTEXT decoder positions prefilled over a random encoder output (Whisper's
+    fixed length, else GRID_CONTEXT positions), whose cross-attention K/V the prefill computes once, as
+    the engine's steps find them."""
     length = getattr(model.config, "max_source_positions", None) or GRID_CONTEXT
     hidden = torch.randn(rows, length, model.config.d_model, generator=generator).to(model.device, model.dtype)
     encoder = BaseModelOutput(last_hidden_state=hidden)
     context = torch.randint(0, model.config.vocab_size, (rows, GRID_CONTEXT), generator=generator).to(model.device)
-    out = model(decoder_input_ids=context, encoder_outputs=encoder, use_cache=True, return_dict=True)
+    out = model(**{_ids_name(model): context}, encoder_outputs=encoder, use_cache=True, return_dict=True)
     return getattr(out, CACHE_ARG), encoder
+
+
+def _ids_name(model) -> str:
+    """The token ids' keyword: an encoder-decoder model's decoder ids, else (a decoder reading an encoder's
+    output, `WhisperForCausalLM`) its input ids."""
+    return "decoder_input_ids" if getattr(model.config, "is_encoder_decoder", False) else "input_ids"
 
 
 def _grid_forward(model, cache, encoder, new: torch.Tensor) -> None:
@@ -190,7 +198,7 @@ def _grid_forward(model, cache, encoder, new: torch.Tensor) -> None:
     if encoder is None:
         model(input_ids=new, position_ids=position_ids, use_cache=True, **{CACHE_ARG: cache})
     else:
-        model(decoder_input_ids=new, encoder_outputs=encoder, use_cache=True, **{CACHE_ARG: cache})
+        model(**{_ids_name(model): new}, encoder_outputs=encoder, use_cache=True, **{CACHE_ARG: cache})
 
 
 @torch.no_grad()
@@ -208,7 +216,7 @@ def measure(
     generator = torch.Generator().manual_seed(0)
 
     def timed(rows: int, tokens: int) -> float:
-        if getattr(model.config, "is_encoder_decoder", False):
+        if getattr(model.config, "is_encoder_decoder", False) or reads_encoder_output(model):
             cache, encoder = _encoder_decoder_context(model, rows, generator)
         else:
             cache, encoder = _context_cache(model, rows, generator), None
