@@ -84,11 +84,11 @@ def _validate(model, input_ids, config, pool, model_kwargs, processors) -> None:
             "use AssistantPool(cache='static') or leave cache_implementation unset"
         )
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-    unknown = set(model_kwargs) - KNOWN_MODEL_KWARGS - (ENCODER_DECODER_KWARGS if encoder_decoder else set())
+    known = KNOWN_MODEL_KWARGS | (ENCODER_DECODER_KWARGS if encoder_decoder else set())
+    unknown = set(model_kwargs) - known
     if unknown:
         raise ValueError(
-            f"model inputs {sorted(unknown)} are not supported with assistant_pool; "
-            f"supported: {sorted(KNOWN_MODEL_KWARGS)}"
+            f"model inputs {sorted(unknown)} are not supported with assistant_pool; supported: {sorted(known)}"
         )
     decoder_mask = model_kwargs.get("decoder_attention_mask")
     if decoder_mask is not None and not bool(decoder_mask.all()):
@@ -204,7 +204,7 @@ def _encoder_rows(model_kwargs: dict, inputs_tensor: torch.Tensor | None) -> Enc
     return EncoderRows(hidden, mask, inputs_tensor, mask)
 
 
-# --- hf_spin.enable(): `model.generate(..., assistant_pool=pool)` on any causal LM -----------------
+# --- hf_spin.enable(): `model.generate(..., assistant_pool=pool)` on any model (Whisper's own generate too) ---
 
 _original_generate = None
 
@@ -234,7 +234,8 @@ def _generate_with_pool(
 
 
 def enable() -> None:
-    """Teach every `transformers` model's `generate` the `assistant_pool=` argument (idempotent)."""
+    """Teach every `transformers` model's `generate` the `assistant_pool=` argument (idempotent). A model
+    whose own `generate` ends in `GenerationMixin.generate` (Whisper's) passes it on to this one."""
     global _original_generate
     if _original_generate is not None:
         return
