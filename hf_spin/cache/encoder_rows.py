@@ -11,6 +11,7 @@ targets".
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 
@@ -112,16 +113,22 @@ class EncoderRows:
         return EncoderDecoderCache(cache, self.cross)
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    """The keyword names a model class's forward takes (read once per class: every forward asks)."""
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
 def takes_decoder_positions(model) -> bool:
     """Whether the model's forward takes per-row decoder positions (`decoder_position_ids`: Whisper)."""
-    return "decoder_position_ids" in inspect.signature(model.forward).parameters
+    return "decoder_position_ids" in _forward_parameters(type(model))
 
 
 def reads_encoder_output(model) -> bool:
     """Whether a model that is not an encoder-decoder one still cross-attends to an encoder's output it is
     given (`encoder_outputs`): distil-whisper's decoder-only assistant, `WhisperForCausalLM`."""
-    return not getattr(model.config, "is_encoder_decoder", False) and (
-        "encoder_outputs" in inspect.signature(model.forward).parameters
+    return not getattr(model.config, "is_encoder_decoder", False) and "encoder_outputs" in _forward_parameters(
+        type(model)
     )
 
 
