@@ -125,6 +125,13 @@ def test_decoder_only_assistant_reads_the_targets_encoder_output():
     _assert_lossless(target, *_case("whisper", 4), pool)
 
 
+def test_causal_lm_drafts_decoder_tokens():
+    """A causal LM sharing the vocabulary drafts on the decoder's tokens (no encoder at all)."""
+    target = _models("t5")[0]
+    pool = spin_pool([tiny_model("llama")])
+    _assert_lossless(target, *_case("t5", 4), pool, accepted=False, rejected=True)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lbss_pool_equivalence(arch):
     target, other = _models(arch)

@@ -59,11 +59,9 @@ class EncoderDecoderDrafter(ModelDrafter):
         if not self.own_encoder:
             return EncoderRows(target_rows.hidden.to(self.model.device, self.model.dtype), target_rows.mask)
         device = self.model.device
-        mask = target_rows.input_mask.to(device) if target_rows.input_mask is not None else None
-        inputs = {self.model.main_input_name: target_rows.inputs.to(device=device)}
-        if mask is not None:
-            inputs["attention_mask"] = mask
-        if inputs[self.model.main_input_name].is_floating_point():
-            inputs[self.model.main_input_name] = inputs[self.model.main_input_name].to(self.model.dtype)
+        mask = target_rows.input_mask.to(device) if target_rows.input_mask is not None else None  # [B, S_in]
+        read = target_rows.inputs.to(device)  # [B, ...] features (in this model's dtype) or token ids
+        read = read.to(self.model.dtype) if read.is_floating_point() else read
+        inputs = {self.model.main_input_name: read} | ({"attention_mask": mask} if mask is not None else {})
         hidden = self.model.get_encoder()(**inputs, return_dict=True).last_hidden_state  # [B, S, D]
         return EncoderRows(hidden, mask)
