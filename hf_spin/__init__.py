@@ -11,6 +11,7 @@ row = engine.add(hf_spin.Request(prompt_ids, max_new_tokens=64)); engine.step() 
 from . import kernels  # noqa: F401  (registers attn_implementation="hf_spin_varlen" with transformers
 from .drafters import (
     Drafter,
+    EncoderDecoderDrafter,
     FuzzyDrafter,
     ModelDrafter,
     PromptLookupDrafter,
@@ -32,6 +33,7 @@ __all__ = [
     "AssistantPool",
     "DraftLength",
     "Drafter",
+    "EncoderDecoderDrafter",
     "FixedLength",
     "FixedPolicy",
     "FuzzyDrafter",

@@ -21,9 +21,10 @@ import torch
 from transformers import GenerationMixin, StoppingCriteriaList
 from transformers.generation import logits_process as lp
 from transformers.generation.stopping_criteria import StopStringCriteria
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from .cache import CACHE_NAMES
+from .cache.encoder_rows import EncoderRows
 from .cache.static_forward import StaticOptions
 from .pool import AssistantPool
 from .stats import GenerationStats
@@ -32,6 +33,9 @@ from .step.engine import SpinEngine
 # model_kwargs that `generate`'s preparation hands over and this loop understands (the KV cache comes
 # as `cache` from transformers 5.24, as `past_key_values` before).
 KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position", *CACHE_NAMES}
+# what an encoder-decoder target's preparation adds: the encoder's output (`attention_mask` is then the
+# encoder's mask) and a decoder mask, which must be all ones (decoder prompts of one length)
+ENCODER_DECODER_KWARGS = {"encoder_outputs", "decoder_attention_mask"}
 # generation_config outputs this loop does not produce, with what a user gets instead.
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -40,6 +44,14 @@ UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "o
 class SpinGenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus what the call did (`stats`). `past_key_values` is None: the
     pool's cache has holes or packed rows a caller could not use."""
+
+    stats: GenerationStats | None = None
+
+
+class SpinGenerateEncoderDecoderOutput(GenerateEncoderDecoderOutput):
+    """What plain `generate` returns for an encoder-decoder model (`sequences`: the decoder prompt, then
+    the generated tokens), scores, attentions and caches None as in `SpinGenerateOutput`. `stats` is an
+    attribute, not a field: Whisper's `generate` splits every field of the output by row."""
 
     stats: GenerationStats | None = None
 
@@ -71,11 +83,22 @@ def _validate(model, input_ids, config, pool, model_kwargs, processors) -> None:
             "cache_implementation='static' with a pool on cache='packed': two layouts for the target; "
             "use AssistantPool(cache='static') or leave cache_implementation unset"
         )
-    unknown = set(model_kwargs) - KNOWN_MODEL_KWARGS
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    known = KNOWN_MODEL_KWARGS | (ENCODER_DECODER_KWARGS if encoder_decoder else set())
+    unknown = set(model_kwargs) - known
     if unknown:
         raise ValueError(
-            f"model inputs {sorted(unknown)} are not supported with assistant_pool; "
-            f"supported: {sorted(KNOWN_MODEL_KWARGS)}"
+            f"model inputs {sorted(unknown)} are not supported with assistant_pool; supported: {sorted(known)}"
+        )
+    decoder_mask = model_kwargs.get("decoder_attention_mask")
+    if decoder_mask is not None and not bool(decoder_mask.all()):
+        raise ValueError(
+            "a decoder_attention_mask with padding is not supported with assistant_pool; "
+            "give every row the same decoder prompt length (the decoder_input_ids of a batch, unpadded)"
+        )
+    if encoder_decoder and model_kwargs.get("encoder_outputs") is None:
+        raise ValueError(
+            f"{model.config.model_type!r} is an encoder-decoder model but generate prepared no encoder_outputs"
         )
     for name in CACHE_NAMES:
         cache = model_kwargs.get(name)
@@ -93,6 +116,7 @@ def generate(
     assistant_pool: AssistantPool | None = None,
     spin_streamer=None,
     spin_tokenizer=None,
+    inputs_tensor: torch.Tensor | None = None,
     **model_kwargs,
 ):
     """Speculative decoding with an `AssistantPool`; use as `model.generate(..., custom_generate=hf_spin.generate,
@@ -100,6 +124,9 @@ def generate(
 
     `transformers` drops `streamer` and `tokenizer` on the custom_generate path: pass them as
     `spin_streamer=` and `spin_tokenizer=` there (`hf_spin.enable()` does it for you).
+    An encoder-decoder target (Whisper, T5): `input_ids` are the decoder prompts, `model_kwargs` hold the
+    encoder output `generate` computed once, `inputs_tensor` what the encoder read (for drafters with
+    their own encoder); docs/design.md, "Encoder-decoder targets".
     """
     if assistant_pool is None:
         raise ValueError("hf_spin.generate needs assistant_pool=hf_spin.AssistantPool([...])")
@@ -119,7 +146,8 @@ def generate(
     )
     engine = SpinEngine(model, assistant_pool, spin_tokenizer, static=static)
     start = perf_counter()
-    attention_mask = model_kwargs.get("attention_mask")
+    encoder = _encoder_rows(model_kwargs, inputs_tensor)
+    attention_mask = model_kwargs.get("attention_mask") if encoder is None else None  # else the encoder's
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     rows = engine.add_batch(
@@ -130,6 +158,7 @@ def generate(
         config.max_length,
         bool(config.do_sample),
         model_kwargs,
+        encoder,
     )
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -157,11 +186,25 @@ def generate(
         tail[i, : len(g)] = torch.tensor(g, dtype=input_ids.dtype)
     sequences = torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
     if config.return_dict_in_generate:
-        return SpinGenerateOutput(sequences=sequences, stats=stats)
+        if encoder is None:
+            return SpinGenerateOutput(sequences=sequences, stats=stats)
+        output = SpinGenerateEncoderDecoderOutput(sequences=sequences)
+        output.stats = stats
+        return output
     return sequences
 
 
-# --- hf_spin.enable(): `model.generate(..., assistant_pool=pool)` on any causal LM -----------------
+def _encoder_rows(model_kwargs: dict, inputs_tensor: torch.Tensor | None) -> EncoderRows | None:
+    """An encoder-decoder batch's encoder side from what `generate` prepared; None for a causal LM."""
+    outputs = model_kwargs.get("encoder_outputs")
+    if outputs is None:
+        return None
+    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]  # [B, S, D]
+    mask = model_kwargs.get("attention_mask")  # [B, S_in] the encoder's mask, or None
+    return EncoderRows(hidden, mask, inputs_tensor, mask)
+
+
+# --- hf_spin.enable(): `model.generate(..., assistant_pool=pool)` on any model (Whisper's own generate too) ---
 
 _original_generate = None
 
@@ -191,7 +234,8 @@ def _generate_with_pool(
 
 
 def enable() -> None:
-    """Teach every `transformers` model's `generate` the `assistant_pool=` argument (idempotent)."""
+    """Teach every `transformers` model's `generate` the `assistant_pool=` argument (idempotent). A model
+    whose own `generate` ends in `GenerationMixin.generate` (Whisper's) passes it on to this one."""
     global _original_generate
     if _original_generate is not None:
         return

@@ -1,8 +1,10 @@
 """`AssistantPool`: the drafters a `generate` call may use, the policy that picks among them, and
 what they did.
 
-Entries: a causal LM that shares the target's tokenizer; `(model, tokenizer)` for a drafter with
-another tokenizer (token translation; a shared tokenizer is detected and translation skipped);
+Entries: a causal LM that shares the target's tokenizer; for an encoder-decoder target, a smaller
+encoder-decoder model of its family (`EncoderDecoderDrafter`: its own encoder, once per row);
+`(model, tokenizer)` for a drafter with another tokenizer (token translation; a shared tokenizer is
+detected and translation skipped);
 `"prompt_lookup"`; `"suffix"` (a suffix index over the prompt, the output so far and earlier requests'
 outputs, kept across calls: `SuffixDrafter(...)` for its knobs); or any `Drafter` object (e.g.
 `ModelDrafter(model)` to skip the vocabulary check).
@@ -15,9 +17,17 @@ import os
 import threading
 import warnings
 
-from .cache import check_packed_support
+from .cache import check_packed_support, needs_contiguous_slots
+from .cache.encoder_rows import reads_encoder_output, takes_decoder_positions
 from .cache.static_forward import StaticOptions
-from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, SuffixDrafter, TranslatingDrafter
+from .drafters import (
+    Drafter,
+    EncoderDecoderDrafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    SuffixDrafter,
+    TranslatingDrafter,
+)
 from .planning.cost_profile import CostProfile
 from .planning.planner import Planner
 from .planning.profiling import build_profile
@@ -77,11 +87,20 @@ def _same_vocab(tok_a, tok_b) -> bool:
     return tok_a is tok_b or tok_a.get_vocab() == tok_b.get_vocab()
 
 
+def _encoder_decoder(model) -> bool:
+    return bool(getattr(model.config, "is_encoder_decoder", False))
+
+
 def _check_model(model, role: str) -> None:
     config = model.config
-    if getattr(config, "is_encoder_decoder", False):
+    if getattr(config, "is_encoder_decoder", False) and not (
+        takes_decoder_positions(model) or needs_contiguous_slots(config)
+    ):
         raise ValueError(
-            f"{role} {config.model_type!r} is an encoder-decoder model; hf_spin supports decoder-only causal LMs"
+            f"{role} {config.model_type!r} is an encoder-decoder model whose decoder reads its positions from the "
+            "cache length (absolute positions, no decoder_position_ids), so rows of different lengths cannot share "
+            "a batch; supported: decoder-only causal LMs and encoder-decoder models taking decoder_position_ids "
+            "(Whisper) or with relative positions (T5, mT5, UMT5)"
         )
     layer_types = set(getattr(config.get_text_config(), "layer_types", None) or [])
     if getattr(model, "_is_stateful", False) or not layer_types <= ATTENTION_LAYER_TYPES:
@@ -187,7 +206,8 @@ class AssistantPool:
             return TranslatingDrafter(entry[0], entry[1])
         if _is_model(entry):
             _check_model(entry, "drafter")
-            return ModelDrafter(entry)
+            cross = _encoder_decoder(entry) or reads_encoder_output(entry)
+            return EncoderDecoderDrafter(entry) if cross else ModelDrafter(entry)
         raise TypeError(
             f"cannot use {type(entry).__name__} as a drafter; give a causal LM, a (model, tokenizer) pair, "
             f"one of {sorted(NAMED_DRAFTERS)}, or a hf_spin.drafters.Drafter"
@@ -210,6 +230,15 @@ class AssistantPool:
     def bind(self, target, tokenizer=None) -> list[Drafter]:
         """Check every drafter against the target; returns the drafters to use for this call."""
         _check_model(target, "target model")
+        if _encoder_decoder(target):
+            self._check_encoder_decoder(target)
+        for drafter in self.drafters:
+            if isinstance(drafter, EncoderDecoderDrafter) and not _encoder_decoder(target):
+                raise ValueError(
+                    f"drafter {drafter.name!r} is an encoder-decoder model (or reads an encoder's output) and the "
+                    f"target {target.config.model_type!r} a causal LM: such a drafter needs an encoder-decoder "
+                    "target's encoder input or output"
+                )
         if self.cache_layout == "packed":
             check_packed_support(target, "target model")
         tokenizer = tokenizer or self.tokenizer
@@ -226,7 +255,7 @@ class AssistantPool:
                     self._vocab_checked.add(id(drafter))
                     if _same_vocab(drafter.tokenizer, drafter.target_tokenizer):
                         self.drafters[i] = drafter = ModelDrafter(drafter.model, name=drafter.name)
-            elif type(drafter) is ModelDrafter and self.entries[i] is drafter.model:
+            elif type(drafter) in (ModelDrafter, EncoderDecoderDrafter) and self.entries[i] is drafter.model:
                 draft_vocab = drafter.model.config.get_text_config().vocab_size
                 if draft_vocab != target_vocab:
                     raise ValueError(
@@ -241,6 +270,22 @@ class AssistantPool:
                 drafter.cache_layout = self.cache_layout
         self._build_planner(target)
         return self.drafters
+
+    def _check_encoder_decoder(self, target) -> None:
+        """Refuse what an encoder-decoder target cannot run with (docs/design.md, "Encoder-decoder targets")."""
+        if self.cache_layout != "rectangular":
+            raise ValueError(
+                f"cache={self.cache_layout!r} is not supported for the encoder-decoder target "
+                f"{target.config.model_type!r}: its rows' cross-attention K/V follow a rectangular cache; "
+                "use cache='rectangular'"
+            )
+        for drafter in self.drafters:
+            if isinstance(drafter, ModelDrafter) and type(drafter) not in (ModelDrafter, EncoderDecoderDrafter):
+                raise ValueError(
+                    f"drafter {drafter.name!r} ({type(drafter).__name__}) is not supported for the encoder-decoder "
+                    f"target {target.config.model_type!r}; supported: an encoder-decoder model of its family, a "
+                    "causal LM sharing its tokenizer, 'prompt_lookup', 'suffix'"
+                )
 
     def _build_planner(self, target) -> None:
         """The cost profile and planner for this target: built on first meeting it (or injected)."""

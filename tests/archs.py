@@ -7,7 +7,7 @@ architecture accepts; weights come from a seeded init, so a test is reproducible
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
 
 VOCAB = 96  # tiny, so random models still repeat themselves and drafts get accepted sometimes
 PAD, BOS, EOS = 0, 1, 2
@@ -182,3 +182,56 @@ def ragged_batch(batch: int, length: int, seed: int = 0) -> tuple[torch.Tensor, 
     for b in range(batch):
         mask[b, : min(2 * b, length - 2)] = 0
     return ids.masked_fill(mask == 0, PAD), mask
+
+
+# Encoder-decoder targets (docs/design.md, "Encoder-decoder targets"), ~2 layers of width 32 on VOCAB. Whisper's
+# encoder reads 8 mel bins over WHISPER_FRAMES frames (short-form: at most 2 x max_source_positions); its
+# generation config knows two languages and the transcribe task, so `language=` / `task=` put forced tokens
+# in the decoder prompt. BART (positions from the cache length) is refused: tests/test_encoder_decoder.py.
+WHISPER_FRAMES = 32
+_SEQ2SEQ = dict(
+    d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_attention_heads=4, decoder_attention_heads=4
+)
+ENCODER_DECODER_ARCHS: dict[str, dict] = {
+    "whisper": dict(
+        _SEQ2SEQ,
+        encoder_layers=2,
+        decoder_layers=2,
+        num_mel_bins=8,
+        max_source_positions=WHISPER_FRAMES // 2,
+        max_target_positions=64,
+        decoder_start_token_id=3,
+        suppress_tokens=[],
+        begin_suppress_tokens=[],
+    ),
+    "t5": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=PAD),
+    "bart": dict(_SEQ2SEQ, encoder_layers=2, decoder_layers=2, max_position_embeddings=64, decoder_start_token_id=EOS),
+}
+WHISPER_LANGUAGES = {"<|en|>": 90, "<|de|>": 91}  # generation_config.lang_to_id
+WHISPER_TASKS = {"transcribe": 92, "translate": 93}
+WHISPER_NO_TIMESTAMPS = 94
+
+
+def tiny_encoder_decoder(arch: str = "whisper", seed: int = 0, **overrides) -> torch.nn.Module:
+    """A seeded tiny random encoder-decoder model of `arch` in float32, eval mode."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(arch, **{**COMMON, **ENCODER_DECODER_ARCHS[arch], **overrides})
+    model = (AutoModelForSpeechSeq2Seq if arch == "whisper" else AutoModelForSeq2SeqLM).from_config(config).eval()
+    if arch == "whisper":
+        gen = model.generation_config
+        gen.lang_to_id, gen.task_to_id = dict(WHISPER_LANGUAGES), dict(WHISPER_TASKS)
+        gen.is_multilingual, gen.no_timestamps_token_id = True, WHISPER_NO_TIMESTAMPS
+    return model
+
+
+def encoder_inputs(arch: str, batch: int, seed: int = 0, length: int = 12) -> dict:
+    """Encoder inputs for `generate`: Whisper's random features `[B, 8, WHISPER_FRAMES]` (one length, as
+    Whisper requires), or right-padded random token ids with row b holding `length - 2*b` (at least 2)."""
+    g = torch.Generator().manual_seed(seed)
+    if arch == "whisper":
+        return {"input_features": torch.randn(batch, 8, WHISPER_FRAMES, generator=g)}
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        mask[b, max(length - 2 * b, 2) :] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, PAD), "attention_mask": mask}

@@ -98,6 +98,17 @@ def lookup_would_speculate(sequence: list[int], prompt_length: int, k: int = DRA
     return accepts, rejects, several >= 3
 
 
+def lookup_would_speculate_somewhere(prompts: list[list[int]], outputs: list[list[int]], eos=(EOS,)) -> bool:
+    """Whether prompt lookup would draft several tokens, some right, some wrong, over these rows
+    (`lookup_would_speculate`): each row's prompt and its generated tokens (cut after its first `eos`)."""
+    found = [False, False, False]
+    for prompt, generated in zip(prompts, outputs):
+        ends = [i for i, token in enumerate(generated) if token in eos]
+        generated = generated[: ends[0] + 1] if ends else generated
+        found = [x or y for x, y in zip(found, lookup_would_speculate(prompt + generated, len(prompt)))]
+    return all(found)
+
+
 def greedy_case(target, batch: int, prompt_length: int, max_new_tokens: int) -> tuple[dict, torch.Tensor]:
     """(generate kwargs, plain greedy output) of ragged left-padded prompts, for the first prompt seed on
     which the longest row runs to max_new_tokens and prompt lookup would draft several tokens, some
@@ -110,14 +121,8 @@ def greedy_case(target, batch: int, prompt_length: int, max_new_tokens: int) -> 
         reference = target.generate(**inputs)
         if reference.shape[1] < prompt_length + max_new_tokens:
             continue
-        found = [False, False, False]
-        for b in range(batch):
-            prompt = ids[b][mask[b].bool()].tolist()
-            generated = reference[b, prompt_length:].tolist()
-            if EOS in generated:
-                generated = generated[: generated.index(EOS) + 1]
-            found = [x or y for x, y in zip(found, lookup_would_speculate(prompt + generated, len(prompt)))]
-        if all(found):
+        prompts = [ids[b][mask[b].bool()].tolist() for b in range(batch)]
+        if lookup_would_speculate_somewhere(prompts, [row[prompt_length:].tolist() for row in reference]):
             return inputs, reference
     raise AssertionError(
         f"{target.config.model_type}: no prompt seed runs to the end with prompt lookup drafts right and wrong"

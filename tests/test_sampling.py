@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+from transformers import GenerationMixin, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 import hf_spin
 import hf_spin.verify.chains
@@ -98,11 +98,16 @@ def peaky(seed: int) -> torch.nn.Module:
     return model
 
 
-def exact_joint(model, prompt: torch.Tensor, processors, n: int) -> torch.Tensor:
-    """P(t_2, ..., t_{n+1}) [V ** n] of the processed distribution, summing over t_1, by enumeration."""
+def exact_joint(model, prompt: torch.Tensor, processors, n: int, encoder: dict | None = None) -> torch.Tensor:
+    """P(t_2, ..., t_{n+1}) [V ** n] of the processed distribution, summing over t_1, by enumeration.
+    encoder: an encoder-decoder model's encoder inputs of one row (`prompt` is then the decoder prompt)."""
 
     def probs(seqs):  # [N, L] -> next-token distribution [N, V]
-        logits = model(input_ids=seqs).logits[:, -1].float()
+        if encoder is None:
+            logits = model(input_ids=seqs).logits[:, -1].float()
+        else:
+            rows = {k: v.expand(len(seqs), *v.shape[1:]) for k, v in encoder.items()}
+            logits = model(**rows, decoder_input_ids=seqs).logits[:, -1].float()
         return torch.softmax(processors(seqs, logits), -1)
 
     V = SMALL_V
@@ -138,15 +143,22 @@ DRAFTERS = {
 }
 
 
-def _sampled_counts(target, entry, prompt, n: int, seed: int) -> tuple[torch.Tensor, hf_spin.GenerationStats]:
-    """Counts [V ** MEASURED] of (t_2, t_3, t_4) over n sampled rows, drafting 3 tokens a step."""
+def _sampled_counts(
+    target, entry, prompt, n: int, seed: int, encoder: dict | None = None
+) -> tuple[torch.Tensor, hf_spin.GenerationStats]:
+    """Counts [V ** MEASURED] of (t_2, t_3, t_4) over n sampled rows, drafting 3 tokens a step.
+    encoder: an encoder-decoder target's encoder inputs of one row, repeated (`prompt`: the decoder prompt)."""
     torch.manual_seed(seed)
     # chains: the control below patches the chain verifier (trees: tests/test_token_trees.py)
     pool = hf_spin.AssistantPool([entry], draft_length=multi_token(MEASURED), tree=False)
     kwargs = dict(do_sample=True, temperature=0.7, top_k=5, max_new_tokens=SAMPLED_NEW_TOKENS + 1, pad_token_id=0)
-    out = target.generate(
-        input_ids=prompt.expand(n, -1), custom_generate=hf_spin.generate, assistant_pool=pool, **kwargs
-    )
+    if encoder is None:
+        inputs = {"input_ids": prompt.expand(n, -1)}
+    else:  # generate's own loop: Whisper's generate would add its processors and cut the decoder prompt
+        inputs = {k: v.expand(n, *v.shape[1:]) for k, v in encoder.items()} | {
+            "decoder_input_ids": prompt.expand(n, -1)
+        }
+    out = GenerationMixin.generate(target, **inputs, custom_generate=hf_spin.generate, assistant_pool=pool, **kwargs)
     cells = torch.zeros(n, dtype=torch.long)
     for j in range(MEASURED):
         cells = cells * SMALL_V + out[:, prompt.shape[1] + 1 + j]

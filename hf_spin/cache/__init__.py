@@ -6,12 +6,15 @@
   `forward_masked` (a 4D mask on a `RectangularCache`, for models that `takes_4d_masks`), `check_packed_support`,
   `CACHE_ARG`.
 * `protocol`: `RowCache`, the calls the engine and the drafters make on either cache.
+* `encoder_rows`: `EncoderRows`, an encoder-decoder model's per-row encoder output and cross-attention K/V,
+  held by its decoder's `RectangularCache` and following its rows.
 
 Under `device_map` each layer's KV lives on its own device: every index a cache applies to its layers goes
 through `rectangular.per_device` (one copy per device).
 
 Imports run one way: `forward` -> `packed` -> `rectangular`; `packed`, `forward` -> `hf_spin.kernels.attention`
-(which imports nothing of `hf_spin.cache`); `rectangular` and `protocol` import nothing of `hf_spin`.
+(which imports nothing of `hf_spin.cache`); `rectangular` -> `encoder_rows`; `encoder_rows` and `protocol`
+import nothing of `hf_spin`.
 Tuning constants (`rectangular.COMPACT_HOLE_FRACTION`, `packed.RESERVE_TOKENS`, ...) are read, and so must be
 patched, in their own module; they are not re-exported, so a patch of `hf_spin.cache.<name>` fails loudly.
 """

@@ -55,7 +55,7 @@ def forward_ragged(
     past = cache.get_seq_length()
     cache_position = torch.arange(past, past + width, device=device)  # [T]
     last = [max(n - 1, 0) for n in lengths]  # [B] each row's last chunk slot (an empty row reads a hole)
-    extra = {CACHE_ARG: cache}
+    extra = {}
     if not all_logits and model._supports_logits_to_keep():
         # Only the slots some row ends on: a prefill of L tokens computes U <= B rows of logits, not L.
         keep = sorted(set(last))  # [U]
@@ -68,13 +68,17 @@ def forward_ragged(
     try:
         with _attention(model):  # the model's own attention, never a packed forward's (another thread's)
             out = (forward or model)(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache_position=cache_position,
-                use_cache=True,
-                return_dict=True,
-                **extra,
+                **model_inputs(
+                    model,
+                    cache,
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    cache_position=cache_position,
+                    use_cache=True,
+                    return_dict=True,
+                    **extra,
+                )
             )
     finally:
         cache.single_token_forward = False
@@ -83,6 +87,16 @@ def forward_ragged(
         return logits
     rows = torch.arange(len(chunks), device=logits.device)  # logits come out where the LM head is (device_map)
     return logits[rows, to_device(last, logits.device, torch.long)][:, None]  # [B, 1, V]
+
+
+def model_inputs(model, cache: RectangularCache, **inputs) -> dict:
+    """A forward's keyword arguments over a `RectangularCache`: `inputs` and the cache as given for a
+    decoder-only model; for an encoder-decoder one (the cache holds its rows' `encoder`), the decoder's
+    inputs under their decoder names, the rows' encoder output, and the cache joined with their
+    cross-attention K/V (cache/encoder_rows.py)."""
+    if cache.encoder is None:
+        return {**inputs, CACHE_ARG: cache}
+    return {**cache.encoder.decoder_kwargs(model, inputs), CACHE_ARG: cache.encoder.with_cross(cache)}
 
 
 class _AttentionSwitch:
@@ -223,13 +237,16 @@ def forward_masked(
     past = cache.get_seq_length()
     with _attention(model):
         out = model(
-            input_ids=input_ids,
-            attention_mask=to_device(additive, device),
-            position_ids=to_device(positions, device),
-            cache_position=torch.arange(past, past + T, device=device),
-            use_cache=True,
-            return_dict=True,
-            **{CACHE_ARG: cache},
+            **model_inputs(
+                model,
+                cache,
+                input_ids=input_ids,
+                attention_mask=to_device(additive, device),
+                position_ids=to_device(positions, device),
+                cache_position=torch.arange(past, past + T, device=device),
+                use_cache=True,
+                return_dict=True,
+            )
         )
     return out.logits  # [B, T, V]
 

@@ -23,12 +23,15 @@ import torch
 from transformers import DynamicCache
 
 from ..host_syncs import to_device
+from .encoder_rows import EncoderRows
 
 # Compact when holes make up more than this fraction of the slots: a gather of the whole cache
 # costs about as much as attending over that many extra slots for a few steps.
 COMPACT_HOLE_FRACTION = 0.5
 # Models whose attention bias is computed from cache slot indices rather than positions or the mask.
-SLOT_BIAS_MODELS = {"mpt"}  # ALiBi over slot indices
+# mpt: ALiBi over slot indices; the T5 family: relative position buckets between slot indices (right-aligned
+# contiguous rows keep every query-key distance).
+SLOT_BIAS_MODELS = {"mpt", "t5", "mt5", "umt5"}
 WINDOWED_LAYER_TYPES = {"sliding_attention", "chunked_attention"}
 
 
@@ -56,6 +59,8 @@ class RectangularCache(DynamicCache):
     slot_mask: `[B, S]` bool on the model's device, True where the slot holds a token the row attends to.
     contiguous: compact whenever a row has a hole after its first valid slot (see
         `needs_contiguous_slots`); otherwise only when holes exceed COMPACT_HOLE_FRACTION.
+    encoder: for the decoder of an encoder-decoder model, its rows' `EncoderRows` (encoder output and
+        cross-attention K/V), which retire and join with the rows (cache/encoder_rows.py); None otherwise.
     Every layer is a plain full-attention `DynamicLayer` (no config is passed), so no layer drops
     slots on its own; windows are applied by the model's own mask functions, over slots.
 
@@ -65,8 +70,9 @@ class RectangularCache(DynamicCache):
     makes the host copy stale; it is read back from the device when next needed.
     """
 
-    def __init__(self, slot_mask: torch.Tensor, contiguous: bool = False):
+    def __init__(self, slot_mask: torch.Tensor, contiguous: bool = False, encoder: EncoderRows | None = None):
         super().__init__()
+        self.encoder = encoder  # an encoder-decoder model's rows: encoder output and cross K/V, following the rows
         self.slot_mask = slot_mask.bool()  # [B, S] on the device
         self._host = (
             torch.zeros(slot_mask.shape, dtype=torch.bool) if slot_mask.numel() == 0 else slot_mask.bool().cpu()
@@ -211,6 +217,8 @@ class RectangularCache(DynamicCache):
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
         self._set_mask(self.host_mask[rows])
         self._trim_tail()
+        if self.encoder is not None:
+            self.encoder.select_rows(rows)
 
     # -- rows joining a running batch (continuous batching) -------------------------------------------
     def add_empty_rows(self, n: int) -> None:
@@ -255,6 +263,8 @@ class RectangularCache(DynamicCache):
                 mine.dtype, mine.device, mine.is_initialized = like.keys.dtype, like.keys.device, True
         pad = lambda m, width: torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1)  # noqa: E731
         self._set_mask(torch.cat([pad(self.host_mask, W), pad(other.host_mask, W)], dim=0))
+        if self.encoder is not None:
+            self.encoder = EncoderRows.cat([self.encoder, other.encoder])
 
     # -- undoing a forward that raised (fault isolation) ----------------------------------------------
     def checkpoint(self) -> tuple[int, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Drafter kinds: each proposes tokens in the target's vocabulary; none holds a heuristic."""
 
 from .base import Draft, Drafter, DraftRequest
+from .encoder_decoder import EncoderDecoderDrafter
 from .fuzzy import FuzzyDrafter, fuzzy_device_map
 from .model import ModelDrafter
 from .prompt_lookup import PromptLookupDrafter
@@ -12,6 +13,7 @@ __all__ = [
     "Draft",
     "Drafter",
     "DraftRequest",
+    "EncoderDecoderDrafter",
     "FuzzyDrafter",
     "ModelDrafter",
     "PromptLookupDrafter",

@@ -70,7 +70,8 @@ class Drafter(ABC):
 
         target_cache: the target's `RectangularCache` right after its prefill (every committed token but the
         last). A drafter that runs the target's own weights may copy from it (streaming.py does), never
-        change it.
+        change it. For an encoder-decoder target its `encoder` holds each row's encoder input and output,
+        and rows joining later are appended to it before `add_rows` (encoder_decoder.py reads them there).
         """
 
     @abstractmethod

@@ -28,7 +28,9 @@ from time import perf_counter
 from typing import Callable
 
 import torch
+from transformers.modeling_outputs import BaseModelOutput
 
+from ..cache.encoder_rows import reads_encoder_output
 from ..cache.forward import CACHE_ARG
 from .estimates import DecayedMean, geometric_tokens
 
@@ -176,6 +178,34 @@ def _context_cache(model, rows: int, generator: torch.Generator):
     return cache
 
 
+def _encoder_decoder_context(model, rows: int, generator: torch.Generator):
+    """(the cache, the encoder output) of the grid of an encoder-decoder model (or a decoder reading an
+    encoder's output): GRID_CONTEXT decoder positions prefilled over a random encoder output (Whisper's
+    fixed length, else GRID_CONTEXT positions), whose cross-attention K/V the prefill computes once, as
+    the engine's steps find them."""
+    length = getattr(model.config, "max_source_positions", None) or GRID_CONTEXT
+    hidden = torch.randn(rows, length, model.config.d_model, generator=generator).to(model.device, model.dtype)
+    encoder = BaseModelOutput(last_hidden_state=hidden)
+    context = torch.randint(0, model.config.vocab_size, (rows, GRID_CONTEXT), generator=generator).to(model.device)
+    out = model(**{_ids_name(model): context}, encoder_outputs=encoder, use_cache=True, return_dict=True)
+    return getattr(out, CACHE_ARG), encoder
+
+
+def _ids_name(model) -> str:
+    """The token ids' keyword: an encoder-decoder model's decoder ids, else (a decoder reading an encoder's
+    output, `WhisperForCausalLM`) its input ids."""
+    return "decoder_input_ids" if getattr(model.config, "is_encoder_decoder", False) else "input_ids"
+
+
+def _grid_forward(model, cache, encoder, new: torch.Tensor) -> None:
+    """One timed forward of the grid: `new` [rows, tokens] after the cache's GRID_CONTEXT positions."""
+    position_ids = torch.arange(GRID_CONTEXT, GRID_CONTEXT + new.shape[1], device=new.device).expand(new.shape[0], -1)
+    if encoder is None:
+        model(input_ids=new, position_ids=position_ids, use_cache=True, **{CACHE_ARG: cache})
+    else:
+        model(**{_ids_name(model): new}, encoder_outputs=encoder, use_cache=True, **{CACHE_ARG: cache})
+
+
 @torch.no_grad()
 def measure(
     model, budget: float = GRID_BUDGET, clock: Callable[[], float] = perf_counter, progress=None
@@ -191,16 +221,18 @@ def measure(
     generator = torch.Generator().manual_seed(0)
 
     def timed(rows: int, tokens: int) -> float:
-        cache = _context_cache(model, rows, generator)
+        if getattr(model.config, "is_encoder_decoder", False) or reads_encoder_output(model):
+            cache, encoder = _encoder_decoder_context(model, rows, generator)
+        else:
+            cache, encoder = _context_cache(model, rows, generator), None
         new = torch.randint(0, vocab, (rows, tokens), generator=generator).to(device)
-        position_ids = torch.arange(GRID_CONTEXT, GRID_CONTEXT + tokens, device=device).expand(rows, -1)
         best = float("inf")
         for _ in range(2):
             if cache.get_seq_length() > GRID_CONTEXT:
                 cache.crop(GRID_CONTEXT - cache.get_seq_length())  # negative: tokens to drop
             _sync(device)
             start = clock()
-            model(input_ids=new, position_ids=position_ids, use_cache=True, **{CACHE_ARG: cache})
+            _grid_forward(model, cache, encoder, new)
             _sync(device)
             best = min(best, clock() - start)
         if progress is not None:

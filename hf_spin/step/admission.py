@@ -2,7 +2,9 @@
 
 A whole `generate` batch is prefilled exactly as `generate` prefills it (its own input tensors and
 model kwargs); rows joining a running batch (the server) are left-padded into one block. On packed
-rows (`cache="packed"`) only the new rows' tokens are fed. Either way the new rows' KV is appended
+rows (`cache="packed"`) only the new rows' tokens are fed. An encoder-decoder target's rows feed their
+decoder prompts (of one length in a `generate` batch, as `generate` feeds them) beside their encoder
+outputs, whose cross-attention K/V that forward computes once. Either way the new rows' KV is appended
 to the batch's cache, after the rows already running.
 """
 
@@ -13,6 +15,7 @@ import inspect
 import torch
 
 from ..cache import CACHE_ARG, CACHE_NAMES, PackedCache, RectangularCache, forward_ragged, needs_contiguous_slots
+from ..cache.encoder_rows import EncoderRows
 from ..cache.static import StaticRowCache
 from ..verify.chains import gumbel_noise
 from .processors import GenerateBatch
@@ -49,6 +52,19 @@ def prefill(
         except BaseException:
             cache.select_rows(torch.arange(running))  # the new rows leave again
             raise
+    if rows[0].request.encoder is not None:  # an encoder-decoder target: the decoder prompts, with each row's encoder
+        fresh = RectangularCache(
+            torch.zeros(len(rows), 0, dtype=torch.bool, device=model.device),
+            contiguous=needs_contiguous_slots(model.config),
+            encoder=EncoderRows.cat([r.request.encoder for r in rows]),
+        )
+        lengths = [len(r.sequence) for r in rows]
+        logits = forward_ragged(model, fresh, [r.sequence for r in rows], all_logits=False)[:, -1].float()  # [n, V]
+        fresh.rollback(lengths)  # every token kept; a contiguous cache closes the holes of shorter prompts
+        if running and cache is not None:
+            cache.append_rows(fresh)
+            return cache, logits
+        return fresh, logits
     if batch is not None:  # exactly what `generate` prepared
         input_ids, kwargs = batch.input_ids, dict(batch.model_kwargs)
         attention_mask = kwargs.get("attention_mask")

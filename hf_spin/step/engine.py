@@ -37,6 +37,7 @@ import torch
 
 from .. import host_syncs
 from ..cache import PackedCache, RowCache, forward_ragged
+from ..cache.encoder_rows import EncoderRows
 from ..cache.static_forward import StaticOptions, StaticTarget
 from ..drafters import Drafter
 from ..drafters.model import common_prefix_length
@@ -145,6 +146,16 @@ class SpinEngine:
     # -- rows in, rows out ---------------------------------------------------------------------------
     def add(self, request: Request) -> Row:
         """Queue a request; it joins the batch (prefill and first token) at the next step."""
+        seq2seq = bool(getattr(self.model.config, "is_encoder_decoder", False))
+        if seq2seq != (request.encoder is not None):
+            raise ValueError(
+                f"the target {self.model.config.model_type!r} is "
+                + (
+                    "an encoder-decoder model: a Request needs its encoder side (Request.encoder)"
+                    if seq2seq
+                    else "a causal LM: a Request takes no encoder side (Request.encoder=None)"
+                )
+            )
         row = Row(next(self._row_ids), request)
         self.pending.append(row)
         return row
@@ -158,9 +169,12 @@ class SpinEngine:
         max_length: int,
         do_sample: bool,
         model_kwargs: dict,
+        encoder: EncoderRows | None = None,
     ) -> list[Row]:
         """A `generate` batch: left-padded rows sharing processors and criteria, prefilled exactly as
-        `generate` prefills them, with the whole-batch processor fast path while they run together."""
+        `generate` prefills them, with the whole-batch processor fast path while they run together.
+        encoder: an encoder-decoder target's encoder side of the batch (`input_ids` are then the decoder
+        prompts); each row keeps its own."""
         rows = []
         host_stop = HostStop.of(stopping_criteria) or False  # read once for the batch (engine._stops)
         for i, (ids, keep) in enumerate(zip(input_ids.cpu(), attention_mask.cpu().bool())):
@@ -171,6 +185,7 @@ class SpinEngine:
                 stopping_criteria=stopping_criteria,
                 do_sample=do_sample,
                 padding=ids[~keep].tolist(),
+                encoder=encoder.take(torch.tensor([i])) if encoder is not None else None,
             )
             rows.append(self.add(request))
             rows[-1].host_stop = host_stop

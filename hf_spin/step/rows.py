@@ -14,6 +14,7 @@ from time import perf_counter
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from ..cache.encoder_rows import EncoderRows
 from ..stats import RowStats
 
 # Why a row left the batch (Row.finish_reason).
@@ -46,6 +47,9 @@ class Request:
         default_factory=list
     )  # left padding the row had in a `generate` batch (processors see it)
     logprobs: bool = False  # record the log-probability of every generated token (after processors)
+    # an encoder-decoder target's encoder side of this row (one row: its output, mask, input), computed once;
+    # `prompt` is then the decoder prompt (e.g. Whisper's start, language and task tokens). None: a causal LM
+    encoder: EncoderRows | None = None
 
     def __post_init__(self):
         if not self.prompt:

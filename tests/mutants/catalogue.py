@@ -278,6 +278,17 @@ MUTANTS = (
         ("tests/test_planning.py::test_each_level_reads_its_own_counts_once",),
     ),
     Mutant(
+        "cross_attention_rows_stay_when_a_row_retires",
+        "an encoder-decoder target's cross-attention K/V do not follow a retired row: the rows after it attend to another row's audio or text",
+        "hf_spin/cache/encoder_rows.py",
+        "                index = rows.to(layer.keys.device)",
+        "                index = torch.arange(len(rows), device=layer.keys.device)",
+        (
+            "tests/test_encoder_decoder.py::test_greedy_equivalence[whisper-prompt_lookup-4]",
+            "tests/test_encoder_decoder.py::test_greedy_equivalence[t5-model-4]",
+        ),
+    ),
+    Mutant(
         "request_counted_twice",
         "a request's own acceptance scales the position's in full, though the pool's evidence it is built on may be the request's own: at batch 1 three early rejections read as 0.20 where the pool's levels say 0.34",
         "hf_spin/planning/planner.py",
