@@ -120,6 +120,17 @@ def test_measure_reads_the_injected_costs_within_its_budget():
     assert cost.per_row == pytest.approx(0.0)  # 4 rows of one token cost what one row of 4 tokens does here
 
 
+def test_a_catch_up_past_the_grid_grows_at_least_by_the_grids_mean_slope():
+    """A grid that ends flat at 8 tokens says nothing of a 700-token prompt: a catch-up over it grows past the
+    last knot by at least the grid's mean slope (first to last knot), never stays at one forward's cost."""
+    cost = ForwardCost.from_table({1: 0.15, 2: 0.32, 8: 0.32})
+    assert cost.predict(700) == pytest.approx(0.32)  # what interpolation alone says
+    assert cost.bound(700) == pytest.approx(0.32 + (0.32 - 0.15) / 7 * 692)
+    assert cost.bound(4) == pytest.approx(cost.predict(4))  # inside the grid, the grid
+    planner = Planner(profile_of(table(flat), [cost], ["drafter"]))
+    assert planner._catch_up_seconds({0: 700}) == pytest.approx(cost.bound(700) - 0.15)
+
+
 def test_a_short_grid_brackets_the_draft_widths_instead_of_extrapolating():
     """A slow machine whose GEMV path makes one token cheap and any wider forward cost about two (an AMD
     EPYC in float32: 431 / 913 / 935 / 897 ms for 1 / 2 / 4 / 8 tokens): the grid measures 1, 8 and 2

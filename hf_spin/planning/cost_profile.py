@@ -124,6 +124,17 @@ class ForwardCost:
         """Seconds of a forward over `n_tokens` positions in `rows` rows, with the online correction."""
         return self._interpolate(self.values(), n_tokens) + self.per_row * max(rows - 1, 0)
 
+    def bound(self, n_tokens: float) -> float:
+        """Seconds of a forward over `n_tokens` positions in one row, read pessimistically past the last knot:
+        growing by at least the grid's mean slope (first to last knot) from there. A grid that ends flat (a
+        slow machine's short grid: an AMD EPYC in float32 costs the same for 2 and 8 tokens) would otherwise
+        price a 700-token catch-up at one forward; its 0.5B drafter's catch-ups of four RAG prompts then cost
+        tens of seconds where the planner expected one, and the default pool ran 0.86x plain at batch 4."""
+        first, last = self.knots[0], self.knots[-1]
+        values = self.values()
+        mean_slope = (values[-1] - values[0]) / (last - first) if last > first else values[0] / first
+        return max(self.predict(n_tokens), self.predict(last) + mean_slope * max(n_tokens - last, 0.0))
+
     def observe(self, n_tokens: float, rows: int, seconds: float) -> None:
         """A timed forward: moves the correction of the knots around N toward it (clipped residual).
         Far beyond the last knot (more than twice it), a knot is added there first, so what is learned

@@ -379,7 +379,7 @@ class Planner:
         for d, lag in lags.items():
             cost = self.profile.drafters[d]
             if cost is not None and lag > 1:  # one token (the last step's bonus) is every step's own catch-up
-                seconds += cost.predict(lag) - cost.predict(1)
+                seconds += cost.bound(lag) - cost.predict(1)  # a prompt lies far past the grid: read pessimistically
         return seconds
 
     @staticmethod
