@@ -311,8 +311,6 @@ def whisper_configs(variables: dict[str, np.ndarray], ct2_config: dict, special:
         bos_token_id=special.eot if special.multilingual else special.sot,
         eos_token_id=special.eot,
         decoder_start_token_id=special.sot,
-        suppress_tokens=list(ct2_config["suppress_ids"]),
-        begin_suppress_tokens=list(ct2_config["suppress_ids_begin"]),
     )
     config = WhisperConfig(
         vocab_size=int(vocab),
@@ -331,6 +329,8 @@ def whisper_configs(variables: dict[str, np.ndarray], ct2_config: dict, special:
     )
     generation = GenerationConfig(
         **common,
+        suppress_tokens=list(ct2_config["suppress_ids"]),
+        begin_suppress_tokens=list(ct2_config["suppress_ids_begin"]),
         max_length=config.max_target_positions,
         no_timestamps_token_id=special.no_timestamps,
         prev_sot_token_id=special.prev_sot,
