@@ -284,13 +284,16 @@ class SpecialTokens:
         return bool(self.languages)
 
 
-def special_tokens(tokenizer_json: dict) -> SpecialTokens:
+MULTILINGUAL_VOCAB = 51865  # OpenAI's rule: a model is multilingual when its vocabulary has at least this many rows
+
+
+def special_tokens(tokenizer_json: dict, multilingual: bool) -> SpecialTokens:
+    """The special ids in a tokenizer.json's added tokens. English-only tokenizers list the language and
+    task tokens too (tiny.en's does), but an English-only model never uses them: they are left out."""
     ids = {t["content"]: t["id"] for t in tokenizer_json["added_tokens"]}
     sot = ids["<|startoftranscript|>"]
     translate = ids["<|translate|>"]
     languages = {c: i for c, i in ids.items() if sot < i < translate and re.fullmatch(r"<\|[a-z]{2,3}\|>", c)}
-    # tiny.en's tokenizer lists the language tokens too, but an English-only model never emits them
-    multilingual = ids["<|endoftext|>"] == 50257  # the multilingual BPE has one more text token than GPT-2's
     return SpecialTokens(
         eot=ids["<|endoftext|>"],
         sot=sot,
@@ -407,7 +410,9 @@ def _convert(entry: PackagedWhisper, dtype: torch.dtype, target: Path) -> None:
             raise ValueError(f"{entry.name}: model.bin holds a {spec}, not a WhisperSpec")
         n_mels = int(variables["encoder/conv1/weight"].shape[1])
         processor, tokenizer_json = _processor(entry, work, n_mels)
-        config, generation = whisper_configs(variables, ct2_config, special_tokens(tokenizer_json))
+        multilingual = variables["decoder/embeddings/weight"].shape[0] >= MULTILINGUAL_VOCAB
+        special = special_tokens(tokenizer_json, multilingual)
+        config, generation = whisper_configs(variables, ct2_config, special)
         model = WhisperForConditionalGeneration(config).eval()
         state = {k: v.to(dtype) for k, v in ct2_to_hf(variables).items()}
         missing, unexpected = model.load_state_dict(state, strict=False)
