@@ -386,6 +386,7 @@ def _processor(entry: PackagedWhisper, work: Path, num_mel_bins: int):
                 "unk_token": special,
                 "pad_token": special,
                 "model_max_length": 1024,
+                "clean_up_tokenization_spaces": False,  # a BPE: the WordPiece clean-up would eat spaces
             }
         )
     )
