@@ -198,6 +198,40 @@ def test_corrupted_model_bin_raises_checksum_error(monkeypatch, tmp_path):
     assert list(cache.iterdir()) == []  # no half-written cache folder
 
 
+def _tokenizer_json(vocab: list[str], specials: list[str], first_special: int) -> dict:
+    return {
+        "model": {"vocab": {t: i for i, t in enumerate(vocab)}},
+        "added_tokens": [{"id": first_special + i, "content": c} for i, c in enumerate(specials)],
+    }
+
+
+def test_vocabulary_map_by_string_specials_and_timestamps():
+    target = _tokenizer_json(["x", "a", "b", "zz"], ["<|endoftext|>", "<|en|>", "<|notimestamps|>"], 4)
+    drafter = _tokenizer_json(["b", "a", "y"], ["<|endoftext|>", "<|notimestamps|>"], 3)
+    # target ids: x0 a1 b2 zz3 eot4 en5 nots6, then timestamps 7 8; drafter: b0 a1 y2 eot3 nots4, timestamps 5 6
+    assert sm.vocabulary_map(target, drafter, 9).tolist() == [-1, 1, 0, -1, 3, -1, 4, 5, 6]
+
+
+def test_remapped_drafter_scores_target_ids_as_the_drafter_scored_its_own():
+    drafter = _tiny_whisper()  # vocab 64
+    source = torch.full((70,), -1, dtype=torch.long)
+    source[:60] = torch.randperm(64)[:60]  # ids 60..69 of the target have no twin
+    target_config = drafter.config.__class__.from_dict(drafter.config.to_dict())
+    target_config.vocab_size, target_config.decoder_start_token_id = 70, 61
+    remapped = sm.remap_vocabulary(drafter, source, target_config, drafter.generation_config)
+    assert remapped.config.vocab_size == 70 and remapped.config.decoder_start_token_id == 61
+    assert remapped.proj_out.weight.data_ptr() == remapped.model.decoder.embed_tokens.weight.data_ptr()
+    features = torch.randn(1, 8, 20)
+    target_tokens = torch.tensor([[3, 17, 42]])
+    with torch.no_grad():
+        want = drafter(input_features=features, decoder_input_ids=source[target_tokens]).logits
+        got = remapped(input_features=features, decoder_input_ids=target_tokens).logits
+    torch.testing.assert_close(got[..., :60], want[..., source[:60]])  # same logit for the same token
+    assert torch.all(got[..., 60:] == 0)  # unmapped ids: a zero row, logit 0
+    with pytest.raises(ValueError, match="past the drafter"):
+        sm.remap_vocabulary(drafter, torch.full((70,), 64), target_config, drafter.generation_config)
+
+
 def _wav(samples: np.ndarray, rate: int, channels: int = 1) -> bytes:
     out = io.BytesIO()
     with wave.open(out, "wb") as w:
@@ -267,3 +301,8 @@ def test_real_whisper_pair_transcribes_real_speech():
             ids = model.generate(features, do_sample=False, **kwargs)
         text = processor.batch_decode(ids, skip_special_tokens=True)[0]
         assert sm.wer(sample.text, text) <= bound, (name, sample.text, text)
+        if name == "whisper-base":  # tiny.en re-indexed into base's vocabulary drafts; the output is base's
+            drafter = sm.load_remapped_drafter(device="cpu")
+            with torch.no_grad():
+                assisted = model.generate(features, do_sample=False, assistant_model=drafter, **kwargs)
+            assert torch.equal(assisted, ids)
