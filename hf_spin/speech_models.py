@@ -237,31 +237,30 @@ def ct2_to_hf(variables: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
                 out[f"{dst}.{proj}.bias"] = b.clone()
         return out
 
+    def block(dst: str, src: str, cross: bool) -> dict[str, torch.Tensor]:
+        """One encoder (cross False) or decoder layer: self-attention, cross-attention if any, the MLP."""
+        out = norm(f"{dst}.self_attn_layer_norm", f"{src}/self_attention/layer_norm")
+        out |= split(f"{dst}.self_attn", f"{src}/self_attention/linear_0", ("q_proj", "k_proj", "v_proj"))
+        out |= linear(f"{dst}.self_attn.out_proj", f"{src}/self_attention/linear_1")
+        if cross:
+            out |= norm(f"{dst}.encoder_attn_layer_norm", f"{src}/attention/layer_norm")
+            out |= linear(f"{dst}.encoder_attn.q_proj", f"{src}/attention/linear_0")
+            out |= split(f"{dst}.encoder_attn", f"{src}/attention/linear_1", ("k_proj", "v_proj"))
+            out |= linear(f"{dst}.encoder_attn.out_proj", f"{src}/attention/linear_2")
+        out |= norm(f"{dst}.final_layer_norm", f"{src}/ffn/layer_norm")
+        return out | linear(f"{dst}.fc1", f"{src}/ffn/linear_0") | linear(f"{dst}.fc2", f"{src}/ffn/linear_1")
+
     sd: dict[str, torch.Tensor] = {}
     enc, dec = "model.encoder", "model.decoder"
     sd.update(linear(f"{enc}.conv1", "encoder/conv1") | linear(f"{enc}.conv2", "encoder/conv2"))
     sd[f"{enc}.embed_positions.weight"] = t("encoder/position_encodings/encodings")
     for i in range(_layers(variables, "encoder")):
-        src, dst = f"encoder/layer_{i}", f"{enc}.layers.{i}"
-        sd.update(norm(f"{dst}.self_attn_layer_norm", f"{src}/self_attention/layer_norm"))
-        sd.update(split(f"{dst}.self_attn", f"{src}/self_attention/linear_0", ("q_proj", "k_proj", "v_proj")))
-        sd.update(linear(f"{dst}.self_attn.out_proj", f"{src}/self_attention/linear_1"))
-        sd.update(norm(f"{dst}.final_layer_norm", f"{src}/ffn/layer_norm"))
-        sd.update(linear(f"{dst}.fc1", f"{src}/ffn/linear_0") | linear(f"{dst}.fc2", f"{src}/ffn/linear_1"))
+        sd.update(block(f"{enc}.layers.{i}", f"encoder/layer_{i}", cross=False))
     sd.update(norm(f"{enc}.layer_norm", "encoder/layer_norm"))
     sd[f"{dec}.embed_tokens.weight"] = t("decoder/embeddings/weight")
     sd[f"{dec}.embed_positions.weight"] = t("decoder/position_encodings/encodings")
     for i in range(_layers(variables, "decoder")):
-        src, dst = f"decoder/layer_{i}", f"{dec}.layers.{i}"
-        sd.update(norm(f"{dst}.self_attn_layer_norm", f"{src}/self_attention/layer_norm"))
-        sd.update(split(f"{dst}.self_attn", f"{src}/self_attention/linear_0", ("q_proj", "k_proj", "v_proj")))
-        sd.update(linear(f"{dst}.self_attn.out_proj", f"{src}/self_attention/linear_1"))
-        sd.update(norm(f"{dst}.encoder_attn_layer_norm", f"{src}/attention/layer_norm"))
-        sd.update(linear(f"{dst}.encoder_attn.q_proj", f"{src}/attention/linear_0"))
-        sd.update(split(f"{dst}.encoder_attn", f"{src}/attention/linear_1", ("k_proj", "v_proj")))
-        sd.update(linear(f"{dst}.encoder_attn.out_proj", f"{src}/attention/linear_2"))
-        sd.update(norm(f"{dst}.final_layer_norm", f"{src}/ffn/layer_norm"))
-        sd.update(linear(f"{dst}.fc1", f"{src}/ffn/linear_0") | linear(f"{dst}.fc2", f"{src}/ffn/linear_1"))
+        sd.update(block(f"{dec}.layers.{i}", f"decoder/layer_{i}", cross=True))
     sd.update(norm(f"{dec}.layer_norm", "decoder/layer_norm"))
     if "decoder/projection/weight" in variables and not np.array_equal(
         variables["decoder/projection/weight"], variables["decoder/embeddings/weight"]

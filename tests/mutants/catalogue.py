@@ -300,8 +300,8 @@ MUTANTS = (
         "whisper_cross_attention_kv_swapped",
         "a packaged Whisper's cross-attention reads keys as values and values as keys: transcripts are garbage, and nothing but the round trip notices before a real model runs",
         "hf_spin/speech_models.py",
-        'sd.update(split(f"{dst}.encoder_attn", f"{src}/attention/linear_1", ("k_proj", "v_proj")))',
-        'sd.update(split(f"{dst}.encoder_attn", f"{src}/attention/linear_1", ("v_proj", "k_proj")))',
+        'out |= split(f"{dst}.encoder_attn", f"{src}/attention/linear_1", ("k_proj", "v_proj"))',
+        'out |= split(f"{dst}.encoder_attn", f"{src}/attention/linear_1", ("v_proj", "k_proj"))',
         ("tests/test_speech_models.py::test_ct2_round_trip_rebuilds_the_same_model",),
     ),
     Mutant(
