@@ -27,6 +27,7 @@ runs on two architectures with the tokenizers of tiny_tokenizers.py and prompts 
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 
 import pytest
@@ -36,6 +37,7 @@ import hf_spin
 import hf_spin.cache.rectangular
 import hf_spin.step.engine
 import hf_spin.step.faults
+from benchmarks.injected_costs import TIMED_MODULES
 from hf_spin.stats import DrafterStats
 
 from .archs import ARCHS, tiny_model
@@ -148,11 +150,8 @@ def test_policy_equivalence(arch, batch, policy, draft_length, monkeypatch):
     drafts from measured seconds see drafting and verification cost the same at any k, and draft
     several tokens on every run instead of whatever this machine's timings say."""
     clock = itertools.count().__next__
-    for module in (
-        hf_spin.step.engine,
-        hf_spin.step.faults,
-    ):  # verify and prefill timed in one, drafter calls in the other
-        monkeypatch.setattr(module, "perf_counter", clock)
+    for name in TIMED_MODULES:  # verify and prefill timed in one, drafter calls in the other
+        monkeypatch.setattr(importlib.import_module(name), "perf_counter", clock)
     target, other = _models(arch)
     self_drafter = hf_spin.ModelDrafter(target, name="self")
     chosen = hf_spin.policies.LBSSConfig(never_slower=False) if policy == "lbss" else policy
