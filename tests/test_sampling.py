@@ -135,6 +135,8 @@ SAMPLED_NEW_TOKENS = 4  # t_1 from the prefill, then t_2..t_4 verified at draft 
 MEASURED = 3  # the joint distribution of t_2, t_3, t_4 is checked
 DRAFTERS = {
     "model": lambda target: peaky(1),
+    # a draft vocabulary of half the ids: q is 0 on the others, which the target still draws
+    "model_draft_vocabulary": lambda target: hf_spin.ModelDrafter(peaky(1), draft_vocabulary=SMALL_V // 2),
     "prompt_lookup": lambda target: "prompt_lookup",
     "suffix": lambda target: "suffix",  # the row's own repeats (and, within a call, nothing learned yet)
     # self-speculation (MagicDec): the target over a 1 + 2 token KV budget, so q != p. (The plain target

@@ -22,8 +22,8 @@ class EncoderDecoderDrafter(ModelDrafter):
     """A draft encoder-decoder model, or a decoder reading the target's encoder output, sharing the
     target's tokenizer; drafts chains or trees on its decoder."""
 
-    def __init__(self, model, name: str | None = None, tree_width: int = 3):
-        super().__init__(model, name=name, tree_width=tree_width)
+    def __init__(self, model, name: str | None = None, tree_width: int = 3, draft_vocabulary=None):
+        super().__init__(model, name=name, tree_width=tree_width, draft_vocabulary=draft_vocabulary)
         self.target_cache: RectangularCache | None = None  # the target's, read for joining rows' encoder inputs
 
     def start(self, target, sequences: list[list[int]], target_cache=None) -> None:

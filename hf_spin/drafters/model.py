@@ -20,11 +20,14 @@ copied exactly (EasySpec's bonus calibration). None: all cached KV is exact (thi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..cache import PackedCache, RectangularCache, forward_ragged, needs_contiguous_slots, takes_4d_masks
 from ..host_syncs import to_device
 from .base import Draft, Drafter, DraftRequest
+from .draft_vocabulary import draft_ids, widen, with_draft_vocabulary
 from .tree_expansion import grow_trees
 
 
@@ -41,6 +44,9 @@ class ModelDrafter(Drafter):
 
     tree_width: where the step verifies token trees, each depth expands the `tree_width` heaviest
     nodes by their `tree_width` likeliest children (drafters/tree_expansion.py); 1 drafts chains.
+    draft_vocabulary: None (every id), an int N (the N lowest ids) or a list of ids: the only ids this
+        drafter scores and proposes, its output layer cut to them (draft_vocabulary.py); the model's
+        end-of-sequence ids are always in.
     """
 
     shares_vocab = True  # the target's logits processors and q apply to this drafter's ids
@@ -48,12 +54,20 @@ class ModelDrafter(Drafter):
     gives_q = True
     cache_layout = "rectangular"  # set by AssistantPool(cache=...): "packed" is a PackedCache and varlen attention
 
-    def __init__(self, model, name: str | None = None, tree_width: int = 3):
+    def __init__(
+        self, model, name: str | None = None, tree_width: int = 3, draft_vocabulary: int | Sequence[int] | None = None
+    ):
         if tree_width < 1:
             raise ValueError(f"tree_width must be at least 1, got {tree_width}")
+        self.name = name or getattr(model.config, "name_or_path", "") or model.config.model_type
+        self.draft_ids: torch.Tensor | None = None  # [N] the ids a draft vocabulary scores; None: all
+        self.draft_width = 0  # the model's own output rows (V_draft), where a draft vocabulary is set
+        if draft_vocabulary is not None:
+            self.draft_ids = draft_ids(model, draft_vocabulary).to(model.device)
+            self.draft_width = model.get_output_embeddings().weight.shape[0]
+            model = with_draft_vocabulary(model, self.draft_ids)
         self.model = model
         self.tree_width = tree_width
-        self.name = name or getattr(model.config, "name_or_path", "") or model.config.model_type
         self.cache: RectangularCache | PackedCache | None = None
         self.cached: list[list[int]] = []  # per row: the draft-space ids whose KV the cache holds
         self.exact: list[int] | None = None  # per row: leading cached tokens with exact KV (None: all of them)
@@ -125,7 +139,7 @@ class ModelDrafter(Drafter):
         """Draft logits [n, V_draft] of `rows` -> scores over the target vocabulary [n, V_target], processed
         like the target's (prefixes: each row's committed + drafted ids)."""
         V = self.target_vocab_size
-        logits = logits.float()
+        logits = logits.float() if self.draft_ids is None else widen(logits.float(), self.draft_ids, self.draft_width)
         if logits.shape[-1] >= V:
             logits = logits[:, :V]
         else:  # a drafter with a smaller (unpadded) vocabulary never proposes the missing ids

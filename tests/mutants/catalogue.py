@@ -320,4 +320,14 @@ MUTANTS = (
         "rows[mapped] = embed[: int(mapped.sum())]",
         ("tests/test_speech_models.py::test_remapped_drafter_scores_target_ids_as_the_drafter_scored_its_own",),
     ),
+    Mutant(
+        "draft_vocabulary_scores_the_wrong_ids",
+        "a drafter with a draft vocabulary reads its i-th logit as id i instead of the i-th kept id: it proposes the wrong tokens, lossless but rarely accepted",
+        "hf_spin/drafters/draft_vocabulary.py",
+        "full[:, ids.to(logits.device)] = logits",
+        "full[:, : ids.numel()] = logits",
+        (
+            "tests/test_draft_vocabulary.py::test_a_draft_vocabulary_holding_every_proposal_drafts_as_the_whole_vocabulary_does",
+        ),
+    ),
 )
