@@ -197,6 +197,51 @@ def test_rows_join_a_running_batch():
     assert all(d.failures == 0 and d.drafted > 0 for d in engine.stats.drafters.values()), str(engine.stats)
 
 
+def _encoder_batches(model) -> list[int]:
+    """A list that records the batch size of every call of `model`'s encoder from now on."""
+    calls = []
+    model.get_encoder().register_forward_hook(
+        lambda module, args, kwargs, out: calls.append(len(out[0])), with_kwargs=True
+    )
+    return calls
+
+
+def test_a_drafter_runs_its_encoder_only_when_it_first_drafts():
+    """The drafter's encoder runs at its first catch-up or draft, over every row then present (a row that
+    joined before it is encoded with them), and never in a call that does not draft with it."""
+    target, _ = _models("whisper")
+    other = perturb(tiny_encoder_decoder("whisper", **INIT["whisper"]))
+    calls = _encoder_batches(other)
+    inputs, reference = _case("whisper", 4)
+    out = target.generate(
+        **inputs, custom_generate=hf_spin.generate, assistant_pool=spin_pool(["prompt_lookup", other])
+    )  # "fixed": the first drafter only
+    assert torch.equal(out, reference) and calls == []
+
+    t5, t5_other = tiny_encoder_decoder("t5", **INIT["t5"]), perturb(tiny_encoder_decoder("t5", **INIT["t5"]))
+    calls = _encoder_batches(t5_other)
+    text = encoder_inputs("t5", 3, seed=1)
+    prompts = [ids[mask.bool()][None] for ids, mask in zip(text["input_ids"], text["attention_mask"])]  # [1, S_b]
+    plain = [t5.generate(input_ids=ids, max_new_tokens=12, do_sample=False)[0, 1:].tolist() for ids in prompts]
+
+    def request(ids: torch.Tensor) -> hf_spin.Request:
+        with torch.no_grad():
+            hidden = t5.get_encoder()(input_ids=ids).last_hidden_state  # [1, S_b, D]
+        mask = torch.ones_like(ids)
+        return hf_spin.Request([PAD], max_new_tokens=12, encoder=EncoderRows(hidden, mask, ids, mask))
+
+    engine = hf_spin.SpinEngine(t5, spin_pool(["prompt_lookup", t5_other], policy="round_robin"))
+    rows = [engine.add(request(prompts[0])), engine.add(request(prompts[1]))]
+    engine.step()  # prompt lookup's turn: the drafter has not encoded
+    rows.append(engine.add(request(prompts[2])))
+    while engine.has_work:
+        engine.step()
+    engine.close()
+    assert [r.generated for r in rows] == plain
+    assert calls == [3], calls  # once, every row at the drafter's first turn
+    assert engine.stats.drafters[engine.names[1]].drafted > 0, str(engine.stats)
+
+
 @pytest.mark.parametrize("form", ("timestamps", "long_form"))
 def test_whisper_timestamps_and_long_form(form):
     """Timestamp tokens (a logits processor over each row's ids) and long-form audio (Whisper's generate

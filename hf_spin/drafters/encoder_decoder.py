@@ -2,7 +2,8 @@
 
 A smaller encoder-decoder model of the target's family (a tiny Whisper for a larger one) reads what the
 target's encoder read (each row's `EncoderRows.inputs`, from the target's cache) and runs its own encoder
-on it once per row, when the row joins. A decoder-only assistant that cross-attends to the target's
+on it once per row: for every row at its first catch-up or draft (never, in a call the planner decodes
+plainly), then for each row as it joins. A decoder-only assistant that cross-attends to the target's
 encoder output (distil-whisper's layout, `WhisperForCausalLM`) reads that output instead and runs no
 encoder. Either drafts on its decoder exactly as `ModelDrafter` does, its self-attention cache rolled back
 per row and its cross-attention K/V following its rows (cache/encoder_rows.py). docs/design.md,
@@ -34,14 +35,22 @@ class EncoderDecoderDrafter(ModelDrafter):
                 "encoder-decoder target's rows (generate's input_features / input_ids)"
             )
         super().start(target, sequences, target_cache)
-        self.target_cache = target_cache
-        self.cache.encoder = self._encode(encoder)
+        self.target_cache = target_cache  # its `encoder` follows the engine's rows; read when first needed
 
     def add_rows(self, sequences: list[list[int]]) -> None:
         super().add_rows(sequences)
+        if self.cache.encoder is None:  # not encoded yet: the first forward encodes every row
+            return
         joined = self.target_cache.encoder  # the target's cache has appended the joining rows already
         rows = torch.arange(len(joined) - len(sequences), len(joined))
         self.cache.encoder = EncoderRows.cat([self.cache.encoder, self._encode(joined.take(rows))])
+
+    def _catch_up(self, rows: list[int], sequences: list[list[int]]):
+        """`ModelDrafter._catch_up`, after running this model's encoder over every row if it has not run
+        yet: a call the planner never drafts with costs no encoder (its first catch-up pays it)."""
+        if self.cache.encoder is None:
+            self.cache.encoder = self._encode(self.target_cache.encoder)
+        return super()._catch_up(rows, sequences)
 
     def finish(self) -> None:
         super().finish()

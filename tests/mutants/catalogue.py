@@ -330,4 +330,12 @@ MUTANTS = (
             "tests/test_draft_vocabulary.py::test_a_draft_vocabulary_holding_every_proposal_drafts_as_the_whole_vocabulary_does",
         ),
     ),
+    Mutant(
+        "drafter_encodes_every_call",
+        "an encoder-decoder drafter runs its encoder when the call starts, even where the planner never drafts with it: a Whisper call that decodes plainly pays a second encoder",
+        "hf_spin/drafters/encoder_decoder.py",
+        "        self.target_cache = target_cache  # its `encoder` follows the engine's rows; read when first needed",
+        "        self.target_cache = target_cache\n        self.cache.encoder = self._encode(target_cache.encoder)",
+        ("tests/test_encoder_decoder.py::test_a_drafter_runs_its_encoder_only_when_it_first_drafts",),
+    ),
 )
