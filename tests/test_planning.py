@@ -22,10 +22,10 @@ from hf_spin.drafters import Draft, Drafter
 from hf_spin.planning.cost_profile import ForwardCost, measure
 from hf_spin.planning.estimates import acceptance_with_prior
 from hf_spin.planning.planner import LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance, Planner, plan_k
-from hf_spin.planning.profiling import build_profile
+from hf_spin.planning.profiling import build_profile, complete
 from hf_spin.verify.token_tree import TokenTree
 
-from .archs import EOS, VOCAB, tiny_model
+from .archs import EOS, VOCAB, tiny_encoder_decoder, tiny_model
 from .speculation import perturbed
 
 
@@ -129,6 +129,32 @@ def test_a_catch_up_past_the_grid_grows_at_least_by_the_grids_mean_slope():
     assert cost.bound(4) == pytest.approx(cost.predict(4))  # inside the grid, the grid
     planner = Planner(profile_of(table(flat), [cost], ["drafter"]))
     assert planner._catch_up_seconds({0: 700}) == pytest.approx(cost.bound(700) - 0.15)
+
+
+def test_a_drafters_own_encoder_is_measured_and_priced_with_its_first_catch_up():
+    """An encoder-decoder drafter runs its encoder before its first catch-up of a row (encoder_decoder.py):
+    the profile measures one row's encoder pass, and the planner charges it where the row is unencoded. At
+    batch 1 on a CPU-like profile, a drafter the pool knows (acceptance 0.6) drafts on a row it has read,
+    and not on one whose encoder pass (5 target steps) a 31-token answer cannot repay."""
+    whisper = tiny_encoder_decoder("whisper", max_target_positions=256)  # the grid reads 128 + 64 positions
+    clock = CostClock()
+    whisper.get_encoder().register_forward_pre_hook(lambda *a: setattr(clock, "now", clock.now + 1.05))
+    whisper.get_decoder().register_forward_pre_hook(lambda *a: setattr(clock, "now", clock.now + 0.5))  # 3 points
+    cost = measure(whisper, budget=3.0, clock=clock)
+    assert cost.encoder == pytest.approx(1.05)
+    assert ForwardCost.from_dict(cost.to_dict()).encoder == pytest.approx(1.05)
+    assert not complete(whisper, {k: v for k, v in cost.to_dict().items() if k != "encoder"})  # measured again
+    assert complete(tiny_model("llama"), {"knots": [1], "seconds": [0.1]})
+
+    target = ForwardCost.from_table({1: 0.211, 2: 0.225, 4: 0.267, 8: 0.345})
+    drafter = ForwardCost.from_table({1: 0.091, 2: 0.091, 4: 0.107, 8: 0.136})
+    drafter.encoder = 1.05
+    planner = Planner(profile_of(target, [drafter], ["drafter"]))
+    planner.acceptance.pooled[0] = [6.0, 4.0]
+    assert planner._catch_up_seconds({0: 1}, {0}) == pytest.approx(1.05)
+    assert planner.size([0], [{0: 1}], [31], [(0,)], [8], padded=True)[0] > 0
+    assert planner.size([0], [{0: 1}], [31], [(0,)], [8], padded=True, unencoded=[{0}]) == [0]
+    assert planner.worth_catching_up([0], 0, [1], [31], [True]) == [False]
 
 
 def test_a_short_grid_brackets_the_draft_widths_instead_of_extrapolating():

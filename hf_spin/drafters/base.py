@@ -83,6 +83,11 @@ class Drafter(ABC):
         rest before drafting); None for a drafter without per-row state (nothing to catch up)."""
         return None
 
+    def unencoded(self, row: int) -> bool:
+        """Whether this drafter's own encoder has yet to read the row's encoder input (it runs before the
+        drafter's first catch-up of the row: encoder_decoder.py); the planner prices it."""
+        return False
+
     def catch_up(self, rows: list[int], sequences: list[list[int]]) -> None:
         """Feed `rows`' committed tokens this drafter has not seen, without drafting (fast switching);
         no-op by default."""

@@ -45,6 +45,9 @@ class EncoderDecoderDrafter(ModelDrafter):
         rows = torch.arange(len(joined) - len(sequences), len(joined))
         self.cache.encoder = EncoderRows.cat([self.cache.encoder, self._encode(joined.take(rows))])
 
+    def unencoded(self, row: int) -> bool:
+        return self.own_encoder and (self.cache is None or self.cache.encoder is None or row >= len(self.cache.encoder))
+
     def _catch_up(self, rows: list[int], sequences: list[list[int]]):
         """`ModelDrafter._catch_up`, after running this model's encoder over every row if it has not run
         yet: a call the planner never drafts with costs no encoder (its first catch-up pays it)."""

@@ -60,11 +60,14 @@ class ForwardCost:
     """Seconds of one forward of one model: t(N, B) = f(N) + r (B - 1), refined online.
 
     knots: [K] token positions N measured, increasing; seconds: [K] f at each knot; per_row: r.
+    encoder: seconds of the model's own encoder over one row (an encoder-decoder drafter runs it before
+        its first catch-up of a row); 0 for a model without one.
     """
 
     knots: list[int]
     seconds: list[float]
     per_row: float = 0.0
+    encoder: float = 0.0
     observations: int = 0  # online observations so far
     corrections: list[DecayedMean] = field(default_factory=list)  # [K] log(measured / predicted)
     _values: list[float] | None = field(
@@ -159,11 +162,18 @@ class ForwardCost:
         return self.predict(n_tokens) / self.predict(1)
 
     def to_dict(self) -> dict:
-        return {"knots": list(self.knots), "seconds": list(self.seconds), "per_row": self.per_row}
+        return {
+            "knots": list(self.knots),
+            "seconds": list(self.seconds),
+            "per_row": self.per_row,
+            "encoder": self.encoder,
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> ForwardCost:
-        return cls(list(data["knots"]), list(data["seconds"]), float(data.get("per_row", 0.0)))
+        return cls(
+            list(data["knots"]), list(data["seconds"]), float(data.get("per_row", 0.0)), float(data.get("encoder", 0.0))
+        )
 
 
 def _sync(device: torch.device) -> None:
@@ -262,7 +272,28 @@ def measure(
     cost = ForwardCost.from_table(dict(sorted(table.items())))
     # always, whatever the budget: every batch > 1 decision reads it
     cost.per_row = max(timed(GRID_ROWS, 1) - cost.predict(GRID_ROWS), 0.0) / (GRID_ROWS - 1)
+    if getattr(model.config, "is_encoder_decoder", False):
+        cost.encoder = _encoder_seconds(model, generator, clock)
     return cost
+
+
+def _encoder_seconds(model, generator: torch.Generator, clock: Callable[[], float]) -> float:
+    """Seconds of the model's encoder over one row of random input, the faster of two runs: Whisper's
+    fixed-length features, else GRID_CONTEXT token ids."""
+    config = model.config
+    if model.main_input_name == "input_features":  # [1, mel bins, frames]: twice the encoder's positions
+        frames = 2 * config.max_source_positions
+        inputs = torch.randn(1, config.num_mel_bins, frames, generator=generator).to(model.device, model.dtype)
+    else:  # [1, GRID_CONTEXT] token ids
+        inputs = torch.randint(0, config.vocab_size, (1, GRID_CONTEXT), generator=generator).to(model.device)
+    best = float("inf")
+    for _ in range(2):
+        _sync(model.device)
+        start = clock()
+        model.get_encoder()(**{model.main_input_name: inputs})
+        _sync(model.device)
+        best = min(best, clock() - start)
+    return best
 
 
 # A drafter whose break-even per-token acceptance (`CostProfile.break_even`) is above this cannot

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from .cost_profile import CostProfile
 from .estimates import acceptance_with_prior
@@ -262,16 +262,19 @@ class Planner:
         chosen: list[tuple[int, ...]],
         caps: list[int],
         padded: bool,
+        unencoded: list[set[int]] | None = None,
     ) -> list[int]:
         """[B] draft length per row before drafting, at most `caps` ([B], the policy's k already
         capped by the row's room: `plan_k`, which calls this), 0 allowed.
         lags: [B] drafter -> committed tokens its state lacks (`Drafter.synced`); rooms: [B] tokens
-        each row may still generate (None: unknown)."""
+        each row may still generate (None: unknown); unencoded: [B] the chosen drafters whose own
+        encoder has yet to read the row (`Drafter.unencoded`), None: none."""
         with self.lock:
             curves = [
                 self._curve(r, ds, k, None, OPTIMISM) if ds and k > 0 else [] for r, ds, k in zip(row_ids, chosen, caps)
             ]
-            seconds = [self._catch_up_seconds(lag) for lag in lags]  # [B]
+            unencoded = unencoded or [set() for _ in lags]
+            seconds = [self._catch_up_seconds(lag, u) for lag, u in zip(lags, unencoded)]  # [B]
             spread = [
                 self._spread(s, room, c) for s, room, c in zip(seconds, rooms, curves)
             ]  # [B] the least a catch-up is charged
@@ -355,31 +358,37 @@ class Planner:
             + sum(c for c, k in zip(catch_up, ks) if k > 0)
         )
 
-    def worth_catching_up(self, row_ids: list[int], drafter: int, lags: list[int], rooms: list[int]) -> list[bool]:
+    def worth_catching_up(
+        self, row_ids: list[int], drafter: int, lags: list[int], rooms: list[int], unencoded: list[bool] | None = None
+    ) -> list[bool]:
         """[B] whether to run an idle catch-up (a policy's `Plan.catch_up`: feeding a drafter a row it does not
         draft now) on each row: where it pays for itself (drafting the row with `drafter` alone, at what the
         evidence says, the exploit plan's pessimistic prior, with this catch-up of `lags` ([B] tokens) spread
         over the row's steps left (`rooms`, [B] tokens), beats a plain step), or else as a probe the
-        exploration budget affords at the catch-up's full price. Never for a drafter that cannot pay here."""
+        exploration budget affords at the catch-up's full price (with the drafter's encoder where `unencoded`,
+        [B]). Never for a drafter that cannot pay here."""
         if not self.paying[drafter]:
             return [False] * len(row_ids)
         with self.lock:
             out = []
-            for r, lag, room in zip(row_ids, lags, rooms):
-                seconds = self._catch_up_seconds({drafter: lag})
+            for r, lag, room, fresh in zip(row_ids, lags, rooms, unencoded or [False] * len(row_ids)):
+                seconds = self._catch_up_seconds({drafter: lag}, {drafter} if fresh else ())
                 curve = self._curve(r, (drafter,), min(room, self.profile.max_k), None, 0.0, EVIDENCE_ONLY)
                 pays = self._best([curve], [(drafter,)], False, [self._spread(seconds, room, curve)])[0] > 0
                 out.append(pays or self.budget.spend(seconds))
             return out
 
-    def _catch_up_seconds(self, lags: dict[int, int]) -> float:
+    def _catch_up_seconds(self, lags: dict[int, int], unencoded: Collection[int] = ()) -> float:
         """Seconds a row's model drafters would spend catching up on the tokens they lack (the whole
-        prompt, for a drafter new to the row)."""
+        prompt, for a drafter new to the row), and those in `unencoded` running their own encoder over
+        the row first (`ForwardCost.encoder`)."""
         seconds = 0.0
         for d, lag in lags.items():
             cost = self.profile.drafters[d]
             if cost is not None and lag > 1:  # one token (the last step's bonus) is every step's own catch-up
                 seconds += cost.bound(lag) - cost.predict(1)  # a prompt lies far past the grid: read pessimistically
+            if cost is not None and d in unencoded:
+                seconds += cost.encoder
         return seconds
 
     @staticmethod
@@ -509,6 +518,7 @@ def plan_k(
     row_ids: list[int] | None = None,
     lags: Callable[[], list[dict[int, int]]] | None = None,
     padded: bool = True,
+    unencoded: Callable[[], list[set[int]]] | None = None,
 ) -> list[int]:
     """[B] how many tokens each row drafts this step: the one place a step's k is decided, with a
     cost profile or without one (profile "off": no planner).
@@ -520,12 +530,14 @@ def plan_k(
     - planner: picks each row's k in [0, cap] from measured costs and learned survival (`Planner.size`:
       0 where a plain step pays more); without one the cap is the k.
     A row no drafter serves (chosen[b] empty) drafts 0. row_ids, lags (called only with a planner:
-    [B] drafter -> committed tokens its state lacks) and padded are what `Planner.size` reads. After
+    [B] drafter -> committed tokens its state lacks), padded and unencoded (called likewise: [B] drafters
+    whose own encoder has yet to read the row) are what `Planner.size` reads. After
     drafting, `Planner.trim` may only shorten a draft.
     """
     ks = [max(0, min(cap, room)) if ds else 0 for cap, room, ds in zip(caps, rooms, chosen)]
     if planner is None:
         return ks
-    sized = planner.size(row_ids, lags(), [room + 1 for room in rooms], chosen, ks, padded)
+    fresh = unencoded() if unencoded is not None else None
+    sized = planner.size(row_ids, lags(), [room + 1 for room in rooms], chosen, ks, padded, fresh)
     assert all(0 <= k <= cap for k, cap in zip(sized, ks)), f"the planner sized {sized} past the caps {ks}"
     return sized

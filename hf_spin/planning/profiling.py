@@ -50,6 +50,12 @@ def key_hash(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def complete(model, cost: dict) -> bool:
+    """Whether a stored cost has everything measured for this model (an encoder-decoder model's encoder
+    seconds came later: a cost stored without them is measured again)."""
+    return "encoder" in cost or not getattr(model.config, "is_encoder_decoder", False)
+
+
 def cached_cost(model, budget: float = GRID_BUDGET, progress=None) -> tuple[ForwardCost, bool]:
     """(the model's ForwardCost, whether it came from the cache): read from `cache_dir()` or measured
     and written there. A cache that cannot be written (read-only home) only costs a re-measure."""
@@ -58,7 +64,7 @@ def cached_cost(model, budget: float = GRID_BUDGET, progress=None) -> tuple[Forw
     if path.exists():
         try:
             data = json.loads(path.read_text())
-            if data.get("key") == key:
+            if data.get("key") == key and complete(model, data["cost"]):
                 return ForwardCost.from_dict(data["cost"]), True
         except (OSError, ValueError, KeyError):
             pass
@@ -109,7 +115,7 @@ def build_profile(target, drafter_models: list, names: list[str], spec: str | os
         stored = json.loads(path.read_text()) if path.exists() else {}
         for m in unique:
             entry = stored.get(key_hash(model_key(m)))
-            if entry is not None:
+            if entry is not None and complete(m, entry):
                 costs[id(m)] = ForwardCost.from_dict(entry)
             else:
                 costs[id(m)] = measure(m, budget(m), progress=progress)

@@ -341,8 +341,11 @@ class SpinEngine:
                     for b, r in enumerate(rows)
                 ]
 
+            def unencoded() -> list[set[int]]:  # [B] chosen drafters whose own encoder has yet to read the row
+                return [{d for d in chosen[b] if self.drafters[d].unencoded(b)} for b in range(B)]
+
             rooms, row_ids = [r.draft_room for r in rows], [r.id for r in rows]
-            ks = plan_k(plan.k, rooms, chosen, self.planner, row_ids, lags, self._padded)
+            ks = plan_k(plan.k, rooms, chosen, self.planner, row_ids, lags, self._padded, unencoded)
         # 4. Draft: a preempting drafter first (4a), then each drafter over the rows it serves (4b), shadow
         #    drafts for measurement (4c); rows with several drafters take their vote tree: whole where trees are usable
         #    (tree_step.usable), else its heaviest path.
@@ -524,7 +527,11 @@ class SpinEngine:
                 drafter = self.drafters[d_idx]
                 lags = [len(rows[b].sequence) - (drafter.synced(b) or 0) for b in bs]
                 worth = self.planner.worth_catching_up(
-                    [rows[b].id for b in bs], d_idx, lags, [rows[b].draft_room for b in bs]
+                    [rows[b].id for b in bs],
+                    d_idx,
+                    lags,
+                    [rows[b].draft_room for b in bs],
+                    [drafter.unencoded(b) for b in bs],
                 )
                 bs = [b for b, w in zip(bs, worth) if w]
             if self.usable[d_idx] and bs:

@@ -338,4 +338,12 @@ MUTANTS = (
         "        self.target_cache = target_cache\n        self.cache.encoder = self._encode(target_cache.encoder)",
         ("tests/test_encoder_decoder.py::test_a_drafter_runs_its_encoder_only_when_it_first_drafts",),
     ),
+    Mutant(
+        "drafters_encoder_unpriced",
+        "the planner prices a row's catch-up without the drafter's own encoder pass: on short audio it probes a Whisper drafter whose encoder costs more than the probe can repay, and the call runs slower than plain",
+        "hf_spin/planning/planner.py",
+        "                seconds += cost.encoder",
+        "                seconds += 0.0",
+        ("tests/test_planning.py::test_a_drafters_own_encoder_is_measured_and_priced_with_its_first_catch_up",),
+    ),
 )
