@@ -4,6 +4,7 @@ rows leave the batch as they stop (freed slots) and models the layout cannot run
 """
 
 import functools
+import inspect
 import os
 
 import pytest
@@ -224,3 +225,18 @@ def test_generate_honours_cache_implementation_static(monkeypatch):
         target.generate(
             **inputs, custom_generate=hf_spin.generate, assistant_pool=packed, cache_implementation="static"
         )
+
+
+@pytest.mark.skipif(
+    "recompile_limit" not in inspect.signature(torch.compile).parameters,
+    reason="torch.compile takes no recompile_limit",
+)
+def test_a_compiled_static_forward_holds_more_graphs_than_dynamos_default(fresh_dynamo):
+    """A graph per (row-slot bucket, width): a growing server batch passes dynamo's default of 8, which
+    fullgraph=True would turn into an error."""
+    from hf_spin.cache.static_forward import RECOMPILE_LIMIT, compile_static
+
+    double = compile_static(lambda x: x * 2, backend="eager")
+    for n in range(1, 13):
+        torch.testing.assert_close(double(torch.ones(n)), torch.full((n,), 2.0))
+    assert fresh_dynamo["stats"]["unique_graphs"] == 12 < RECOMPILE_LIMIT

@@ -62,10 +62,19 @@ def run_static_draft(model, cache: StaticRowCache, input_ids: torch.Tensor, dtyp
     return run_static(model, cache, input_ids, dtype)
 
 
+# Graphs one compiled static forward may hold: one per (row-slot bucket, query width, capacity bucket, model),
+# so a server whose batch grows to 64 rows meets 7 row buckets x 2 widths; past dynamo's default (8)
+# fullgraph=True raises. A torch.compile that takes a per-call limit (2.13 does) gets this one; older ones
+# keep the global.
+RECOMPILE_LIMIT = 64
+_PER_CALL_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
+
+
 def compile_static(forward=run_static, backend: str = "inductor", mode: str | None = None):
     """`forward` compiled for fixed shapes with no graph break: one graph per (row slots, query slots,
-    capacity, model) in dynamo's cache of the code object (its recompile limit applies)."""
-    return torch.compile(forward, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+    capacity, model) in dynamo's cache of the code object, up to RECOMPILE_LIMIT of them."""
+    limit = dict(recompile_limit=RECOMPILE_LIMIT) if _PER_CALL_LIMIT else {}
+    return torch.compile(forward, fullgraph=True, dynamic=False, backend=backend, mode=mode, **limit)
 
 
 def forward_static(
