@@ -133,34 +133,31 @@ def graphs(forward) -> int:
     return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(forward.__code__))
 
 
+INDUCTOR = pytest.param(
+    "inductor",
+    marks=pytest.mark.skipif(not os.environ.get("HF_SPIN_SLOW_TESTS"), reason="inductor compiles for minutes on a CPU"),
+)
+
+
+@pytest.mark.parametrize("backend", ("eager", INDUCTOR))
 @pytest.mark.parametrize("drafter", ("model", "prompt_lookup"))
-def test_compiled_verification_keeps_greedy_output_without_recompiling(drafter, fresh_dynamo):
-    """The first call compiles one graph per query width it meets (k + 1, and 1 after a step that drafted
-    nothing), whatever the lengths and acceptance; a second call compiles nothing."""
-    from hf_spin.cache.static_forward import run_static
+def test_compiled_verification_keeps_greedy_output_without_recompiling(drafter, backend, fresh_dynamo):
+    """The first call compiles one graph per query width it meets (the target: k + 1, and 1 after a step
+    that drafted nothing; a model drafter: 1 and 2), whatever the lengths and acceptance; a second call
+    compiles nothing."""
+    from hf_spin.cache.static_forward import run_static, run_static_draft
+    from hf_spin.drafters.model import COMPILED_CHUNK
 
     target, other = _models("llama")
     entry = other if drafter == "model" else "prompt_lookup"
-    options = dict(compile=True, backend="eager", query_slots=DRAFT_TOKENS + 1)
+    options = dict(compile=True, backend=backend, query_slots=DRAFT_TOKENS + 1)
     assert_static_lossless(target, entry, *_case("llama", 4), **options)
     compiled = fresh_dynamo["stats"]["unique_graphs"]
     assert 1 <= graphs(run_static) <= 2
+    assert (1 <= graphs(run_static_draft) <= COMPILED_CHUNK) if drafter == "model" else not graphs(run_static_draft)
     with torch._dynamo.config.patch(error_on_recompile=True):
         pool = assert_static_lossless(target, entry, *_case("llama", 4), **options)
     assert fresh_dynamo["stats"]["unique_graphs"] == compiled, str(pool.last_stats)
-
-
-def test_a_step_that_drafts_nothing_is_the_one_token_decode(monkeypatch):
-    """The plain step on the static layout is the fixed-shape forward with one query slot (its own graph
-    under compile), not the verification's k + 1 slots; a step with drafts keeps the sticky k + 1."""
-    from hf_spin.cache import static_forward
-
-    widths = []
-    real = static_forward.forward_static
-    monkeypatch.setattr(static_forward, "forward_static", lambda *a: widths.append(a[4]) or real(*a))
-    target = _models("llama")[0]
-    assert_static_lossless(target, "prompt_lookup", *_case("llama", 1), query_slots=DRAFT_TOKENS + 1)
-    assert set(widths) == {1, DRAFT_TOKENS + 1}, widths
 
 
 def test_compile_auto_is_on_for_cuda_only():
@@ -169,13 +166,6 @@ def test_compile_auto_is_on_for_cuda_only():
     target = _models("llama")[0]
     assert not StaticTarget(target, StaticOptions("auto")).compiled
     assert StaticTarget(target, StaticOptions(True, backend="eager")).compiled
-
-
-@pytest.mark.skipif(not os.environ.get("HF_SPIN_SLOW_TESTS"), reason="inductor compiles for a minute and more on a CPU")
-def test_inductor_compiled_verification_keeps_greedy_output(fresh_dynamo):
-    target, other = _models("llama")
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        assert_static_lossless(target, other, *_case("llama", 4), compile=True, query_slots=DRAFT_TOKENS + 1)
 
 
 def test_rows_joining_a_running_batch_take_free_slots_and_stay_exact(fresh_dynamo):

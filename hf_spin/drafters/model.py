@@ -70,9 +70,8 @@ class ModelDrafter(Drafter):
         self.tree_width = tree_width
         self.name = name or getattr(model.config, "name_or_path", "") or model.config.model_type
         self.cache: RectangularCache | PackedCache | StaticRowCache | None = None
-        self.static_run = (
-            None  # this call's fixed-shape forward on a StaticRowCache (`_static_run`); None: eager, dynamic
-        )
+        # this call's fixed-shape forward on a StaticRowCache (`_static_run`); None: eager, on a dynamic cache
+        self.static_run = None
         self.cached: list[list[int]] = []  # per row: the draft-space ids whose KV the cache holds
         self.exact: list[int] | None = None  # per row: leading cached tokens with exact KV (None: all of them)
         self.target_vocab_size = model.config.get_text_config().vocab_size
