@@ -160,6 +160,19 @@ def test_compiled_verification_keeps_greedy_output_without_recompiling(drafter, 
     assert fresh_dynamo["stats"]["unique_graphs"] == compiled, str(pool.last_stats)
 
 
+def test_a_step_that_drafts_nothing_is_the_one_token_decode(monkeypatch):
+    """The plain step on the static layout is the fixed-shape forward with one query slot (its own graph
+    under compile), not the verification's k + 1 slots; a step with drafts keeps the sticky k + 1."""
+    from hf_spin.cache import static_forward
+
+    widths = []
+    real = static_forward.forward_static
+    monkeypatch.setattr(static_forward, "forward_static", lambda *a: widths.append(a[4]) or real(*a))
+    target = _models("llama")[0]
+    assert_static_lossless(target, "prompt_lookup", *_case("llama", 1), query_slots=DRAFT_TOKENS + 1)
+    assert set(widths) == {1, DRAFT_TOKENS + 1}, widths
+
+
 def test_compile_auto_is_on_for_cuda_only():
     from hf_spin.cache.static_forward import StaticTarget
 
