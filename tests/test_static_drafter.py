@@ -103,3 +103,37 @@ def test_a_drafter_the_static_path_cannot_take_drafts_eagerly(monkeypatch):
     out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
     assert torch.equal(out, reference) and not caches
     assert_speculated(pool.last_stats, accepted=False, rejected=False)
+
+
+def test_the_drafters_capacity_follows_the_targets():
+    """The drafter's StaticRowCache takes the capacity of the target's (sized for the rows' length limit), so
+    its rows growing past a capacity bucket reallocate and recompile nothing mid-call."""
+    from hf_spin.cache.static import CAPACITY_BUCKET
+    from hf_spin.drafters import DraftRequest
+
+    target, other = _models("llama")
+    target_cache = StaticRowCache()
+    target_cache.add_empty_rows(2)
+    target_cache.reserve(2 * CAPACITY_BUCKET)
+    drafter = ModelDrafter(other)
+    drafter.static = StaticOptions()
+    sequences = [[5, 6, 7], [8, 9]]
+    drafter.start(target, sequences, target_cache=target_cache)
+    drafter.draft(DraftRequest(rows=[0, 1], sequences=sequences, k=[2, 2], do_sample=False, score=None))
+    assert drafter.cache.capacity == target_cache.capacity == 2 * CAPACITY_BUCKET
+
+
+@pytest.mark.parametrize("layout", ("static", "packed"))
+def test_a_self_speculating_streaming_drafter_drafts_on_its_own_cache(layout, monkeypatch):
+    """A streaming drafter (its own caches and forwards) is handed the target's static or packed cache at
+    start: it starts unseeded, drafts on its own StreamingCache and never fails (it read a rectangular
+    cache's lengths off any cache it was given, and was dropped)."""
+    from hf_spin.drafters.streaming import StreamingDrafter
+
+    target = _models("llama")[0]
+    caches, _ = record(monkeypatch)
+    inputs, reference = _case("llama", 4)
+    pool = spin_pool([StreamingDrafter(target, sink_tokens=2, window_tokens=8)], tree=False, cache=layout)
+    out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, reference) and not caches
+    assert_speculated(pool.last_stats, rejected=False)

@@ -72,6 +72,7 @@ class ModelDrafter(Drafter):
         self.cache: RectangularCache | PackedCache | StaticRowCache | None = None
         # this call's fixed-shape forward on a StaticRowCache (`_static_run`); None: eager, on a dynamic cache
         self.static_run = None
+        self.target_static: StaticRowCache | None = None  # the target's cache on the static layout (`start`)
         self.cached: list[list[int]] = []  # per row: the draft-space ids whose KV the cache holds
         self.exact: list[int] | None = None  # per row: leading cached tokens with exact KV (None: all of them)
         self.target_vocab_size = model.config.get_text_config().vocab_size
@@ -87,6 +88,10 @@ class ModelDrafter(Drafter):
     def start(self, target, sequences: list[list[int]], target_cache=None) -> None:
         self.target_vocab_size = target.config.get_text_config().vocab_size
         self.static_run = self._static_run()
+        # the target's StaticRowCache, sized for the rows' length limit: ours follows its capacity, so that rows
+        # growing past a capacity bucket recompile none of our graphs
+        on_static = self.static_run is not None and isinstance(target_cache, StaticRowCache)
+        self.target_static = target_cache if on_static else None
         self.cache = self._new_cache(len(sequences))
         self.cached = [[] for _ in sequences]
         self.exact = None
@@ -137,8 +142,10 @@ class ModelDrafter(Drafter):
         if self.static_run is None:
             return forward_ragged(self.model, self.cache, chunks, all_logits=False)
         longest = max(len(c) for c in chunks)
+        width = query_bucket(longest)
+        self.cache.reserve(width, self.target_static.capacity if self.target_static is not None else 0)
         run = self.static_run if longest <= COMPILED_CHUNK else run_static
-        logits = forward_static(self.model, self.cache, chunks, run, query_bucket(longest))  # [B, T, V_draft]
+        logits = forward_static(self.model, self.cache, chunks, run, width)  # [B, T, V_draft]
         last = to_device([max(len(c) - 1, 0) for c in chunks], logits.device, torch.long)  # [B] (empty: a hole)
         return logits[torch.arange(len(chunks), device=logits.device), last][:, None]  # [B, 1, V_draft]
 
@@ -158,7 +165,7 @@ class ModelDrafter(Drafter):
             self.exact += [0 for _ in sequences]
 
     def finish(self) -> None:
-        self.cache, self.cached, self.exact, self.static_run = None, [], None, None
+        self.cache, self.cached, self.exact, self.static_run, self.target_static = None, [], None, None, None
 
     def _scores(
         self, logits: torch.Tensor, rows: list[int], prefixes: list[list[int]], request: DraftRequest

@@ -277,10 +277,10 @@ class SpinEngine:
             if self.drafters_started:
                 self._call_drafter(d_idx, lambda: drafter.add_rows(sequences), new_positions)
             else:
-                # the target's cache right after its prefill: a self-speculating drafter copies its exact KV
-                shared = None if self.static is not None else self.cache  # a StaticRowCache is not shared
+                # the target's cache right after its prefill: a self-speculating drafter copies its exact KV, a
+                # model drafter on the static layout sizes its own after it
                 self._call_drafter(
-                    d_idx, lambda: drafter.start(self.model, sequences, target_cache=shared), new_positions
+                    d_idx, lambda: drafter.start(self.model, sequences, target_cache=self.cache), new_positions
                 )
         self.drafters_started = True
         if self.policy is not None:
