@@ -129,9 +129,12 @@ class AssistantPool:
         target's KV in a `StaticRowCache` (row slots x capacity allocated once, each row's length on the
         device), every verification one fixed-shape forward (`cache/static_forward.py`) that `compile`
         may compile; chains only (tree="auto" verifies chains there), full-attention models taking 4D masks.
-    compile: the static layout's verification forward: False (eager), True (`torch.compile(fullgraph=True,
-        dynamic=False)`; CUDA graphs on a GPU), "auto" (default: on for a target on CUDA), or a
-        `StaticOptions` (backend, query slots). Only with cache="static".
+        Model drafters draft there too, through static caches of their own (those the layout cannot take
+        draft eagerly on a dynamic cache).
+    compile: the static layout's fixed-shape forwards (the target's verification, model drafters' draft
+        tokens): False (eager), True (`torch.compile(fullgraph=True, dynamic=False)`; CUDA graphs on a
+        GPU), "auto" (default: on for a model on CUDA), or a `StaticOptions` (backend, query slots). Only
+        with cache="static".
     tree: token trees (docs/design.md, "token tree"): "auto" (default) verifies a vote's whole merged
         tree, prompt lookup's several continuations, suffix drafting's likeliest ones and a model
         drafter's grown tree (on a rectangular cache) in one forward, False chains only (a vote's

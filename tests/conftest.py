@@ -44,6 +44,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied and its counters zeroed (reset leaves the counters)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def target():
     """A tiny random llama: the target of the feature, engine, pipeline and server tests."""

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from hf_spin.cache.static import StaticRowCache
+from hf_spin.cache.static_forward import StaticOptions
 from hf_spin.drafters import DraftRequest, ModelDrafter
 
 from .archs import VOCAB, ragged_batch, tiny_model
 from .speculation import perturbed
 
 
-def test_model_drafter_after_rollbacks_drafts_what_a_fresh_one_does():
+@pytest.mark.parametrize("layout", ("rectangular", "static"))
+def test_model_drafter_after_rollbacks_drafts_what_a_fresh_one_does(layout):
     """Six steps over three rows, each committing a random prefix of the row's draft and then a token
     that differs from the next draft token (a rejection and its recovered token): every draft of the
-    drafter that rolled back its cache equals a fresh drafter's on the same sequences."""
+    drafter that rolled back its cache (its own StaticRowCache on the static layout) equals a fresh
+    drafter's on the same sequences (on the default rectangular cache)."""
     target, model = tiny_model("llama"), perturbed("llama")
     ids, mask = ragged_batch(3, 10, seed=0)
     sequences = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
     drafter = ModelDrafter(model)
+    drafter.static = StaticOptions() if layout == "static" else None
     drafter.start(target, sequences)
+    assert isinstance(drafter.cache, StaticRowCache) == (layout == "static")
     g = torch.Generator().manual_seed(0)
     rejected = 0
     for _ in range(6):

@@ -4,6 +4,7 @@ rows leave the batch as they stop (freed slots) and models the layout cannot run
 """
 
 import functools
+import inspect
 import os
 
 import pytest
@@ -91,15 +92,6 @@ def test_layouts_and_models_it_cannot_run_are_refused():
 # HF_SPIN_SLOW_TESTS=1 runs the inductor case too.
 
 
-@pytest.fixture
-def fresh_dynamo():
-    """Dynamo's caches emptied and its counters zeroed (reset leaves the counters)."""
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield torch._dynamo.utils.counters
-    torch._dynamo.reset()
-
-
 @torch.no_grad()
 def test_the_compiled_forward_has_no_graph_break_and_no_recompilation(fresh_dynamo):
     """One graph for a run where lengths, acceptance and the rows present change (rollbacks, a row
@@ -136,14 +128,49 @@ def test_the_compiled_forward_has_no_graph_break_and_no_recompilation(fresh_dyna
     assert fresh_dynamo["stats"]["unique_graphs"] == 1
 
 
+def graphs(forward) -> int:
+    """Graphs dynamo holds for `forward`'s code object (`run_static`: the target's; `run_static_draft`: drafters')."""
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(forward.__code__))
+
+
+INDUCTOR = pytest.param(
+    "inductor",
+    marks=pytest.mark.skipif(not os.environ.get("HF_SPIN_SLOW_TESTS"), reason="inductor compiles for minutes on a CPU"),
+)
+
+
+@pytest.mark.parametrize("backend", ("eager", INDUCTOR))
 @pytest.mark.parametrize("drafter", ("model", "prompt_lookup"))
-def test_compiled_verification_keeps_greedy_output_without_recompiling(drafter, fresh_dynamo):
+def test_compiled_verification_keeps_greedy_output_without_recompiling(drafter, backend, fresh_dynamo):
+    """The first call compiles one graph per query width it meets (the target: k + 1, and 1 after a step
+    that drafted nothing; a model drafter: 1 and 2), whatever the lengths and acceptance; a second call
+    compiles nothing."""
+    from hf_spin.cache.static_forward import run_static, run_static_draft
+    from hf_spin.drafters.model import COMPILED_CHUNK
+
     target, other = _models("llama")
     entry = other if drafter == "model" else "prompt_lookup"
+    options = dict(compile=True, backend=backend, query_slots=DRAFT_TOKENS + 1)
+    assert_static_lossless(target, entry, *_case("llama", 4), **options)
+    compiled = fresh_dynamo["stats"]["unique_graphs"]
+    assert 1 <= graphs(run_static) <= 2
+    assert (1 <= graphs(run_static_draft) <= COMPILED_CHUNK) if drafter == "model" else not graphs(run_static_draft)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        options = dict(compile=True, backend="eager", query_slots=DRAFT_TOKENS + 1)
         pool = assert_static_lossless(target, entry, *_case("llama", 4), **options)
-    assert fresh_dynamo["stats"]["unique_graphs"] == 1, str(pool.last_stats)
+    assert fresh_dynamo["stats"]["unique_graphs"] == compiled, str(pool.last_stats)
+
+
+def test_a_step_that_drafts_nothing_is_the_one_token_decode(monkeypatch):
+    """The plain step on the static layout is the fixed-shape forward with one query slot (its own graph
+    under compile), not the verification's k + 1 slots; a step with drafts keeps the sticky k + 1."""
+    from hf_spin.cache import static_forward
+
+    widths = []
+    real = static_forward.forward_static
+    monkeypatch.setattr(static_forward, "forward_static", lambda *a: widths.append(a[4]) or real(*a))
+    target = _models("llama")[0]
+    assert_static_lossless(target, "prompt_lookup", *_case("llama", 1), query_slots=DRAFT_TOKENS + 1)
+    assert set(widths) == {1, DRAFT_TOKENS + 1}, widths
 
 
 def test_compile_auto_is_on_for_cuda_only():
@@ -154,24 +181,20 @@ def test_compile_auto_is_on_for_cuda_only():
     assert StaticTarget(target, StaticOptions(True, backend="eager")).compiled
 
 
-@pytest.mark.skipif(not os.environ.get("HF_SPIN_SLOW_TESTS"), reason="inductor compiles for a minute and more on a CPU")
-def test_inductor_compiled_verification_keeps_greedy_output(fresh_dynamo):
-    target, other = _models("llama")
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        assert_static_lossless(target, other, *_case("llama", 4), compile=True, query_slots=DRAFT_TOKENS + 1)
-
-
 def test_rows_joining_a_running_batch_take_free_slots_and_stay_exact(fresh_dynamo):
     """Continuous batching on the static layout: rows join at different steps (free slots, then more row
     slots) and stop at different steps; each row's tokens equal plain generate on its prompt alone."""
+    from hf_spin.cache.static_forward import run_static, run_static_draft
+    from hf_spin.drafters.model import COMPILED_CHUNK
+
     from .test_engine import alone, prompts, request, run
 
     target, other = _models("llama")
     pool = spin_pool([other, "prompt_lookup"], policy="round_robin", tree=False, cache="static")
     pool.static = StaticOptions(compile=True, backend="eager", query_slots=DRAFT_TOKENS + 1)
     engine = SpinEngine(target, pool)
-    slots, verify = set(), engine.static
-    engine.static = lambda model, cache, chunks: slots.add(cache.num_slots) or verify(model, cache, chunks)
+    shapes, compiled = set(), engine.static.forward  # [R, T] of the target's forwards
+    engine.static.forward = lambda model, cache, ids, dtype: shapes.add(ids.shape) or compiled(model, cache, ids, dtype)
     ps, lengths = prompts(6), [20, 7, 16, 1, 12, 18]
     schedule = {0: [request(ps[0], 20), request(ps[1], 7)], 3: [request(ps[2], 16)]}
     schedule.update({4: [request(ps[3], 1), request(ps[4], 12)], 9: [request(ps[5], 18)]})
@@ -179,7 +202,9 @@ def test_rows_joining_a_running_batch_take_free_slots_and_stay_exact(fresh_dynam
     for row, p, n in zip(rows, ps, lengths):
         assert row.generated == alone(target, p, n), f"row {row.id}"
     assert_speculated(DrafterStats.total(engine.drafter_stats.values()))
-    assert fresh_dynamo["stats"]["unique_graphs"] == len(slots) > 1  # one graph per row-slot bucket grown through
+    slots = {R for R, _ in shapes}
+    assert graphs(run_static) == len(shapes) and len(slots) > 1  # one graph per (row-slot bucket, width) met
+    assert 1 <= graphs(run_static_draft) <= COMPILED_CHUNK * len(slots)  # the model drafter's: widths 1 and 2
 
 
 def test_generate_honours_cache_implementation_static(monkeypatch):
@@ -203,3 +228,18 @@ def test_generate_honours_cache_implementation_static(monkeypatch):
         target.generate(
             **inputs, custom_generate=hf_spin.generate, assistant_pool=packed, cache_implementation="static"
         )
+
+
+@pytest.mark.skipif(
+    "recompile_limit" not in inspect.signature(torch.compile).parameters,
+    reason="torch.compile takes no recompile_limit",
+)
+def test_a_compiled_static_forward_holds_more_graphs_than_dynamos_default(fresh_dynamo):
+    """A graph per (row-slot bucket, width): a growing server batch passes dynamo's default of 8, which
+    fullgraph=True would turn into an error."""
+    from hf_spin.cache.static_forward import RECOMPILE_LIMIT, compile_static
+
+    double = compile_static(lambda x: x * 2, backend="eager")
+    for n in range(1, 13):
+        torch.testing.assert_close(double(torch.ones(n)), torch.full((n,), 2.0))
+    assert fresh_dynamo["stats"]["unique_graphs"] == 12 < RECOMPILE_LIMIT

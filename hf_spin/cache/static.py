@@ -135,10 +135,11 @@ class StaticRowCache(Cache):
         self.capacity = capacity
         self._push()
 
-    def reserve(self, width: int) -> None:
+    def reserve(self, width: int, capacity: int = 0) -> None:
         """Make room for a forward of `width` query slots in every slot (free ones included: they are fed
-        too): capacity >= longest + width, grown by CAPACITY_BUCKET (a reallocation, never compiled)."""
-        need = max(self.host_lengths, default=0) + width
+        too): capacity >= longest + width and >= `capacity`, grown by CAPACITY_BUCKET (a reallocation, never
+        compiled)."""
+        need = max(max(self.host_lengths, default=0) + width, capacity)
         if need > self.capacity:
             self._resize(self.num_slots, capacity_bucket(need))
 

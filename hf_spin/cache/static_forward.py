@@ -17,7 +17,7 @@ import torch
 from ..host_syncs import to_device
 from .forward import CACHE_ARG, FILLER_TOKEN, _attention, takes_4d_masks
 from .rectangular import needs_contiguous_slots
-from .static import StaticRowCache
+from .static import StaticRowCache, query_bucket
 
 
 def check_static_support(model, role: str = "model") -> None:
@@ -55,22 +55,37 @@ def run_static(model, cache: StaticRowCache, input_ids: torch.Tensor, dtype: tor
     return out.logits
 
 
+def run_static_draft(model, cache: StaticRowCache, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`run_static` under a code object of its own: dynamo keeps compiled graphs per code object, so a
+    drafter's graphs (one per query width) stay apart from the target's, each set under its own recompile
+    limit (past which fullgraph=True raises) and counted on its own."""
+    return run_static(model, cache, input_ids, dtype)
+
+
+# Graphs one compiled static forward may hold: one per (row-slot bucket, query width, capacity bucket, model),
+# so a server whose batch grows to 64 rows meets 7 row buckets x 2 widths; past dynamo's default (8)
+# fullgraph=True raises. A torch.compile that takes a per-call limit (2.13 does) gets this one; older ones
+# keep the global.
+RECOMPILE_LIMIT = 64
+_PER_CALL_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
+
+
 def compile_static(forward=run_static, backend: str = "inductor", mode: str | None = None):
     """`forward` compiled for fixed shapes with no graph break: one graph per (row slots, query slots,
-    capacity, model) in dynamo's cache of the code object (its recompile limit applies)."""
-    return torch.compile(forward, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+    capacity, model) in dynamo's cache of the code object, up to RECOMPILE_LIMIT of them."""
+    limit = dict(recompile_limit=RECOMPILE_LIMIT) if _PER_CALL_LIMIT else {}
+    return torch.compile(forward, fullgraph=True, dynamic=False, backend=backend, mode=mode, **limit)
 
 
 def forward_static(
-    model, cache: StaticRowCache, chunks: list[list[int]], forward=run_static, min_width: int = 1
+    model, cache: StaticRowCache, chunks: list[list[int]], forward=run_static, width: int | None = None
 ) -> torch.Tensor:
     """Run `model` on one chunk of new tokens per row (B chunks, in the cache's row order), appending them.
 
-    Every slot gets `cache.query_width(max(longest, min_width))` query slots (sticky bucket), so the
-    forward keeps its shape from step to step; padding and free slots compute but are not counted.
+    Every slot gets `width` query slots (at least the longest chunk; None: `query_bucket` of it), so
+    forwards of one width share one shape; padding and free slots compute but are not counted.
     forward: `run_static`, or a compiled copy of it (`compile_static`); a cache with no storage yet runs
-    eagerly. min_width: the query slots to start from (the longest chunk expected: k + 1), so that
-    shorter first drafts do not compile a narrower forward first.
+    eagerly.
     Returns logits `[B, T, V]`, T = the longest chunk (the slots after a row's chunk are padding).
     """
     if len(chunks) != len(cache.slot_of):
@@ -79,7 +94,8 @@ def forward_static(
     longest = max(counts, default=0)
     if longest == 0:
         raise ValueError("forward_static needs at least one token in some chunk")
-    width = cache.query_width(max(longest, min_width))
+    width = width or query_bucket(longest)
+    assert width >= longest, f"{width} query slots for a chunk of {longest} tokens"
     cache.reserve(width)  # any reallocation happens here, outside the compiled forward
     ids = [[FILLER_TOKEN] * width for _ in range(cache.num_slots)]  # [R, T]
     for slot, chunk in zip(cache.slot_of, chunks):
@@ -96,11 +112,11 @@ def forward_static(
 
 @dataclass(frozen=True)
 class StaticOptions:
-    """The static cache layout of a pool's target (`AssistantPool(cache="static", compile=...)`).
+    """The static cache layout of a pool's target and model drafters (`AssistantPool(cache="static", compile=...)`).
 
-    compile: False (eager), True, or "auto" (on for a target on CUDA only): `torch.compile` the
-        fixed-shape verification forward with fullgraph=True, dynamic=False; on CUDA as CUDA graphs
-        (mode "reduce-overhead").
+    compile: False (eager), True, or "auto" (on for a model on CUDA only): `torch.compile` the fixed-shape
+        forwards (the target's verification, a model drafter's draft tokens) with fullgraph=True,
+        dynamic=False; on CUDA as CUDA graphs (mode "reduce-overhead").
     backend: the torch.compile backend ("inductor"; "eager" traces with dynamo alone: no graph break and
         no recompilation are checked the same, without code generation).
     query_slots: query slots of every verification from the first on (k + 1 for a draft length cap k);
@@ -118,18 +134,35 @@ class StaticOptions:
         if self.query_slots is not None and not (type(self.query_slots) is int and self.query_slots >= 1):
             raise ValueError(f"query_slots={self.query_slots!r} is not supported; give a positive int or None")
 
+    def compiles(self, model) -> bool:
+        """Whether forwards of `model` run compiled under these options ("auto": on CUDA only)."""
+        return self.compile is True or (self.compile == "auto" and model.device.type == "cuda")
+
+    def forward_for(self, model, forward=run_static):
+        """`forward` (`run_static` or `run_static_draft`) compiled for `model` as these options say, or as
+        it is: on CUDA with inductor as CUDA graphs (mode "reduce-overhead")."""
+        if not self.compiles(model):
+            return forward
+        mode = "reduce-overhead" if model.device.type == "cuda" and self.backend == "inductor" else None
+        return compile_static(forward, backend=self.backend, mode=mode)
+
 
 class StaticTarget:
     """The target's verification forward on the static layout: `forward_static` with `run_static`, compiled
-    when the options say so. Checks the target at construction."""
+    when the options say so. Checks the target at construction.
+
+    A step verifies over the sticky `query_width` (k + 1 from `query_slots` on), so steps with shorter
+    drafts reuse the widest graph; a step that drafted nothing for any row is the one-token decode, a
+    graph of one query slot (the compiled plain step)."""
 
     def __init__(self, model, options: StaticOptions):
         check_static_support(model, "target model")
-        self.compiled = options.compile is True or (options.compile == "auto" and model.device.type == "cuda")
-        mode = "reduce-overhead" if model.device.type == "cuda" and options.backend == "inductor" else None
-        self.forward = compile_static(backend=options.backend, mode=mode) if self.compiled else run_static
+        self.compiled = options.compiles(model)
+        self.forward = options.forward_for(model)
         self.min_width = options.query_slots or 1
 
     def __call__(self, model, cache: StaticRowCache, chunks: list[list[int]]) -> torch.Tensor:
         """Logits `[B, T, V]` of one chunk per row, appended to `cache` (see `forward_static`)."""
-        return forward_static(model, cache, chunks, self.forward, self.min_width)
+        longest = max(len(c) for c in chunks)
+        width = 1 if longest == 1 else cache.query_width(max(longest, self.min_width))
+        return forward_static(model, cache, chunks, self.forward, width)

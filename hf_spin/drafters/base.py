@@ -68,10 +68,11 @@ class Drafter(ABC):
     def start(self, target, sequences: list[list[int]], target_cache=None) -> None:
         """Begin a `generate` call over B rows with these prompts (the rows' initial sequences).
 
-        target_cache: the target's `RectangularCache` right after its prefill (every committed token but the
-        last). A drafter that runs the target's own weights may copy from it (streaming.py does), never
-        change it. For an encoder-decoder target its `encoder` holds each row's encoder input and output,
-        and rows joining later are appended to it before `add_rows` (encoder_decoder.py reads them there).
+        target_cache: the target's cache right after its prefill (every committed token but the last): a
+        `RectangularCache`, or the layout's `PackedCache` or `StaticRowCache`. A drafter that runs the
+        target's own weights may copy from it (streaming.py does), never change it. For an encoder-decoder
+        target its `encoder` holds each row's encoder input and output, and rows joining later are appended
+        to it before `add_rows` (encoder_decoder.py reads them there).
         """
 
     @abstractmethod

@@ -8,6 +8,12 @@ single-token forwards; or, where the step verifies token trees, k - 1 forwards o
 (tree_expansion.py). The same code serves a drafter with another tokenizer (translation.py),
 which only changes how sequences and drafts cross between the two vocabularies.
 
+On the static layout (`AssistantPool(cache="static")`) the drafter keeps its KV in its own `StaticRowCache`
+and runs every forward as the target verifies, `forward_static` (one query slot per draft token, so one
+graph for all of them; chunks bucketed), compiled when the pool's `compile` says so; rollback lowers
+the rows' lengths. Subclasses with their own forwards or caches (fuzzy.py, streaming.py) and models that
+`check_static_support` refuses keep the eager path on a dynamic cache, with no error (`_static_run`).
+
 Subclasses change the mechanism through three hooks, never by copying `draft`:
     _new_cache(B)          the cache a call starts with (a sparse one in streaming.py)
     _keep(row, common)     how many cached tokens of a row survive rollback
@@ -25,10 +31,18 @@ from collections.abc import Sequence
 import torch
 
 from ..cache import PackedCache, RectangularCache, forward_ragged, needs_contiguous_slots, takes_4d_masks
+from ..cache.static import StaticRowCache, query_bucket
+from ..cache.static_forward import StaticOptions, check_static_support, forward_static, run_static, run_static_draft
 from ..host_syncs import to_device
 from .base import Draft, Drafter, DraftRequest
 from .draft_vocabulary import draft_ids, widen, with_draft_vocabulary
 from .tree_expansion import grow_trees
+
+# On the static layout, chunks of at most this many tokens run the compiled forward: a draft token (1) and
+# the catch-up after a step that accepted a whole draft (its last token and the bonus, 2). Longer chunks (a
+# prompt, a row this drafter did not serve for a while) run the same forward eagerly, as the target's
+# prefill does, so that prompts of new lengths compile nothing: at most two graphs per row-slot bucket.
+COMPILED_CHUNK = 2
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -53,6 +67,7 @@ class ModelDrafter(Drafter):
     kind = "model"
     gives_q = True
     cache_layout = "rectangular"  # set by AssistantPool(cache=...): "packed" is a PackedCache and varlen attention
+    static: StaticOptions | None = None  # set by the engine on the static layout: forwards as `_static_run` says
 
     def __init__(
         self, model, name: str | None = None, tree_width: int = 3, draft_vocabulary: int | Sequence[int] | None = None
@@ -68,7 +83,10 @@ class ModelDrafter(Drafter):
             model = with_draft_vocabulary(model, self.draft_ids)
         self.model = model
         self.tree_width = tree_width
-        self.cache: RectangularCache | PackedCache | None = None
+        self.cache: RectangularCache | PackedCache | StaticRowCache | None = None
+        # this call's fixed-shape forward on a StaticRowCache (`_static_run`); None: eager, on a dynamic cache
+        self.static_run = None
+        self.target_static: StaticRowCache | None = None  # the target's cache on the static layout (`start`)
         self.cached: list[list[int]] = []  # per row: the draft-space ids whose KV the cache holds
         self.exact: list[int] | None = None  # per row: leading cached tokens with exact KV (None: all of them)
         self.target_vocab_size = model.config.get_text_config().vocab_size
@@ -83,6 +101,11 @@ class ModelDrafter(Drafter):
 
     def start(self, target, sequences: list[list[int]], target_cache=None) -> None:
         self.target_vocab_size = target.config.get_text_config().vocab_size
+        self.static_run = self._static_run()
+        # the target's StaticRowCache, sized for the rows' length limit: ours follows its capacity, so that rows
+        # growing past a capacity bucket recompile none of our graphs
+        on_static = self.static_run is not None and isinstance(target_cache, StaticRowCache)
+        self.target_static = target_cache if on_static else None
         self.cache = self._new_cache(len(sequences))
         self.cached = [[] for _ in sequences]
         self.exact = None
@@ -100,7 +123,24 @@ class ModelDrafter(Drafter):
             and not needs_contiguous_slots(self.model.config)
         )
 
-    def _new_cache(self, batch: int) -> RectangularCache | PackedCache:
+    def _static_run(self):
+        """The forward to draft through on a `StaticRowCache`: `run_static_draft`, compiled if `static` says so;
+        None (the eager path on a dynamic cache, no error) off the static layout, for a subclass with its own
+        forwards or caches, and for a model `check_static_support` refuses."""
+        own = type(self)._forward is ModelDrafter._forward and type(self)._new_cache is ModelDrafter._new_cache
+        if self.static is None or not own:
+            return None
+        try:
+            check_static_support(self.model, f"drafter {self.name!r}")
+        except ValueError:
+            return None
+        return self.static.forward_for(self.model, run_static_draft)
+
+    def _new_cache(self, batch: int) -> RectangularCache | PackedCache | StaticRowCache:
+        if self.static_run is not None:
+            cache = StaticRowCache(self.model.device)
+            cache.add_empty_rows(batch)
+            return cache
         if self.cache_layout == "packed":
             return PackedCache(batch, device=self.model.device)
         empty = torch.zeros(batch, 0, dtype=torch.bool, device=self.model.device)  # [B, 0]
@@ -113,7 +153,15 @@ class ModelDrafter(Drafter):
     def _forward(self, chunks: list[list[int]], keep: list[int] | None) -> torch.Tensor:
         """Feed one chunk per row (B lists) through the drafter, appending to its cache; logits [B, 1, V_draft]
         at each row's last chunk token. keep: [B] tokens each row kept before a catch-up; None for a draft step."""
-        return forward_ragged(self.model, self.cache, chunks, all_logits=False)
+        if self.static_run is None:
+            return forward_ragged(self.model, self.cache, chunks, all_logits=False)
+        longest = max(len(c) for c in chunks)
+        width = query_bucket(longest)
+        self.cache.reserve(width, self.target_static.capacity if self.target_static is not None else 0)
+        run = self.static_run if longest <= COMPILED_CHUNK else run_static
+        logits = forward_static(self.model, self.cache, chunks, run, width)  # [B, T, V_draft]
+        last = to_device([max(len(c) - 1, 0) for c in chunks], logits.device, torch.long)  # [B] (empty: a hole)
+        return logits[torch.arange(len(chunks), device=logits.device), last][:, None]  # [B, 1, V_draft]
 
     def synced(self, row: int) -> int | None:
         return len(self.cached[row]) if row < len(self.cached) else 0  # draft-space tokens: about the target's
@@ -131,7 +179,7 @@ class ModelDrafter(Drafter):
             self.exact += [0 for _ in sequences]
 
     def finish(self) -> None:
-        self.cache, self.cached, self.exact = None, [], None
+        self.cache, self.cached, self.exact, self.static_run, self.target_static = None, [], None, None, None
 
     def _scores(
         self, logits: torch.Tensor, rows: list[int], prefixes: list[list[int]], request: DraftRequest

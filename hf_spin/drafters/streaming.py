@@ -170,7 +170,8 @@ class StreamingDrafter(ModelDrafter):
 
     def start(self, target, sequences: list[list[int]], target_cache: RectangularCache | None = None) -> None:
         super().start(target, sequences, target_cache)
-        self.seeded = target is self.model and target_cache is not None and _filled(target_cache, sequences)
+        rectangular = isinstance(target_cache, RectangularCache)  # a static or packed one holds other layouts
+        self.seeded = target is self.model and rectangular and _filled(target_cache, sequences)
         self.target_cache = target_cache if self.seeded else None
         if self.seeded:  # self-speculation: the target's prefill KV is exactly what our own prefill would compute
             self.cache = StreamingCache.from_cache(target_cache, self.sink_tokens, self.window_tokens)

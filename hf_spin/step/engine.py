@@ -40,7 +40,7 @@ from ..cache import PackedCache, RowCache, forward_ragged
 from ..cache.encoder_rows import EncoderRows
 from ..cache.static_forward import StaticOptions, StaticTarget
 from ..drafters import Drafter
-from ..drafters.model import common_prefix_length
+from ..drafters.model import ModelDrafter, common_prefix_length
 from ..planning.plan import BatchView, Plan, StepFeedback, shadow_lengths
 from ..planning.planner import plan_k
 from ..policies import Policy
@@ -88,8 +88,9 @@ class SpinEngine:
         instead of at the end of `verify`, so that in a pipeline only the drafting thread runs drafters.
     faults: the fault policy (default `Faults(isolate_faults)`; a pipeline's lanes call drafters on
         its drafting stream).
-    static: verify on the static layout with these options whatever the pool's layout says (`generate`'s
-        `cache_implementation="static"` with a rectangular pool); None: the pool's.
+    static: verify (and draft with model drafters) on the static layout with these options whatever the
+        pool's layout says (`generate`'s `cache_implementation="static"` with a rectangular pool); None: the
+        pool's.
     """
 
     def __init__(
@@ -121,6 +122,9 @@ class SpinEngine:
         static = static or (pool.static if pool is not None else None)
         # the target's verification forward on the static layout; None: rectangular or packed
         self.static = StaticTarget(model, static) if static is not None else None
+        for drafter in self.drafters:  # model drafters decode on the same layout, through caches of their own
+            if isinstance(drafter, ModelDrafter):
+                drafter.static = static
         # token trees (tree_step.usable): "auto", False, or a node cap; chains on the static layout
         self.tree = pool.tree if pool is not None and self.static is None else False
         self.tree_capability = tree_step.capability(model) if self.tree is not False else (False, False)
@@ -273,10 +277,10 @@ class SpinEngine:
             if self.drafters_started:
                 self._call_drafter(d_idx, lambda: drafter.add_rows(sequences), new_positions)
             else:
-                # the target's cache right after its prefill: a self-speculating drafter copies its exact KV
-                shared = None if self.static is not None else self.cache  # a StaticRowCache is not shared
+                # the target's cache right after its prefill: a self-speculating drafter copies its exact KV, a
+                # model drafter on the static layout sizes its own after it
                 self._call_drafter(
-                    d_idx, lambda: drafter.start(self.model, sequences, target_cache=shared), new_positions
+                    d_idx, lambda: drafter.start(self.model, sequences, target_cache=self.cache), new_positions
                 )
         self.drafters_started = True
         if self.policy is not None:

@@ -23,6 +23,7 @@ class Mutant:
 
 EQ = "tests/test_equivalence.py::"
 SAMPLING = "tests/test_sampling.py::"
+STATIC_DRAFTER = "tests/test_static_drafter.py::test_static_drafter_is_lossless_and_drafts_as_on_its_dynamic_cache"
 
 MUTANTS = (
     Mutant(
@@ -79,7 +80,7 @@ MUTANTS = (
         "hf_spin/drafters/model.py",
         "        self.cache.rollback(keep)\n        return self._forward(chunks, keep), draft_seqs",
         "        return self._forward(chunks, keep), draft_seqs",
-        ("tests/test_drafters.py::test_model_drafter_after_rollbacks_drafts_what_a_fresh_one_does",),
+        ("tests/test_drafters.py::test_model_drafter_after_rollbacks_drafts_what_a_fresh_one_does[rectangular]",),
     ),
     Mutant(
         "sampling_uses_the_first_positions_q",
@@ -345,5 +346,39 @@ MUTANTS = (
         "                seconds += cost.encoder",
         "                seconds += 0.0",
         ("tests/test_planning.py::test_a_drafters_own_encoder_is_measured_and_priced_with_its_first_catch_up",),
+    ),
+    Mutant(
+        "static_drafter_cache_never_rolled_back",
+        "on the static layout a model drafter's StaticRowCache keeps its rows' lengths after a rejection: it drafts "
+        "after the KV of its rejected drafts (lossless, wrong drafts, fewer accepted)",
+        "hf_spin/drafters/model.py",
+        "        self.cache.rollback(keep)\n        return self._forward(chunks, keep), draft_seqs",
+        "        if not isinstance(self.cache, StaticRowCache):\n            self.cache.rollback(keep)\n"
+        "        return self._forward(chunks, keep), draft_seqs",
+        (
+            "tests/test_drafters.py::test_model_drafter_after_rollbacks_drafts_what_a_fresh_one_does[static]",
+            STATIC_DRAFTER + "[llama-4-compiled]",
+        ),
+    ),
+    Mutant(
+        "static_drafter_reads_the_first_chunk_token",
+        "on the static layout a model drafter drafts from the logits of each row's first fed token, not its last: "
+        "after a catch-up of two tokens (a whole draft accepted) it drafts the token it already fed (lossless)",
+        "hf_spin/drafters/model.py",
+        "last = to_device([max(len(c) - 1, 0) for c in chunks]",
+        "last = to_device([0 for c in chunks]",
+        (
+            "tests/test_drafters.py::test_model_drafter_after_rollbacks_drafts_what_a_fresh_one_does[static]",
+            STATIC_DRAFTER + "[qwen2-1-eager]",
+        ),
+    ),
+    Mutant(
+        "plain_step_verifies_k_plus_one_slots",
+        "on the static layout a step that drafted nothing runs the verification's k + 1 query slots, not the "
+        "one-token decode (lossless, k + 1 times the plain step's work)",
+        "hf_spin/cache/static_forward.py",
+        "width = 1 if longest == 1 else cache.query_width(",
+        "width = cache.query_width(",
+        ("tests/test_static_engine.py::test_a_step_that_drafts_nothing_is_the_one_token_decode",),
     ),
 )
