@@ -23,6 +23,7 @@ from hf_spin.planning.cost_profile import ForwardCost, measure
 from hf_spin.planning.estimates import acceptance_with_prior
 from hf_spin.planning.planner import LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance, Planner, plan_k
 from hf_spin.planning.profiling import build_profile, complete
+from hf_spin.planning.row_lengths import RowLengths
 from hf_spin.verify.token_tree import TokenTree
 
 from .archs import EOS, VOCAB, tiny_encoder_decoder, tiny_model
@@ -392,6 +393,37 @@ def test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay():
             planner = Planner(profile_of(target, [drafter], ["drafter"]))
             planner.acceptance.pooled[0] = list(pooled)
             assert (planner.size([0], [{0: lag}], [31], [(0,)], [8], padded=True)[0] > 0) == drafts, (pooled, lag)
+
+
+def test_a_catch_up_is_spread_over_the_steps_rows_are_expected_to_run():
+    """Batch 4 on the CPU-like profile above, four 52-78-token prompts new to a drafter the pool knows (0.86):
+    spread over a 1000-token room the catch-ups pay, but once the pool has seen rows end after 30 tokens
+    (short answers, transcripts, whatever the length limit), they are spread over ~30 and the step is plain."""
+    target = ForwardCost.from_table({1: 0.211, 2: 0.225, 4: 0.267, 8: 0.345})
+    drafter = ForwardCost.from_table({1: 0.091, 2: 0.091, 4: 0.107, 8: 0.136})
+    planner = Planner(profile_of(target, [drafter], ["drafter"]))
+    planner.acceptance.pooled[0] = [86.0, 14.0]
+
+    def size():
+        return planner.size([0, 1, 2, 3], [{0: lag} for lag in (52, 76, 57, 78)], [1000] * 4, [(0,)] * 4, [8] * 4, True)
+
+    assert min(size()) > 0
+    planner.end_rows([10, 11, 12], [30, None, 30])  # the cancelled row's length teaches nothing
+    assert planner.lengths.ended.mean == pytest.approx(30)
+    assert size() == [0, 0, 0, 0]
+
+
+def test_row_lengths_expect_the_mean_of_rows_that_ended():
+    lengths = RowLengths()
+    assert lengths.left(0, 448) == 448 and lengths.left(0, None) is None  # nothing ended yet: the room
+    lengths.end([5], [20])
+    assert lengths.left(0, 448) == 20 and lengths.left(0, 8) == 8
+    lengths.committed([0], [15])
+    assert lengths.left(0, 448) == 5
+    lengths.committed([0], [10])
+    assert lengths.left(0, 448) == 20  # past the mean: about as long again
+    lengths.end([0], [25])
+    assert 0 not in lengths.generated
 
 
 def test_trees_are_sized_node_by_node_by_estimated_acceptance():

@@ -14,8 +14,9 @@ S_b(i) being the probability that row b's draft survives to position i (the prod
 per-position acceptances, `Acceptance`), t_verify the target's forward over the step's positions
 (B + sum k packed, B (1 + max k) padded) and t_draft each drafter's forwards (its longest draft,
 over the rows it serves, plus its catch-up on a row it has not drafted for lately, spread over the
-steps the row has left: a draft model that has never seen a 1000-token prompt must read it first,
-which pays back over a long answer and not over a short one), all from the `CostProfile`.
+steps the row is expected to have left (row_lengths.py): a draft model that has never seen a 1000-token
+prompt must read it first, which pays back over a long answer and not over a short one), all from the
+`CostProfile`.
 Draft slots (b, i) are taken in order of S, most likely first (vLLM's adaptive verification
 budget), and the best prefix wins; if no prefix beats a plain step (B / t_verify(B)) by MIN_GAIN,
 the step is plain. What runs is what the evidence pays for (S read with a pessimistic prior) and,
@@ -41,6 +42,7 @@ from .estimates import acceptance_with_prior
 from .exploration import ExplorationBudget
 from .journal import StepJournal
 from .plan import StepFeedback
+from .row_lengths import RowLengths
 
 # Acceptance assumed before any evidence (typical of small same-family drafters and of prompt lookup
 # on text that repeats), and the pseudo-observations behind it.
@@ -186,6 +188,7 @@ class Planner:
         self.lock = threading.Lock()  # a pipeline sizes one micro-batch while another's step is learned from
         self.budget = ExplorationBudget(profile.plain_seconds(1))  # what probes may lose (exploration.py)
         self.journal = StepJournal.from_env()  # the step log, where $HF_SPIN_STEP_LOG names one (journal.py)
+        self.lengths = RowLengths()  # how long rows run: a catch-up is spread over a row's expected steps left
         self.judge()
 
     @property
@@ -276,7 +279,7 @@ class Planner:
             unencoded = unencoded or [set() for _ in lags]
             seconds = [self._catch_up_seconds(lag, u) for lag, u in zip(lags, unencoded)]  # [B]
             spread = [
-                self._spread(s, room, c) for s, room, c in zip(seconds, rooms, curves)
+                self._spread(s, self.lengths.left(r, room), c) for r, s, room, c in zip(row_ids, seconds, rooms, curves)
             ]  # [B] the least a catch-up is charged
             ks = self._best(curves, chosen, padded, spread)  # [B] one sd up: what probes may reach
             return self._explore(row_ids, caps, ks, chosen, padded, spread, seconds)
@@ -374,7 +377,8 @@ class Planner:
             for r, lag, room, fresh in zip(row_ids, lags, rooms, unencoded or [False] * len(row_ids)):
                 seconds = self._catch_up_seconds({drafter: lag}, {drafter} if fresh else ())
                 curve = self._curve(r, (drafter,), min(room, self.profile.max_k), None, 0.0, EVIDENCE_ONLY)
-                pays = self._best([curve], [(drafter,)], False, [self._spread(seconds, room, curve)])[0] > 0
+                spread = self._spread(seconds, self.lengths.left(r, room), curve)
+                pays = self._best([curve], [(drafter,)], False, [spread])[0] > 0
                 out.append(pays or self.budget.spend(seconds))
             return out
 
@@ -472,8 +476,15 @@ class Planner:
         with self.lock:
             self._learn(feedback)
 
+    def end_rows(self, row_ids: list[int], lengths: list[int | None]) -> None:
+        """These rows left the batch having generated `lengths` tokens ([B] each; None: cut short): how long
+        rows run here."""
+        with self.lock:
+            self.lengths.end(row_ids, lengths)
+
     def _learn(self, feedback: StepFeedback) -> None:
         profile, acceptance = self.profile, self.acceptance
+        self.lengths.committed(feedback.row_ids, [a + 1 for a in feedback.accepted])
         acceptance.decay()
         B = feedback.batch_size
         if feedback.verify_seconds > 0:

@@ -299,6 +299,9 @@ class SpinEngine:
             row.stats.wall_seconds = now - row.added_at
         if self.policy is not None:
             self.policy.end_rows([r.id for r in gone])
+        if self.planner is not None:  # how long rows run here, for the planner's catch-up spreading
+            lengths = [len(r.generated) if r.finish_reason in (LENGTH, STOPPED) else None for r in gone]
+            self.planner.end_rows([r.id for r in gone], lengths)
         ended = [b for b, r in enumerate(self.rows) if r.done and r.finish_reason != ERROR]
         if ended and self.drafters_started:
             outputs = [self.rows[b].generated for b in ended]

@@ -381,4 +381,12 @@ MUTANTS = (
         "width = cache.query_width(",
         ("tests/test_static_engine.py::test_a_step_that_drafts_nothing_is_the_one_token_decode",),
     ),
+    Mutant(
+        "catch_up_spread_over_the_length_limit",
+        "the planner spreads a catch-up over the row's length limit, not the steps rows are seen to run: with Whisper's 448-token limit a drafter's encoder and prompt look cheap on 20-token transcripts, and drafting loses",
+        "hf_spin/planning/planner.py",
+        "self._spread(s, self.lengths.left(r, room), c)",
+        "self._spread(s, room, c)",
+        ("tests/test_planning.py::test_a_catch_up_is_spread_over_the_steps_rows_are_expected_to_run",),
+    ),
 )
