@@ -185,3 +185,28 @@ def test_a_causal_lm_target_refuses_audio():
         s.stop()
     assert r.status_code == 400
     assert re.search(r"'tiny-llama' is not a Whisper model; .* needs one", r.json()["error"]["message"])
+
+
+def test_serve_a_local_whisper_folder(tmp_path, target, features):
+    """`hf-spin serve --model FOLDER` with a Whisper folder: its feature extractor comes along, prompt lookup
+    is the default drafter, and the transcript is plain `generate`'s."""
+    import argparse
+
+    from hf_spin.serving import cli
+
+    target.generation_config._from_model_config = False  # as a checkpoint's: kept on load, languages included
+    target.save_pretrained(tmp_path)
+    features.save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    s = Served(cli.build(parser.parse_args(["--model", str(tmp_path), "--dtype", "float32", "--device", "cpu"])))
+    data = wav(0.6, seed=6)
+    try:
+        with s.client() as c:
+            r = post(c, data)
+            drafters = [d["kind"] for d in c.get("/info").json()["drafters"]]
+    finally:
+        s.stop()
+    assert r.status_code == 200 and r.json() == {"text": plain(target, features, data, "en")}, r.text
+    assert drafters == ["prompt_lookup"]
