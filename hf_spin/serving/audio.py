@@ -124,13 +124,13 @@ class Transcriber:
     def request(self, prompt: list[int], encoder: EncoderRows, temperature: float) -> EngineRequest:
         """The engine row: Whisper's length rule, its suppression processors (in its order), EOS."""
         g, limit = self.generation, self.model.config.max_target_positions
-        suppress = LogitsProcessorList()
+        chain = LogitsProcessorList()
         if g.begin_suppress_tokens:
-            suppress.append(SuppressTokensAtBeginLogitsProcessor(g.begin_suppress_tokens, begin_index=len(prompt)))
+            chain.append(SuppressTokensAtBeginLogitsProcessor(g.begin_suppress_tokens, begin_index=len(prompt)))
         if g.suppress_tokens:
-            suppress.append(SuppressTokensLogitsProcessor(g.suppress_tokens))
+            chain.append(SuppressTokensLogitsProcessor(g.suppress_tokens))
         sampled = temperature > 0
-        suppress.extend(processors(Sampling(None, do_sample=sampled, temperature=temperature if sampled else None)))
+        chain.extend(processors(Sampling(None, do_sample=sampled, temperature=temperature if sampled else None)))
         eos = [g.eos_token_id] if isinstance(g.eos_token_id, int) else list(g.eos_token_id)
         # Whisper's generate lets the decoder prompt (up to half the window) come on top of max_length; a
         # config without max_length (where `generate` would stop after 20 tokens) decodes up to the window
@@ -138,7 +138,7 @@ class Transcriber:
         return EngineRequest(
             prompt=prompt,
             max_length=max_length,
-            processors=suppress,
+            processors=chain,
             stopping_criteria=StoppingCriteriaList([EosTokenCriteria(eos)]),
             do_sample=sampled,
             encoder=encoder,

@@ -381,4 +381,22 @@ MUTANTS = (
         "width = cache.query_width(",
         ("tests/test_static_engine.py::test_a_step_that_drafts_nothing_is_the_one_token_decode",),
     ),
+    Mutant(
+        "transcription_prompt_drops_language",
+        "the transcription route prompts Whisper without the language token: every request decodes as if the "
+        "model had to guess the language, not as `generate(language=...)` does",
+        "hf_spin/serving/audio.py",
+        'ids += [self.language_id(language or DEFAULT_LANGUAGE), g.task_to_id["transcribe"]]',
+        'ids += [g.task_to_id["transcribe"]]',
+        ("tests/test_serving_audio.py::test_transcripts_equal_plain_generate_under_concurrency",),
+    ),
+    Mutant(
+        "transcription_ignores_suppression",
+        "the transcription route leaves out Whisper's suppress_tokens: the server transcribes tokens that "
+        "`generate` never emits",
+        "hf_spin/serving/audio.py",
+        "chain.append(SuppressTokensLogitsProcessor(g.suppress_tokens))",
+        "pass",
+        ("tests/test_serving_audio.py::test_transcripts_equal_plain_generate_under_concurrency",),
+    ),
 )
