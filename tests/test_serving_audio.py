@@ -210,3 +210,52 @@ def test_serve_a_local_whisper_folder(tmp_path, target, features):
         s.stop()
     assert r.status_code == 200 and r.json() == {"text": plain(target, features, data, "en")}, r.text
     assert drafters == ["prompt_lookup"]
+
+
+@pytest.mark.real_models
+def test_packaged_whisper_base_served_with_tiny_en_drafting():
+    """`hf-spin serve --model whisper-base --drafter whisper-tiny.en --drafter prompt_lookup` (tiny.en
+    re-indexed into base's vocabulary): the five LibriVox utterances, sent at once, come back as plain
+    `generate`'s transcripts (float32, CPU)."""
+    import argparse
+
+    import torch
+
+    from hf_spin import speech_models as sm
+    from hf_spin.serving import cli
+
+    from .test_speech_models import _real_available
+
+    if reason := _real_available():
+        pytest.skip(reason)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    argv = ["--model", "whisper-base", "--drafter", "whisper-tiny.en", "--drafter", "prompt_lookup"]
+    s = Served(cli.build(parser.parse_args(argv + ["--dtype", "float32", "--device", "cpu"])))
+    samples = sm.speech_samples()
+
+    def as_wav(sample) -> bytes:
+        out = io.BytesIO()
+        with wave.open(out, "wb") as w:
+            w.setnchannels(1), w.setsampwidth(2), w.setframerate(sample.sampling_rate)
+            w.writeframes((np.clip(sample.audio, -1, 1 - 2**-15) * 32768).astype("<i2").tobytes())
+        return out.getvalue()
+
+    async def go():
+        async with s.async_client() as c:
+            return await asyncio.gather(*(post(c, as_wav(x), language="en") for x in samples))
+
+    try:
+        responses = asyncio.run(go())
+        drafted = sum(d.drafted for d in s.service.metrics.drafter_totals().values())
+    finally:
+        s.stop()
+    model, processor = sm.load("whisper-base", torch.float32, device="cpu")
+    for r, sample in zip(responses, samples):
+        audio = decode_wav(as_wav(sample), RATE)  # the samples as the server read them (16-bit)
+        features = processor(audio, sampling_rate=RATE, return_tensors="pt").input_features
+        with torch.no_grad():
+            ids = model.generate(features, language="en", task="transcribe")
+        assert r.status_code == 200 and r.json() == {"text": processor.batch_decode(ids, skip_special_tokens=True)[0]}
+        assert sm.wer(sample.text, r.json()["text"]) <= 0.2, (sample.text, r.json())
+    assert drafted > 0
