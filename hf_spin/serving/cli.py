@@ -25,7 +25,8 @@ from pathlib import Path
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTERS = ("qwen2.5-coder-0.5b-instruct", "prompt_lookup")
-DEFAULT_SPEECH_DRAFTERS = ("prompt_lookup",)  # a Whisper target's: no packaged Whisper shares base's vocabulary
+# a Whisper target's: no second model to load (`--drafter whisper-tiny.en` adds tiny.en, re-indexed, for whisper-base)
+DEFAULT_SPEECH_DRAFTERS = ("prompt_lookup",)
 DEFAULT_POLICY = "round_robin"
 API_KEY_ENV = "HF_SPIN_API_KEY"
 DTYPES = ("bfloat16", "float16", "float32")
@@ -137,14 +138,21 @@ def _pipeline(value: str) -> bool | int:
     raise SystemExit(f"--pipeline must be off, auto or a positive number of micro-batches, got {value!r}")
 
 
+def _placement(device):
+    """`models.device_map(device)`, a bad one refused as a command-line error."""
+    from .. import models
+
+    try:
+        return models.device_map(device)
+    except ValueError as err:
+        raise SystemExit(f"--device: {err}") from None
+
+
 def load_model(name: str, dtype, device=None):
     """(model, tokenizer) of a packaged model name or a local folder, on `device` (`models.device_map`)."""
     from .. import models
 
-    try:
-        placement = models.device_map(device)
-    except ValueError as err:
-        raise SystemExit(f"--device: {err}") from None
+    placement = _placement(device)
     if name in models.NAMES:
         return models.load(name, dtype=dtype, device=device)
     folder = Path(name).expanduser()
@@ -165,6 +173,7 @@ def load_target(name: str, dtype, device=None):
     from .. import speech_models
 
     if name in speech_models.NAMES:
+        _placement(device)
         model, processor = speech_models.load(name, dtype=dtype, device=device)
         return model, processor.tokenizer, processor.feature_extractor
     config = Path(name).expanduser() / "config.json"
@@ -172,12 +181,7 @@ def load_target(name: str, dtype, device=None):
         return (*load_model(name, dtype, device), None)
     from transformers import AutoFeatureExtractor, AutoModelForSpeechSeq2Seq, AutoTokenizer
 
-    from .. import models
-
-    try:
-        placement = models.device_map(device)
-    except ValueError as err:
-        raise SystemExit(f"--device: {err}") from None
+    placement = _placement(device)
     model = AutoModelForSpeechSeq2Seq.from_pretrained(config.parent, dtype=dtype, device_map=placement).eval()
     return model, AutoTokenizer.from_pretrained(config.parent), AutoFeatureExtractor.from_pretrained(config.parent)
 

@@ -236,13 +236,16 @@ class ChatCompletionRequest(_OpenAICommon):
         return self._sampling(tokens)
 
 
+TRANSCRIPTION_FORMATS = ("json", "text")  # OpenAI's srt, vtt and verbose_json carry timestamps: not served
+
+
 class TranscriptionRequest(BaseModel):
     """OpenAI's transcription form: its values arrive as strings (coerced, not strict); the file as an upload."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     file: UploadFile  # 16-bit PCM WAV, any rate (resampled), at most the feature extractor's window
-    model: str | None = None  # accepted and echoed; the server runs one model
+    model: str | None = None  # accepted; the server runs one model
     language: str | None = None  # a code or a name Whisper knows; None: "en" (a multilingual model), none (.en)
     prompt: str | None = None
     response_format: str = "json"
@@ -261,6 +264,3 @@ class TranscriptionRequest(BaseModel):
         if value:
             raise ValueError("a prompt (previous text) is not supported by hf_spin (only empty)")
         return value
-
-
-TRANSCRIPTION_FORMATS = ("json", "text")  # OpenAI's srt, vtt and verbose_json carry timestamps: not served
