@@ -14,7 +14,6 @@ import io
 import re
 import wave
 
-import httpx
 import numpy as np
 import pytest
 from transformers import WhisperFeatureExtractor
@@ -174,17 +173,25 @@ def test_a_form_without_a_file_and_text_routes_are_refused(served):
         build_app(whisper(), char_tokenizer())
 
 
-def test_a_causal_lm_target_refuses_audio():
+def test_a_causal_lm_target_refuses_audio_and_t5_refuses_both():
     from .archs import tiny_model
 
     s = Served(build_app(tiny_model("llama"), char_tokenizer(), model_id="tiny-llama"))
     try:
-        with httpx.Client(base_url=s.url, timeout=60) as c:
+        with s.client() as c:
             r = post(c, wav(0.3))
     finally:
         s.stop()
     assert r.status_code == 400
     assert re.search(r"'tiny-llama' is not a Whisper model; .* needs one", r.json()["error"]["message"])
+    s = Served(build_app(tiny_encoder_decoder("t5"), char_tokenizer(), model_id="tiny-t5"))
+    try:
+        with s.client() as c:
+            audio, text = post(c, wav(0.3)), c.post("/generate", json={"inputs": "ab"})
+    finally:
+        s.stop()
+    assert audio.status_code == 400 and "not a Whisper model" in audio.text
+    assert text.status_code == 400 and "this target (t5) is an encoder-decoder" in text.json()["error"]
 
 
 def test_serve_a_local_whisper_folder(tmp_path, target, features):
