@@ -1,6 +1,7 @@
 """The `hf-spin` command (also `python -m hf_spin`).
 
 hf-spin serve [options]      an HTTP server with TGI's routes and OpenAI-compatible completions
+                             (a Whisper model: OpenAI-compatible transcriptions)
                              (`hf-spin serve --help` lists the options)
 """
 
@@ -17,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
-        help="serve a model over HTTP (TGI routes and OpenAI-compatible completions)",
+        help="serve a model over HTTP (TGI routes, OpenAI-compatible completions; transcriptions for Whisper)",
         description="Serve a model over HTTP: TGI's /generate, /generate_stream, /health, /info, /metrics "
         "and OpenAI-compatible /v1/completions and /v1/chat/completions.",
     )

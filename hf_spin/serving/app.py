@@ -5,6 +5,7 @@
     POST /generate_stream       TGI, server-sent events          GET /info      models, drafters, policy, limits
     POST /v1/completions        OpenAI (stream: true for SSE)    GET /metrics   Prometheus text
     POST /v1/chat/completions   OpenAI (stream: true for SSE)
+    POST /v1/audio/transcriptions   OpenAI, a multipart form with a WAV file (a Whisper target only)
 
 With an API key every route but /health wants `Authorization: Bearer <key>`. The scheduler thread starts
 with the app and stops with it (running requests get `shutdown_grace_seconds` to finish).
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..version import __version__
-from . import openai, tgi
+from . import audio, openai, tgi
 from .errors import describe, error_response
 from .metrics import CONTENT_TYPE
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -42,10 +43,11 @@ ROUTE_NAMES = {
     "/generate_stream": "generate_stream",
     "/v1/completions": "completions",
     "/v1/chat/completions": "chat_completions",
+    "/v1/audio/transcriptions": audio.ROUTE,
 }
 
 
-def create_app(service: Service) -> FastAPI:
+def create_app(service: Service, transcriber: audio.Transcriber | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service.scheduler.start()
@@ -70,6 +72,7 @@ def create_app(service: Service) -> FastAPI:
     guarded = [Depends(authorized)]
     app.include_router(tgi.router(service), dependencies=guarded)
     app.include_router(openai.router(service), dependencies=guarded)
+    app.include_router(audio.router(service, transcriber), dependencies=guarded)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):

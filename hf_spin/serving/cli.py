@@ -5,31 +5,38 @@
     hf-spin serve --no-speculation                  # plain batched decoding (the baseline)
     hf-spin serve --pipeline auto                   # micro-batches chosen by Spin's heuristic
     hf-spin serve --device auto                     # every model split over the GPUs (default: cuda if present)
+    hf-spin serve --model whisper-base --dtype float32   # audio: POST /v1/audio/transcriptions, prompt lookup
 
-A model or drafter is a packaged model name (`hf_spin.models.NAMES`), a local folder with a
-`transformers` model and tokenizer, or (drafters only) `prompt_lookup`. Binds 127.0.0.1 unless told
-otherwise. The API key comes from `--api-key` or `$HF_SPIN_API_KEY`.
+A model or drafter is a packaged model name (`hf_spin.models.NAMES`, `hf_spin.speech_models.NAMES`), a
+local folder with a `transformers` model and tokenizer (a Whisper folder: and its feature extractor), or
+(drafters only) `prompt_lookup`. A Whisper target serves audio instead of text; a packaged Whisper
+drafting for another packaged Whisper is re-indexed into the target's vocabulary
+(`speech_models.load_remapped_drafter`). Binds 127.0.0.1 unless told otherwise. The API key comes from
+`--api-key` or `$HF_SPIN_API_KEY`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from pathlib import Path
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTERS = ("qwen2.5-coder-0.5b-instruct", "prompt_lookup")
+# a Whisper target's: no second model to load (`--drafter whisper-tiny.en` adds tiny.en, re-indexed, for whisper-base)
+DEFAULT_SPEECH_DRAFTERS = ("prompt_lookup",)
 DEFAULT_POLICY = "round_robin"
 API_KEY_ENV = "HF_SPIN_API_KEY"
 DTYPES = ("bfloat16", "float16", "float32")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .. import models
+    from .. import models, speech_models
     from ..pool import CACHE_LAYOUTS, NAMED_DRAFTERS
 
-    names = ", ".join(models.NAMES)
+    names = ", ".join(models.NAMES + speech_models.NAMES)
     p.add_argument(
         "--host",
         default="127.0.0.1",
@@ -47,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=(
             f"a drafter, repeatable: a packaged model, a local folder, or one of {sorted(NAMED_DRAFTERS)} "
-            f"(default: {' and '.join(DEFAULT_DRAFTERS)})"
+            f"(default: {' and '.join(DEFAULT_DRAFTERS)}; "
+            f"for a Whisper target: {' and '.join(DEFAULT_SPEECH_DRAFTERS)})"
         ),
     )
     p.add_argument(
@@ -130,14 +138,21 @@ def _pipeline(value: str) -> bool | int:
     raise SystemExit(f"--pipeline must be off, auto or a positive number of micro-batches, got {value!r}")
 
 
+def _placement(device):
+    """`models.device_map(device)`, a bad one refused as a command-line error."""
+    from .. import models
+
+    try:
+        return models.device_map(device)
+    except ValueError as err:
+        raise SystemExit(f"--device: {err}") from None
+
+
 def load_model(name: str, dtype, device=None):
     """(model, tokenizer) of a packaged model name or a local folder, on `device` (`models.device_map`)."""
     from .. import models
 
-    try:
-        placement = models.device_map(device)
-    except ValueError as err:
-        raise SystemExit(f"--device: {err}") from None
+    placement = _placement(device)
     if name in models.NAMES:
         return models.load(name, dtype=dtype, device=device)
     folder = Path(name).expanduser()
@@ -152,6 +167,36 @@ def load_model(name: str, dtype, device=None):
     return model, tokenizer
 
 
+def load_target(name: str, dtype, device=None):
+    """(model, tokenizer, feature extractor or None) of a packaged model name or a local folder: a Whisper
+    model (packaged, or a folder whose config says so) comes with its feature extractor, any other without."""
+    from .. import speech_models
+
+    if name in speech_models.NAMES:
+        _placement(device)
+        model, processor = speech_models.load(name, dtype=dtype, device=device)
+        return model, processor.tokenizer, processor.feature_extractor
+    config = Path(name).expanduser() / "config.json"
+    if not (config.is_file() and json.loads(config.read_text()).get("model_type") == "whisper"):
+        return (*load_model(name, dtype, device), None)
+    from transformers import AutoFeatureExtractor, AutoModelForSpeechSeq2Seq, AutoTokenizer
+
+    placement = _placement(device)
+    model = AutoModelForSpeechSeq2Seq.from_pretrained(config.parent, dtype=dtype, device_map=placement).eval()
+    return model, AutoTokenizer.from_pretrained(config.parent), AutoFeatureExtractor.from_pretrained(config.parent)
+
+
+def load_drafter(name: str, target: str, dtype, device=None):
+    """A pool entry: (model, tokenizer), or a packaged Whisper re-indexed into a packaged Whisper target's
+    vocabulary (a bare model: it drafts in the target's ids)."""
+    from .. import speech_models
+
+    if name in speech_models.NAMES and target in speech_models.NAMES and name != target:
+        return speech_models.load_remapped_drafter(name, target, dtype, device=device)
+    draft, draft_tok, _ = load_target(name, dtype, device)
+    return draft, draft_tok  # the pool skips translation when the tokenizers match
+
+
 def build(args):
     """The app for these arguments (loads every model)."""
     import torch
@@ -163,16 +208,16 @@ def build(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    model, tokenizer = load_model(args.model, dtype, args.device)
+    model, tokenizer, feature_extractor = load_target(args.model, dtype, args.device)
     pool = None
     if not args.no_speculation:
         entries = []
-        for name in args.drafter or DEFAULT_DRAFTERS:
+        defaults = DEFAULT_DRAFTERS if feature_extractor is None else DEFAULT_SPEECH_DRAFTERS
+        for name in args.drafter or defaults:
             if name in NAMED_DRAFTERS:
                 entries.append(name)
             else:
-                draft, draft_tok = load_model(name, dtype, args.device)
-                entries.append((draft, draft_tok))  # the pool skips translation when the tokenizers match
+                entries.append(load_drafter(name, args.model, dtype, args.device))
         length = int(args.draft_length) if args.draft_length.isdigit() else args.draft_length
         pool = AssistantPool(entries, policy=args.policy, draft_length=length, tokenizer=tokenizer, cache=args.cache)
         pool.bind(model, tokenizer)  # refuse a bad pool now, not at the first request
@@ -194,6 +239,7 @@ def build(args):
         threads=threads,
         draft_threads=draft_threads,
         shutdown_grace_seconds=args.shutdown_grace,
+        feature_extractor=feature_extractor,
     )
 
 

@@ -15,11 +15,13 @@ from .text import StopSequences
 
 
 class InvalidRequest(ValueError):
-    """Input the server refuses with a 4xx; the message says what was given and what is allowed."""
+    """Input the server refuses with a 4xx (422: a value out of what is supported; 400: input it cannot use
+    at all, such as an unreadable file); the message says what was given and what is allowed."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 422):
         super().__init__(message)
         self.param = param
+        self.status = status
 
 
 @dataclass(frozen=True)

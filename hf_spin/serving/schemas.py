@@ -6,9 +6,9 @@ Two families, each with the field names and JSON shapes of the API it copies:
   for `POST /generate` and `POST /generate_stream`. Every TGI parameter is a known field, so TGI clients that send
   all of them (most send nulls) work; the ones hf_spin does not implement accept only their neutral value.
 * OpenAI: `CompletionRequest` (`POST /v1/completions`) and `ChatCompletionRequest` (`POST /v1/chat/completions`),
-  likewise.
+  likewise; `TranscriptionRequest` (`POST /v1/audio/transcriptions`): the fields of its multipart form.
 
-Each becomes one `Sampling` (the generation parameters the engine needs) with `to_sampling()`.
+Each text request becomes one `Sampling` (the generation parameters the engine needs) with `to_sampling()`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from starlette.datastructures import UploadFile
 
 # TGI's defaults: 100 new tokens, at most 4 stop sequences.
 DEFAULT_MAX_NEW_TOKENS = 100
@@ -233,3 +234,33 @@ class ChatCompletionRequest(_OpenAICommon):
     def to_sampling(self) -> Sampling:
         tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling(tokens)
+
+
+TRANSCRIPTION_FORMATS = ("json", "text")  # OpenAI's srt, vtt and verbose_json carry timestamps: not served
+
+
+class TranscriptionRequest(BaseModel):
+    """OpenAI's transcription form: its values arrive as strings (coerced, not strict); the file as an upload."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    file: UploadFile  # 16-bit PCM WAV, any rate (resampled), at most the feature extractor's window
+    model: str | None = None  # accepted; the server runs one model
+    language: str | None = None  # a code or a name Whisper knows; None: "en" (a multilingual model), none (.en)
+    prompt: str | None = None
+    response_format: str = "json"
+    temperature: float = Field(0.0, ge=0, le=1)  # 0: greedy; above: sampled at it (OpenAI's range; no fallback)
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, value):
+        if value not in TRANSCRIPTION_FORMATS:
+            raise ValueError(f"{value!r} is not supported; supported: {', '.join(TRANSCRIPTION_FORMATS)}")
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _no_prompt(cls, value):
+        if value:
+            raise ValueError("a prompt (previous text) is not supported by hf_spin (only empty)")
+        return value

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from ..step.rows import Request
 from .requests import InvalidRequest, Limits, engine_request, prompt_ids
 from .scheduler import Finished, Job, Scheduler, Tokens
 from .schemas import Sampling
@@ -25,6 +26,7 @@ class Service:
     api_key: str | None = None  # None: no authentication
     info: dict = field(default_factory=dict)  # extra /info fields: drafters, policy, pipeline, dtype, device
     shutdown_grace_seconds: float = 10.0  # running requests may finish this long after shutdown begins
+    text_refusal: str | None = None  # why the text routes refuse this target (an encoder-decoder); None: they serve it
 
     def __post_init__(self):
         tok = self.tokenizer
@@ -34,9 +36,11 @@ class Service:
 
     # -- one request ---------------------------------------------------------------------------------
     def encode(self, text: str, sampling: Sampling, add_special_tokens: bool = True) -> list[int]:
+        self._takes_text()
         return prompt_ids(self.tokenizer, text, self.limits, sampling.truncate, add_special_tokens)
 
     def chat_prompt(self, messages: list[dict]) -> str:
+        self._takes_text()
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest(
                 (
@@ -49,10 +53,17 @@ class Service:
 
     def submit(self, sampling: Sampling, ids: list[int]) -> Job:
         """Queue one request (raises InvalidRequest for a max_new_tokens out of range, Overloaded when full)."""
-        request = engine_request(sampling, ids, self.tokenizer, self.eos_ids, self.limits)
+        return self.enqueue(engine_request(sampling, ids, self.tokenizer, self.eos_ids, self.limits))
+
+    def enqueue(self, request: Request) -> Job:
+        """Queue an engine request built by a route (raises Overloaded when full)."""
         job = self.scheduler.submit(request)
-        self.metrics.prompt_tokens.inc(len(ids))
+        self.metrics.prompt_tokens.inc(len(request.prompt))
         return job
+
+    def _takes_text(self) -> None:
+        if self.text_refusal is not None:
+            raise InvalidRequest(self.text_refusal, "model", status=400)
 
     async def result(self, job: Job, http_request) -> tuple[Finished, list[int], list[float]] | None:
         """Wait for the whole result; None if the client disconnected first (its row is then cancelled)."""

@@ -163,12 +163,12 @@ def router(service: Service) -> APIRouter:
     return api
 
 
-def _refused(service: Service, request: Request, route: str, err: Exception) -> JSONResponse:
+def _refused(service: Service, request: Request, route: str, err: InvalidRequest | Overloaded) -> JSONResponse:
     if isinstance(err, Overloaded):
         service.metrics.requests.labels(route, "rejected").inc()
         return error_response(request, 503, str(err), "overloaded", headers={"Retry-After": str(err.retry_after)})
     service.metrics.requests.labels(route, "invalid").inc()
-    return error_response(request, 422, str(err), "validation", getattr(err, "param", None))
+    return error_response(request, err.status, str(err), "validation", err.param)
 
 
 def _observe(service: Service, job, t0: float) -> None:

@@ -389,4 +389,22 @@ MUTANTS = (
         "self._spread(s, room, c)",
         ("tests/test_planning.py::test_a_catch_up_is_spread_over_the_steps_rows_are_expected_to_run",),
     ),
+    Mutant(
+        "transcription_prompt_drops_language",
+        "the transcription route prompts Whisper without the language token: every request decodes as if the "
+        "model had to guess the language, not as `generate(language=...)` does",
+        "hf_spin/serving/audio.py",
+        'ids += [self.language_id(language or DEFAULT_LANGUAGE), g.task_to_id["transcribe"]]',
+        'ids += [g.task_to_id["transcribe"]]',
+        ("tests/test_serving_audio.py::test_transcripts_equal_plain_generate_under_concurrency",),
+    ),
+    Mutant(
+        "transcription_ignores_suppression",
+        "the transcription route leaves out Whisper's suppress_tokens: the server transcribes tokens that "
+        "`generate` never emits",
+        "hf_spin/serving/audio.py",
+        "chain.append(SuppressTokensLogitsProcessor(g.suppress_tokens))",
+        "pass",
+        ("tests/test_serving_audio.py::test_transcripts_equal_plain_generate_under_concurrency",),
+    ),
 )
