@@ -193,7 +193,7 @@ class AssistantPool:
             )
         self.cost_profile: CostProfile | None = self.profile if isinstance(self.profile, CostProfile) else None
         self.planner: Planner | None = None  # made when the pool first meets a target (bind)
-        self._profiled: int | None = None  # id of the target the profile was made for
+        self._profiled: tuple | None = None  # (id of the target, static options) the profile was made for
         self._lock = threading.Lock()  # one profile built at a time (a server binds from several threads)
 
     @staticmethod
@@ -230,8 +230,9 @@ class AssistantPool:
         """What the policy may know of each drafter."""
         return [DrafterInfo(n, d.kind, d.num_parameters, d.gives_q) for n, d in zip(self.names, self.drafters)]
 
-    def bind(self, target, tokenizer=None) -> list[Drafter]:
-        """Check every drafter against the target; returns the drafters to use for this call."""
+    def bind(self, target, tokenizer=None, static: StaticOptions | None = None) -> list[Drafter]:
+        """Check every drafter against the target; returns the drafters to use for this call.
+        static: the call's static layout where it differs from the pool's (`cache_implementation="static"`)."""
         _check_model(target, "target model")
         if _encoder_decoder(target):
             self._check_encoder_decoder(target)
@@ -271,7 +272,7 @@ class AssistantPool:
                 if self.cache_layout == "packed":
                     check_packed_support(drafter.model, f"drafter {drafter.name!r}")
                 drafter.cache_layout = self.cache_layout
-        self._build_planner(target)
+        self._build_planner(target, static or self.static)
         return self.drafters
 
     def _check_encoder_decoder(self, target) -> None:
@@ -290,23 +291,24 @@ class AssistantPool:
                     "causal LM sharing its tokenizer, 'prompt_lookup', 'suffix'"
                 )
 
-    def _build_planner(self, target) -> None:
-        """The cost profile and planner for this target: built on first meeting it (or injected)."""
+    def _build_planner(self, target, static: StaticOptions | None) -> None:
+        """The cost profile and planner for this target on this layout (`static`: the static layout's options,
+        its compiled forwards measured where they compile): built on first meeting them (or injected)."""
         if self.profile == "off":
             return
         with self._lock:
-            if self._profiled == id(target) and self.planner is not None:
+            if self._profiled == (id(target), static) and self.planner is not None:
                 return
             if not isinstance(self.profile, CostProfile):
                 models = [d.model if isinstance(d, ModelDrafter) else None for d in self.drafters]
-                self.cost_profile = build_profile(target, models, self.names, self.profile)
+                self.cost_profile = build_profile(target, models, self.names, self.profile, static)
             elif len(self.profile.drafters) != len(self.drafters):
                 raise ValueError(
                     f"the CostProfile has {len(self.profile.drafters)} drafters, the pool {len(self.drafters)}"
                 )
             self.planner = Planner(self.cost_profile)  # warns once if nothing can pay here
             self.policy.attach_profile(self.cost_profile)
-            self._profiled = id(target)
+            self._profiled = (id(target), static)
 
     def reset(self) -> None:
         """Forget what the drafters learned across calls (a suffix drafter's index of earlier outputs)."""

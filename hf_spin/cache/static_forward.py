@@ -9,6 +9,7 @@ query slots, capacity), and on CUDA can capture it as a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -75,6 +76,14 @@ def compile_static(forward=run_static, backend: str = "inductor", mode: str | No
     capacity, model) in dynamo's cache of the code object, up to RECOMPILE_LIMIT of them."""
     limit = dict(recompile_limit=RECOMPILE_LIMIT) if _PER_CALL_LIMIT else {}
     return torch.compile(forward, fullgraph=True, dynamic=False, backend=backend, mode=mode, **limit)
+
+
+@functools.cache
+def shared_compiled(forward, backend: str, mode: str | None):
+    """`compile_static(forward, backend, mode)`, one per arguments for the process: the cost profile's
+    measuring and every engine after it call the same compiled forward, so the graphs the profile compiled
+    (or an earlier call did) serve the engine's steps of the same shapes."""
+    return compile_static(forward, backend=backend, mode=mode)
 
 
 def forward_static(
@@ -144,7 +153,7 @@ class StaticOptions:
         if not self.compiles(model):
             return forward
         mode = "reduce-overhead" if model.device.type == "cuda" and self.backend == "inductor" else None
-        return compile_static(forward, backend=self.backend, mode=mode)
+        return shared_compiled(forward, self.backend, mode)
 
 
 class StaticTarget:

@@ -32,6 +32,8 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from ..cache.encoder_rows import reads_encoder_output
 from ..cache.forward import CACHE_ARG
+from ..cache.static import StaticRowCache, query_bucket
+from ..cache.static_forward import forward_static
 from .estimates import DecayedMean, geometric_tokens
 
 # Forgetting factor of the online correction per observation at a knot: ~50 observations of memory.
@@ -181,20 +183,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _context_cache(model, rows: int, generator: torch.Generator):
-    """A cache holding GRID_CONTEXT positions of random KV per layer: the context the grid's forwards
-    attend to, without the prefill (on a slow machine a prefill alone would overrun the budget)."""
-    from transformers import DynamicCache
-
+def _random_kv(model, rows: int, generator: torch.Generator):
+    """Per layer, (keys, values) `[rows, H, GRID_CONTEXT, D]` of random KV in the model's dtype: the context
+    the grid's forwards attend to, without the prefill (on a slow machine a prefill alone would overrun the
+    budget)."""
     config = model.config.get_text_config()
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    cache = DynamicCache(config=model.config)
-    for layer in range(config.num_hidden_layers):
-        k, v = (
+    for _ in range(config.num_hidden_layers):
+        yield tuple(
             torch.randn(rows, heads, GRID_CONTEXT, head_dim, generator=generator).to(model.device, model.dtype)
             for _ in range(2)
         )
+
+
+def _context_cache(model, rows: int, generator: torch.Generator):
+    """A dynamic cache holding GRID_CONTEXT positions of random KV per layer."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for layer, (k, v) in enumerate(_random_kv(model, rows, generator)):
         cache.update(k, v, layer)
     return cache
 
@@ -227,33 +235,76 @@ def _grid_forward(model, cache, encoder, new: torch.Tensor) -> None:
         model(**{_ids_name(model): new}, encoder_outputs=encoder, use_cache=True, **{CACHE_ARG: cache})
 
 
+def _eager_point(model, rows: int, tokens: int, generator: torch.Generator):
+    """(reset, forward) of one grid point on the eager path: `tokens` new tokens `[rows, tokens]` after
+    GRID_CONTEXT positions of a dynamic cache (an encoder-decoder model's prefilled one), cropped back by reset."""
+    if getattr(model.config, "is_encoder_decoder", False) or reads_encoder_output(model):
+        cache, encoder = _encoder_decoder_context(model, rows, generator)
+    else:
+        cache, encoder = _context_cache(model, rows, generator), None
+    vocab = model.config.get_text_config().vocab_size
+    new = torch.randint(0, vocab, (rows, tokens), generator=generator).to(model.device)
+
+    def reset() -> None:
+        if cache.get_seq_length() > GRID_CONTEXT:
+            cache.crop(GRID_CONTEXT - cache.get_seq_length())  # negative: tokens to drop
+
+    return reset, lambda: _grid_forward(model, cache, encoder, new)
+
+
+def _static_point(model, forward, rows: int, tokens: int, generator: torch.Generator):
+    """(reset, forward) of one grid point on the static layout: `tokens` new tokens a row through
+    `forward_static` with `forward` at the engine's query width (`query_bucket(tokens)`), on a StaticRowCache of
+    `row_bucket(rows)` slots holding GRID_CONTEXT positions of random KV each (capacity: its first bucket), rolled
+    back by reset. Runs once here, untimed: a compiled forward compiles its graph for these shapes (or finds one)."""
+    width = query_bucket(tokens)
+    cache = StaticRowCache(model.device)
+    cache.add_empty_rows(rows)
+    cache.reserve(GRID_CONTEXT + width)
+    for layer, (k, v) in enumerate(_random_kv(model, cache.num_slots, generator)):
+        cache.update(k, v, layer)  # written at positions 0 .. GRID_CONTEXT - 1 of every slot
+    cache.advance([GRID_CONTEXT] * rows)
+    vocab = model.config.get_text_config().vocab_size
+    chunks = torch.randint(0, vocab, (rows, tokens), generator=generator).tolist()  # [rows, tokens]
+
+    def reset() -> None:
+        cache.rollback([GRID_CONTEXT] * rows)
+
+    def run() -> None:
+        forward_static(model, cache, chunks, forward, width)
+
+    run()
+    return reset, run
+
+
 @torch.no_grad()
 def measure(
-    model, budget: float = GRID_BUDGET, clock: Callable[[], float] = perf_counter, progress=None
+    model, budget: float = GRID_BUDGET, clock: Callable[[], float] = perf_counter, progress=None, static=None
 ) -> ForwardCost:
     """Measure a model's `ForwardCost` on the grid: forwards over N new tokens (in GRID_TOKENS' order:
     1, 8, then the widths between and beyond) after a context of GRID_CONTEXT positions (the cache
     cropped back after each), each timed twice and the faster kept (the first run pays allocations),
     until the next point would overrun `budget` seconds (a warm-up forward first, outside the budget;
     the first GRID_MIN_POINTS always run); then GRID_ROWS rows of one token for the per-row overhead.
+    static: None (the eager path on a dynamic cache), or on the static layout the forward the engine runs
+        for chunks of N tokens a row (`static(N)`, compiled or not): each point then goes through
+        `forward_static` after an untimed run that compiles its graph (within the budget: compiling is what
+        a point costs first).
     `progress`: called with each point's description (a progress bar's update)."""
     device = model.device
-    vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
 
     def timed(rows: int, tokens: int) -> float:
-        if getattr(model.config, "is_encoder_decoder", False) or reads_encoder_output(model):
-            cache, encoder = _encoder_decoder_context(model, rows, generator)
+        if static is None:
+            reset, forward = _eager_point(model, rows, tokens, generator)
         else:
-            cache, encoder = _context_cache(model, rows, generator), None
-        new = torch.randint(0, vocab, (rows, tokens), generator=generator).to(device)
+            reset, forward = _static_point(model, static(tokens), rows, tokens, generator)
         best = float("inf")
         for _ in range(2):
-            if cache.get_seq_length() > GRID_CONTEXT:
-                cache.crop(GRID_CONTEXT - cache.get_seq_length())  # negative: tokens to drop
+            reset()
             _sync(device)
             start = clock()
-            _grid_forward(model, cache, encoder, new)
+            forward()
             _sync(device)
             best = min(best, clock() - start)
         if progress is not None:

@@ -5,7 +5,9 @@
 "auto" keeps one JSON file per model forward cost under `$HF_SPIN_PROFILES` (default
 `~/.cache/hf_spin/profiles`), named by a hash of its key: the model's architecture (its config,
 parameter count and attention implementation), the device (GPU name, or CPU model and ISA flags),
-the dtype, the thread count and the torch / transformers / hf_spin versions. Any of these changing
+the dtype, the thread count, the torch / transformers / hf_spin versions, and how its forwards run
+(`forward`: "eager", or "static-compiled:<backend>" on the static layout with compile on, measured
+through the compiled fixed-shape forward the engine runs; a drafter's apart). Any of these changing
 measures anew. A path instead keeps the whole profile in that one file (read if it matches, else
 measured and written), for a machine-specific profile shipped with a deployment.
 """
@@ -20,6 +22,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from ..cache.static_forward import StaticOptions, check_static_support, run_static, run_static_draft
+from ..drafters.model import COMPILED_CHUNK
 from ..version import __version__
 from .cost_profile import GRID_BUDGET, CostProfile, ForwardCost, measure
 from .machine import describe
@@ -29,8 +33,34 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HF_SPIN_PROFILES", Path.home() / ".cache" / "hf_spin" / "profiles"))
 
 
-def model_key(model, dtype: torch.dtype | None = None) -> dict:
-    """What a model's forward cost depends on (`dtype`: in place of the model's own)."""
+def static_forwards(model, static: StaticOptions | None, drafter: bool):
+    """The forward the engine runs `model` through for chunks of N tokens a row, as `measure(static=)` takes
+    it, where the static layout compiles `model`'s forwards: the target's compiled `run_static`; a drafter's
+    compiled `run_static_draft` for chunks of up to COMPILED_CHUNK tokens, `run_static` eagerly beyond
+    (`ModelDrafter._forward`). None (measured on the eager path) elsewhere, and for a model the layout refuses."""
+    if static is None or not static.compiles(model):
+        return None
+    try:
+        check_static_support(model)
+    except ValueError:
+        return None
+    if not drafter:
+        compiled = static.forward_for(model)
+        return lambda tokens: compiled
+    compiled = static.forward_for(model, run_static_draft)
+    return lambda tokens: compiled if tokens <= COMPILED_CHUNK else run_static
+
+
+def forward_kind(model, static: StaticOptions | None, drafter: bool = False) -> str:
+    """How the profile measures `model` (the key's "forward"): "eager", or "static-compiled:<backend>" (with
+    ":drafter" for a drafter, whose chunks past COMPILED_CHUNK run eagerly)."""
+    if static_forwards(model, static, drafter) is None:
+        return "eager"
+    return f"static-compiled:{static.backend}" + (":drafter" if drafter else "")
+
+
+def model_key(model, dtype: torch.dtype | None = None, forward: str = "eager") -> dict:
+    """What a model's forward cost depends on (`dtype`: in place of the model's own; `forward`: `forward_kind`)."""
     config = model.config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
         config.pop(volatile, None)
@@ -43,6 +73,7 @@ def model_key(model, dtype: torch.dtype | None = None) -> dict:
         "dtype": str(dtype or model.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "versions": [torch.__version__, transformers.__version__, __version__],
+        "forward": forward,
     }
 
 
@@ -56,10 +87,13 @@ def complete(model, cost: dict) -> bool:
     return "encoder" in cost or not getattr(model.config, "is_encoder_decoder", False)
 
 
-def cached_cost(model, budget: float = GRID_BUDGET, progress=None) -> tuple[ForwardCost, bool]:
+def cached_cost(
+    model, budget: float = GRID_BUDGET, progress=None, static: StaticOptions | None = None, drafter: bool = False
+) -> tuple[ForwardCost, bool]:
     """(the model's ForwardCost, whether it came from the cache): read from `cache_dir()` or measured
-    and written there. A cache that cannot be written (read-only home) only costs a re-measure."""
-    key = model_key(model)
+    and written there, on the path `static` runs it (`static_forwards`). A cache that cannot be written
+    (read-only home) only costs a re-measure."""
+    key = model_key(model, forward=forward_kind(model, static, drafter))
     path = cache_dir() / f"{key_hash(key)}.json"
     if path.exists():
         try:
@@ -68,7 +102,7 @@ def cached_cost(model, budget: float = GRID_BUDGET, progress=None) -> tuple[Forw
                 return ForwardCost.from_dict(data["cost"]), True
         except (OSError, ValueError, KeyError):
             pass
-    cost = measure(model, budget, progress=progress)
+    cost = measure(model, budget, progress=progress, static=static_forwards(model, static, drafter))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"key": key, "cost": cost.to_dict()}, indent=1))
@@ -77,14 +111,15 @@ def cached_cost(model, budget: float = GRID_BUDGET, progress=None) -> tuple[Forw
     return cost, False
 
 
-def other_dtypes(model) -> dict[str, ForwardCost]:
+def other_dtypes(model, forward: str = "eager") -> dict[str, ForwardCost]:
     """The model's forward cost in the other floating dtypes, where the cache has measured it on this
-    machine (a run in that dtype did): what the profile's verdict can point to."""
+    machine (a run in that dtype did, its forwards run as `forward` says): what the profile's verdict can
+    point to."""
     out = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         if dtype == model.dtype:
             continue
-        path = cache_dir() / f"{key_hash(model_key(model, dtype))}.json"
+        path = cache_dir() / f"{key_hash(model_key(model, dtype, forward))}.json"
         try:
             out[str(dtype).removeprefix("torch.")] = ForwardCost.from_dict(json.loads(path.read_text())["cost"])
         except (OSError, ValueError, KeyError):
@@ -92,10 +127,18 @@ def other_dtypes(model) -> dict[str, ForwardCost]:
     return out
 
 
-def build_profile(target, drafter_models: list, names: list[str], spec: str | os.PathLike = "auto") -> CostProfile:
+def build_profile(
+    target,
+    drafter_models: list,
+    names: list[str],
+    spec: str | os.PathLike = "auto",
+    static: StaticOptions | None = None,
+) -> CostProfile:
     """The profile of a target and its drafters (`drafter_models`: [num_drafters] a drafter's model,
     or None for a model-free drafter), with a progress bar while anything is measured.
-    spec: "auto" (the per-model cache) or a path (one file for the whole profile)."""
+    spec: "auto" (the per-model cache) or a path (one file for the whole profile).
+    static: the pool's static layout (None: another layout): where it compiles, each model is measured
+    through the compiled forward the engine runs, which warms its graphs (`static_forwards`)."""
     from tqdm.auto import tqdm
 
     models = [target] + [m for m in drafter_models if m is not None]
@@ -108,24 +151,30 @@ def build_profile(target, drafter_models: list, names: list[str], spec: str | os
     def budget(m) -> float:  # a drafter's forwards are mostly over one token a row: half the target's
         return GRID_BUDGET if m is target else GRID_BUDGET / 2
 
+    def key(m) -> str:
+        return key_hash(model_key(m, forward=forward_kind(m, static, m is not target)))
+
+    def measured(m) -> ForwardCost:
+        return measure(m, budget(m), progress=progress, static=static_forwards(m, static, m is not target))
+
     costs: dict[int, ForwardCost] = {}
     source = "cached"
     if spec != "auto":
         path = Path(spec)
         stored = json.loads(path.read_text()) if path.exists() else {}
         for m in unique:
-            entry = stored.get(key_hash(model_key(m)))
+            entry = stored.get(key(m))
             if entry is not None and complete(m, entry):
                 costs[id(m)] = ForwardCost.from_dict(entry)
             else:
-                costs[id(m)] = measure(m, budget(m), progress=progress)
+                costs[id(m)] = measured(m)
                 source = "measured"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({key_hash(model_key(m)): costs[id(m)].to_dict() for m in unique}, indent=1))
+        path.write_text(json.dumps({key(m): costs[id(m)].to_dict() for m in unique}, indent=1))
         source = f"{source}, {path}"
     else:
         for m in unique:
-            costs[id(m)], hit = cached_cost(m, budget(m), progress=progress)
+            costs[id(m)], hit = cached_cost(m, budget(m), progress=progress, static=static, drafter=m is not target)
             source = source if hit else "measured"
     bar.close()
     # A model serving as target and drafter (self-speculation) gets its own copy: each is refined by its own forwards.
@@ -138,5 +187,5 @@ def build_profile(target, drafter_models: list, names: list[str], spec: str | os
         dtype=str(target.dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
         source=source,
-        other_dtypes=other_dtypes(target),
+        other_dtypes=other_dtypes(target, forward_kind(target, static)),
     )

@@ -109,17 +109,17 @@ class SpinEngine:
     ):
         self.model = model
         self.pool = pool
+        self.cache_layout = pool.cache_layout if pool is not None else "rectangular"  # pool.CACHE_LAYOUTS
+        if static is not None and self.cache_layout == "packed":
+            raise ValueError("a static cache for the target and cache='packed' are two layouts; pick one")
+        static = static or (pool.static if pool is not None else None)
         if pool is not None:
-            bound = pool.bind(model, tokenizer)
+            bound = pool.bind(model, tokenizer, static)  # the profile is measured on this call's layout
             self.drafters: list[Drafter] = list(drafters) if drafters is not None else bound
             self.policy: Policy | None = policy or pool.policy
             self.names: list[str] = pool.names  # unique per drafter
         else:
             self.drafters, self.policy, self.names = [], None, []
-        self.cache_layout = pool.cache_layout if pool is not None else "rectangular"  # pool.CACHE_LAYOUTS
-        if static is not None and self.cache_layout == "packed":
-            raise ValueError("a static cache for the target and cache='packed' are two layouts; pick one")
-        static = static or (pool.static if pool is not None else None)
         # the target's verification forward on the static layout; None: rectangular or packed
         self.static = StaticTarget(model, static) if static is not None else None
         for drafter in self.drafters:  # model drafters decode on the same layout, through caches of their own
