@@ -407,4 +407,23 @@ MUTANTS = (
         "pass",
         ("tests/test_serving_audio.py::test_transcripts_equal_plain_generate_under_concurrency",),
     ),
+    Mutant(
+        "profile_key_ignores_compile",
+        "the cost profile's cache key does not say how the forwards run: an eager profile stands in for the compiled one (4-6x a compiled step on a GPU), and the planner compares drafting against the wrong plain step",
+        "hf_spin/planning/profiling.py",
+        '"forward": forward,',
+        '"forward": "eager",',
+        ("tests/test_compiled_profile.py::test_compiled_and_eager_costs_are_cached_apart",),
+    ),
+    Mutant(
+        "profile_measures_eagerly_when_compiled",
+        "on the static compiled layout the cost profile times the eager dynamic-cache forward instead of the compiled one the engine runs",
+        "hf_spin/planning/profiling.py",
+        "    if static is None or not static.compiles(model):\n        return None",
+        "    return None",
+        (
+            "tests/test_compiled_profile.py::test_the_compiled_profile_times_the_compiled_static_forward",
+            "tests/test_compiled_profile.py::test_compiled_and_eager_costs_are_cached_apart",
+        ),
+    ),
 )
