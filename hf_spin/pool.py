@@ -301,7 +301,8 @@ class AssistantPool:
                 return
             if not isinstance(self.profile, CostProfile):
                 models = [d.model if isinstance(d, ModelDrafter) else None for d in self.drafters]
-                self.cost_profile = build_profile(target, models, self.names, self.profile, static)
+                on_static = [isinstance(d, ModelDrafter) and d.drafts_on_static for d in self.drafters]
+                self.cost_profile = build_profile(target, models, self.names, self.profile, static, on_static)
             elif len(self.profile.drafters) != len(self.drafters):
                 raise ValueError(
                     f"the CostProfile has {len(self.profile.drafters)} drafters, the pool {len(self.drafters)}"

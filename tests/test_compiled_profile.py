@@ -92,6 +92,9 @@ def test_compiled_and_eager_costs_are_cached_apart(static_calls, tmp_path, monke
     for static in (None, COMPILED):
         again = build_profile(target, [drafter, None], ["drafter", "prompt_lookup"], static=static)
         assert again.source == "cached"
+    # a drafter keeping its eager caches on the static layout (fuzzy, streaming) is priced eagerly
+    fuzzy = build_profile(target, [drafter], ["fuzzy"], static=COMPILED, static_drafters=[False])
+    assert fuzzy.source == "cached" and fuzzy.drafters[0].seconds == eager.drafters[0].seconds
     assert len(static_calls) == measured  # read from disk: nothing run
     assert again.target.seconds == compiled.target.seconds != eager.target.seconds
 

@@ -123,12 +123,17 @@ class ModelDrafter(Drafter):
             and not needs_contiguous_slots(self.model.config)
         )
 
+    @property
+    def drafts_on_static(self) -> bool:
+        """Whether its forwards and caches are this class's, the ones the static layout runs (a fuzzy or
+        streaming drafter keeps its own eager caches there)."""
+        return type(self)._forward is ModelDrafter._forward and type(self)._new_cache is ModelDrafter._new_cache
+
     def _static_run(self):
         """The forward to draft through on a `StaticRowCache`: `run_static_draft`, compiled if `static` says so;
         None (the eager path on a dynamic cache, no error) off the static layout, for a subclass with its own
         forwards or caches, and for a model `check_static_support` refuses."""
-        own = type(self)._forward is ModelDrafter._forward and type(self)._new_cache is ModelDrafter._new_cache
-        if self.static is None or not own:
+        if self.static is None or not self.drafts_on_static:
             return None
         try:
             check_static_support(self.model, f"drafter {self.name!r}")

@@ -133,12 +133,15 @@ def build_profile(
     names: list[str],
     spec: str | os.PathLike = "auto",
     static: StaticOptions | None = None,
+    static_drafters: list[bool] | None = None,
 ) -> CostProfile:
     """The profile of a target and its drafters (`drafter_models`: [num_drafters] a drafter's model,
     or None for a model-free drafter), with a progress bar while anything is measured.
     spec: "auto" (the per-model cache) or a path (one file for the whole profile).
     static: the pool's static layout (None: another layout): where it compiles, each model is measured
-    through the compiled forward the engine runs, which warms its graphs (`static_forwards`)."""
+    through the compiled forward the engine runs, which warms its graphs (`static_forwards`).
+    static_drafters: [num_drafters] whether each drafter drafts on that layout (a fuzzy or streaming
+    drafter keeps its eager caches: measured eagerly); None: every model drafter does."""
     from tqdm.auto import tqdm
 
     models = [target] + [m for m in drafter_models if m is not None]
@@ -151,11 +154,16 @@ def build_profile(
     def budget(m) -> float:  # a drafter's forwards are mostly over one token a row: half the target's
         return GRID_BUDGET if m is target else GRID_BUDGET / 2
 
+    eager = {id(m) for m, on in zip(drafter_models, static_drafters or []) if not on}
+
+    def layout(m) -> StaticOptions | None:  # the static layout m's forwards run on, if any
+        return None if id(m) in eager and m is not target else static
+
     def key(m) -> str:
-        return key_hash(model_key(m, forward=forward_kind(m, static, m is not target)))
+        return key_hash(model_key(m, forward=forward_kind(m, layout(m), m is not target)))
 
     def measured(m) -> ForwardCost:
-        return measure(m, budget(m), progress=progress, static=static_forwards(m, static, m is not target))
+        return measure(m, budget(m), progress=progress, static=static_forwards(m, layout(m), m is not target))
 
     costs: dict[int, ForwardCost] = {}
     source = "cached"
@@ -174,7 +182,7 @@ def build_profile(
         source = f"{source}, {path}"
     else:
         for m in unique:
-            costs[id(m)], hit = cached_cost(m, budget(m), progress=progress, static=static, drafter=m is not target)
+            costs[id(m)], hit = cached_cost(m, budget(m), progress, layout(m), drafter=m is not target)
             source = source if hit else "measured"
     bar.close()
     # A model serving as target and drafter (self-speculation) gets its own copy: each is refined by its own forwards.
