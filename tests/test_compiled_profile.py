@@ -16,7 +16,7 @@ from hf_spin.planning import cost_profile
 from hf_spin.planning.profiling import build_profile, forward_kind, model_key, static_forwards
 
 from .speculation import pool as spin_pool
-from .test_static_engine import _case, _models, graphs
+from .test_static_engine import INDUCTOR, _case, _models, graphs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -100,8 +100,9 @@ def test_compiled_and_eager_costs_are_cached_apart(static_calls, tmp_path, monke
 
 
 @pytest.mark.filterwarnings("ignore:hf_spin. plain")  # a tiny drafter costs what the tiny target does
+@pytest.mark.parametrize("backend", ("eager", INDUCTOR))
 @pytest.mark.parametrize("batch", (1, 4))
-def test_a_compiled_pool_profiled_auto_keeps_greedy_output(batch, tmp_path, monkeypatch, fresh_dynamo):
+def test_a_compiled_pool_profiled_auto_keeps_greedy_output(batch, backend, tmp_path, monkeypatch, fresh_dynamo):
     """profile="auto" on the static compiled layout: the profile compiles through the forwards the engine then
     runs (one compiled callable, shared), and the output is plain generate's, whatever the measured costs make
     the planner draft. At batch 1 the grid met every shape the run can meet (9 query slots: the grid's N = 8;
@@ -109,7 +110,7 @@ def test_a_compiled_pool_profiled_auto_keeps_greedy_output(batch, tmp_path, monk
     monkeypatch.setenv("HF_SPIN_PROFILES", str(tmp_path))
     target, other = _models("llama")
     inputs, reference = _case("llama", batch)
-    options = StaticOptions(True, backend="eager", query_slots=9)
+    options = StaticOptions(True, backend=backend, query_slots=9)
     pool = spin_pool([other, "prompt_lookup"], tree=False, cache="static", compile=options, profile="auto")
     pool.bind(target)
     assert pool.cost_profile.source == "measured" and graphs(run_static) >= 3 and graphs(run_static_draft) >= 2

@@ -11,7 +11,8 @@ One `ForwardCost` per model (the target and each model drafter), on its own devi
 
 f is piecewise linear between measured knots N = 1, 2, 4, 8, ... (linear beyond the last, by its
 last slope), r a per-row overhead (fitted from a batch-4 point). Measured on a small grid within a
-time budget (`measure`), cached on disk (`profiling.py`), then refined online from every timed
+time budget (`measure`; on the static compiled layout through the compiled fixed-shape forward the
+engine runs, at its query widths), cached on disk (`profiling.py`), then refined online from every timed
 forward: per knot, a decayed mean of log(measured / predicted), each residual clipped to
 +-`MAX_LOG_RESIDUAL` so a stall (another process, a page fault) moves it by a bounded amount. The
 context is GRID_CONTEXT positions of random KV, not a grid axis (its cost is small next to the
