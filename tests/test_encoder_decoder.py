@@ -170,11 +170,9 @@ def test_measured_profile_and_planner(tmp_path):
     assert pool.planner is not None and pool.cost_profile.drafters[0] is not None, str(pool.cost_profile)
 
 
-def test_rows_join_a_running_batch():
-    """Continuous batching (`SpinEngine.add` with a `Request.encoder`): a row joining running rows brings
-    its encoder output (of another length) and cross K/V (`RectangularCache.append_rows`), the model
-    drafter encodes it on joining (`EncoderDecoderDrafter.add_rows`); every row equals its plain output."""
-    target, other = _models("t5")
+def _t5_requests(target):
+    """(three unpadded T5 prompts [1, S_b], each one's plain greedy tokens, a function making an engine
+    `Request` of a prompt with its encoder output, as a server would)."""
     text = encoder_inputs("t5", 3, seed=1)
     prompts = [ids[mask.bool()][None] for ids, mask in zip(text["input_ids"], text["attention_mask"])]  # [1, S_b]
     plain = [target.generate(input_ids=ids, max_new_tokens=12, do_sample=False)[0, 1:].tolist() for ids in prompts]
@@ -185,6 +183,15 @@ def test_rows_join_a_running_batch():
         mask = torch.ones_like(ids)
         return hf_spin.Request([PAD], max_new_tokens=12, encoder=EncoderRows(hidden, mask, ids, mask))
 
+    return prompts, plain, request
+
+
+def test_rows_join_a_running_batch():
+    """Continuous batching (`SpinEngine.add` with a `Request.encoder`): a row joining running rows brings
+    its encoder output (of another length) and cross K/V (`RectangularCache.append_rows`), the model
+    drafter encodes it on joining (`EncoderDecoderDrafter.add_rows`); every row equals its plain output."""
+    target, other = _models("t5")
+    prompts, plain, request = _t5_requests(target)
     engine = hf_spin.SpinEngine(target, spin_pool([other, "prompt_lookup"], policy="round_robin"))
     rows = [engine.add(request(prompts[0])), engine.add(request(prompts[1]))]
     for _ in range(3):
@@ -220,16 +227,7 @@ def test_a_drafter_runs_its_encoder_only_when_it_first_drafts():
 
     t5, t5_other = tiny_encoder_decoder("t5", **INIT["t5"]), perturb(tiny_encoder_decoder("t5", **INIT["t5"]))
     calls = _encoder_batches(t5_other)
-    text = encoder_inputs("t5", 3, seed=1)
-    prompts = [ids[mask.bool()][None] for ids, mask in zip(text["input_ids"], text["attention_mask"])]  # [1, S_b]
-    plain = [t5.generate(input_ids=ids, max_new_tokens=12, do_sample=False)[0, 1:].tolist() for ids in prompts]
-
-    def request(ids: torch.Tensor) -> hf_spin.Request:
-        with torch.no_grad():
-            hidden = t5.get_encoder()(input_ids=ids).last_hidden_state  # [1, S_b, D]
-        mask = torch.ones_like(ids)
-        return hf_spin.Request([PAD], max_new_tokens=12, encoder=EncoderRows(hidden, mask, ids, mask))
-
+    prompts, plain, request = _t5_requests(t5)
     engine = hf_spin.SpinEngine(t5, spin_pool(["prompt_lookup", t5_other], policy="round_robin"))
     rows = [engine.add(request(prompts[0])), engine.add(request(prompts[1]))]
     engine.step()  # prompt lookup's turn: the drafter has not encoded

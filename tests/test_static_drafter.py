@@ -16,21 +16,15 @@ from hf_spin.cache.static_forward import StaticOptions, run_static_draft
 from hf_spin.drafters import ModelDrafter
 from hf_spin.drafters.model import COMPILED_CHUNK
 
-from .archs import tiny_model
 from .speculation import DRAFT_TOKENS, assert_speculated, greedy_case, perturbed
 from .speculation import pool as spin_pool
+from .test_equivalence import _models
 from .test_static_engine import MAX_NEW_TOKENS, PROMPT_LENGTH, graphs
 
 ARCHS = ("llama", "qwen2")
 EAGER_DYNAMO = dict(compile=True, backend="eager", query_slots=DRAFT_TOKENS + 1)  # dynamo alone (test_static_engine)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@functools.lru_cache(maxsize=None)
-def _models(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(target, perturbed drafter) of one architecture."""
-    return tiny_model(arch, seed=0), perturbed(arch)
 
 
 @functools.lru_cache(maxsize=None)
