@@ -103,6 +103,12 @@ def parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentPars
         "batch size before it is measured, not recorded: the learned state of a pool that has served requests "
         "(0: the pools start cold)",
     )
+    ap.add_argument(
+        "--draft-vocabulary",
+        type=int,
+        default=None,
+        help="model drafters sharing the target's tokenizer score only the N lowest ids (draft_vocabulary=N)",
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -132,7 +138,7 @@ class Bench:
             same = tok.get_vocab() == self.tok.get_vocab()
             # named drafter objects: the statistics say "qwen-0.5b", not a cache path
             self.entries[label] = (
-                hf_spin.ModelDrafter(model, name=label)
+                hf_spin.ModelDrafter(model, name=label, draft_vocabulary=args.draft_vocabulary)
                 if same
                 else hf_spin.TranslatingDrafter(model, tok, self.tok, name=label)
             )
@@ -355,6 +361,7 @@ def report(args, records: list[dict], num_processes: int) -> None:
         "max_new_tokens": args.max_new_tokens,
         "draft_length": args.draft_length,
         "cache": args.cache,
+        "draft_vocabulary": args.draft_vocabulary,
         "policy_warmup": args.policy_warmup,
     }
     summary = summarize(records)
