@@ -34,14 +34,13 @@ from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
 from ..cache.encoder_rows import EncoderRows
 from ..speech_models import decode_wav
-from ..step.rows import CANCELLED, ERROR
 from ..step.rows import Request as EngineRequest
 from .errors import describe
 from .requests import InvalidRequest, processors
 from .scheduler import Overloaded
 from .schemas import Sampling, TranscriptionRequest
 from .service import Service
-from .tgi import _failure, _observe, _refused
+from .tgi import _finished, _observe, _refused
 
 ROUTE = "transcriptions"  # the metrics' route label
 MAX_UPLOAD_BYTES = 25 * 2**20  # OpenAI's limit on the file
@@ -177,13 +176,10 @@ def router(service: Service, transcriber: Transcriber | None) -> APIRouter:
             job = service.enqueue(transcriber.request(ids, encoder, body.temperature))
         except (InvalidRequest, Overloaded) as err:
             return _refused(service, request, ROUTE, err)
-        result = await service.result(job, request)
-        if result is None:
-            service.metrics.requests.labels(ROUTE, "cancelled").inc()
-            return JSONResponse({}, status_code=499)
-        end, out, _ = result
-        if end.reason in (ERROR, CANCELLED):
-            return _failure(service, request, ROUTE, end)
+        result, instead = await _finished(service, request, ROUTE, job)
+        if instead is not None:
+            return instead
+        _, out, _ = result
         text = service.text(out)
         service.metrics.requests.labels(ROUTE, "ok").inc()
         _observe(service, job, t0)

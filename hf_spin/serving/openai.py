@@ -27,7 +27,7 @@ from .schemas import ChatCompletionRequest, CompletionRequest
 from .server import SHUTDOWN_MARGIN_SECONDS
 from .service import Service
 from .text import IncrementalDecoder, StopTrimmer, finish_reason
-from .tgi import SSE_PING_SECONDS, _failure, _observe, _refused, stream_failure
+from .tgi import SSE_PING_SECONDS, _finished, _observe, _refused, stream_failure
 
 FINGERPRINT = f"hf_spin-{__version__}"
 
@@ -62,13 +62,10 @@ def router(service: Service) -> APIRouter:
         }
 
         if not body.stream:
-            result = await service.result(job, request)
-            if result is None:
-                service.metrics.requests.labels(route, "cancelled").inc()
-                return JSONResponse({}, status_code=499)
+            result, instead = await _finished(service, request, route, job)
+            if instead is not None:
+                return instead
             end, out, _ = result
-            if end.reason in (ERROR, CANCELLED):
-                return _failure(service, request, route, end)
             trimmer = StopTrimmer(sampling.stop)
             text = trimmer.push(service.text(out)) + trimmer.flush()
             reason = _openai_reason(end.row, service)

@@ -51,6 +51,18 @@ def _failure(service: Service, request: Request, route: str, end: Finished):
     )
 
 
+async def _finished(service: Service, request: Request, route: str, job):
+    """(the job's result `(end, out, logprobs)`, None) once it finished normally, else (None, the response to
+    send instead): 499 when the client left (the row was freed), `_failure`'s when it failed or was cancelled."""
+    result = await service.result(job, request)
+    if result is None:
+        service.metrics.requests.labels(route, "cancelled").inc()
+        return None, JSONResponse({}, status_code=499)  # nobody is listening; the row was freed
+    if result[0].reason in (ERROR, CANCELLED):
+        return None, _failure(service, request, route, result[0])
+    return result, None
+
+
 def stream_failure(end: Finished) -> tuple[str, str]:
     """(status label, message) of a streamed job that ended in an error or was cancelled."""
     if end.reason == ERROR:
@@ -73,13 +85,10 @@ def router(service: Service) -> APIRouter:
             sampling, ids, job = start("generate", body)
         except (InvalidRequest, Overloaded) as err:
             return _refused(service, request, "generate", err)
-        result = await service.result(job, request)
-        if result is None:
-            service.metrics.requests.labels("generate", "cancelled").inc()
-            return JSONResponse({}, status_code=499)  # nobody is listening; the row was freed
+        result, instead = await _finished(service, request, "generate", job)
+        if instead is not None:
+            return instead
         end, out, logprobs = result
-        if end.reason in (ERROR, CANCELLED):
-            return _failure(service, request, "generate", end)
         text = service.text(out)
         if body.parameters.return_full_text:
             text = body.inputs + text
