@@ -19,7 +19,7 @@ import torch
 import hf_spin
 from benchmarks.injected_costs import CostClock, profile_of, table
 from hf_spin.drafters import Draft, Drafter
-from hf_spin.planning.cost_profile import ForwardCost, measure
+from hf_spin.planning.cost_profile import CostProfile, ForwardCost, measure
 from hf_spin.planning.estimates import acceptance_with_prior
 from hf_spin.planning.planner import LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance, Planner, plan_k
 from hf_spin.planning.profiling import build_profile, complete
@@ -87,13 +87,28 @@ def run(target, prompts, pool, clock, new_tokens=40):
 # --- the profile ---------------------------------------------------------------------------------
 
 
-def test_forward_cost_interpolates_and_never_decreases():
+def test_forward_cost_interpolates_between_knots_and_extrapolates_by_the_last_rising_slope():
     cost = ForwardCost.from_table({1: 1.0, 4: 1.0, 8: 3.0})
     assert cost.predict(2) == pytest.approx(1.0)
     assert cost.predict(6) == pytest.approx(2.0)
     assert cost.predict(16) == pytest.approx(7.0)  # the last slope beyond the last knot
-    noisy = ForwardCost.from_table({1: 1.0, 2: 1.5, 4: 0.9})  # a noisy grid
-    assert noisy.predict(4) >= noisy.predict(2) >= noisy.predict(1)
+    falling = ForwardCost.from_table({1: 1.0, 2: 1.5, 4: 0.9})  # ends falling: flat beyond, never below
+    assert falling.predict(4) == pytest.approx(0.9) and falling.predict(64) == pytest.approx(0.9)
+
+
+def test_a_verification_runs_at_a_wider_knot_where_that_costs_less():
+    # whisper-base's decoder on an AMD EPYC in float32, relative to one token: 2-3 tokens run a slow small GEMM
+    uneven = ForwardCost.from_table({1: 1.0, 2: 1.7, 4: 1.5, 8: 1.4, 16: 2.0})
+    assert uneven.predict(2) == pytest.approx(1.7)  # what a forward at N itself costs, as measured
+    assert [uneven.width(n) for n in (1, 2, 3, 4, 5, 6, 8, 9)] == [1, 8, 8, 8, 8, 6, 8, 9]
+    assert uneven.verify(2) == uneven.verify(3) == pytest.approx(1.4)
+    assert all(uneven.verify(n) <= uneven.predict(n) for n in range(1, 20))
+    assert uneven.width(4, rows=4) == 8 and uneven.width(6, rows=3) == 6  # a multiple of the rows, or none
+    assert uneven.flatness(2) == pytest.approx(1.4)
+    profile = CostProfile(uneven, [], [])
+    assert profile.verify_seconds(1, 3) == pytest.approx(1.4)
+    flat = ForwardCost.from_table({1: 1.0, 2: 1.02, 8: 1.0})  # a flat machine's noise: not worth the positions
+    assert flat.width(2) == 2
 
 
 def test_online_refinement_follows_a_change_and_shrugs_off_a_stall():

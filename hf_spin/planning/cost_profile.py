@@ -51,6 +51,9 @@ GRID_CONTEXT = 128
 # tokens at 8.8 plain steps, 2.1 in truth; 1 and 8 alone read a one-token probe (N = 2) at 1.2 steps, 2.1 in truth.
 GRID_TOKENS = (1, 8, 2, 4, 16, 32, 64)
 GRID_MIN_POINTS = 3
+# A verification pads to a wider knot only where that costs at most this fraction of its own width: a knot a
+# few percent cheaper by noise (a flat GPU's 2 and 8 tokens) is not worth the extra positions.
+PAD_GAIN = 0.95
 # Rows of the per-row overhead point (measured with one new token per row).
 GRID_ROWS = 4
 # Seconds the grid of the target may take (beyond its first two points, always measured); a drafter
@@ -92,26 +95,25 @@ class ForwardCost:
         return cls(knots, [float(table[n]) for n in knots], per_row)
 
     def values(self) -> list[float]:
-        """[K] f at each knot with its online correction, made non-decreasing in N (a forward over more
-        positions never costs less; a noisy correction must not say otherwise). Kept until the next
-        observation: the planner reads it for every draft slot."""
+        """[K] f at each knot with its online correction, as measured: not made non-decreasing, since a
+        forward over more positions can cost less (one over 2-3 tokens runs a CPU's slow small-M GEMM, one
+        over 8 a packed one); `width` pads a verification to such a knot, so the cost `verify` reads never
+        falls with N. Kept until the next observation: the planner reads it for every draft slot."""
         if self._values is None or len(self._values) != len(self.knots):
-            out, top = [], 0.0
-            for seconds, correction in zip(self.seconds, self.corrections):
-                top = max(top, seconds * math.exp(correction.mean or 0.0))
-                out.append(top)
-            self._values = out
+            self._values = [s * math.exp(c.mean or 0.0) for s, c in zip(self.seconds, self.corrections)]
         return self._values
 
     def _interpolate(self, values: list[float], n_tokens: float) -> float:
-        """Linear between knots, by the last slope beyond the last (proportional to N with one knot),
-        flat below the first."""
+        """Linear between knots, by the last slope beyond the last (0 where the knots end falling: the
+        measured values are not made non-decreasing; proportional to N with one knot), flat below the first."""
         ks = self.knots
         if n_tokens <= ks[0]:
             return values[0]
         if len(ks) == 1:
             return values[0] * n_tokens / ks[0]
-        i = min(bisect.bisect_left(ks, n_tokens), len(ks) - 1)
+        if n_tokens >= ks[-1]:
+            return values[-1] + max(values[-1] - values[-2], 0.0) / (ks[-1] - ks[-2]) * (n_tokens - ks[-1])
+        i = bisect.bisect_left(ks, n_tokens)
         slope = (values[i] - values[i - 1]) / (ks[i] - ks[i - 1])
         return values[i - 1] + slope * (n_tokens - ks[i - 1])
 
@@ -129,6 +131,22 @@ class ForwardCost:
     def predict(self, n_tokens: float, rows: int = 1) -> float:
         """Seconds of a forward over `n_tokens` positions in `rows` rows, with the online correction."""
         return self._interpolate(self.values(), n_tokens) + self.per_row * max(rows - 1, 0)
+
+    def width(self, n_tokens: int, rows: int = 1) -> int:
+        """Positions to run a forward over `n_tokens` positions in `rows` rows at: a wider knot (a multiple
+        of `rows`, so rows padded alike reach it) that costs at most PAD_GAIN of N itself, the cheapest such,
+        else N. The added positions are filler tokens after each row's real ones (`step/widths.py`): causal
+        attention keeps them from the real tokens' logits, and the rollback drops them. Measured on an AMD
+        EPYC in float32, whisper-base's decoder takes 25 / 42 / 56 / 38 / 35 ms for 1 / 2 / 3 / 4 / 8 tokens."""
+        values, cost, best = self.values(), self._interpolate(self.values(), n_tokens), n_tokens
+        for knot, seconds in zip(self.knots, values):
+            if knot > n_tokens and knot % rows == 0 and seconds <= PAD_GAIN * cost:
+                cost, best = seconds, knot
+        return best
+
+    def verify(self, n_tokens: int, rows: int = 1) -> float:
+        """Seconds of a verification forward over `n_tokens` positions in `rows` rows, at its `width`."""
+        return self.predict(self.width(n_tokens, rows), rows)
 
     def bound(self, n_tokens: float) -> float:
         """Seconds of a forward over `n_tokens` positions in one row, read pessimistically past the last knot:
@@ -161,8 +179,9 @@ class ForwardCost:
         self.observations += 1
 
     def flatness(self, n_tokens: int) -> float:
-        """t(N) / t(1): 1 where verification is free (memory-bound), N where it is proportional."""
-        return self.predict(n_tokens) / self.predict(1)
+        """t(N) / t(1) of a verification (at its `width`): 1 where it is free (memory-bound), N where it is
+        proportional."""
+        return self.verify(n_tokens) / self.predict(1)
 
     def to_dict(self) -> dict:
         return {
@@ -380,8 +399,8 @@ class CostProfile:
 
     # -- what a step costs ---------------------------------------------------------------------------
     def verify_seconds(self, rows: int, n_tokens: float) -> float:
-        """A target forward over `n_tokens` positions in `rows` rows."""
-        return self.target.predict(n_tokens, rows)
+        """A target forward verifying `n_tokens` positions in `rows` rows (at its `ForwardCost.width`)."""
+        return self.target.verify(n_tokens, rows)
 
     def plain_seconds(self, rows: int) -> float:
         return self.target.predict(rows, rows)
@@ -411,7 +430,7 @@ class CostProfile:
         """(tokens per second, k) of the best draft length at batch 1 for a constant per-token acceptance."""
         target = target or self.target
         rates = [
-            (geometric_tokens(acceptance, k) / (target.predict(k + 1) + self.draft_seconds_for_rows(drafter, k, 1)), k)
+            (geometric_tokens(acceptance, k) / (target.verify(k + 1) + self.draft_seconds_for_rows(drafter, k, 1)), k)
             for k in range(1, self.max_k + 1)
         ]
         return max(rates)

@@ -103,6 +103,7 @@ class StepFeedback:
         default_factory=list
     )  # [B] drafter -> how many match the committed tokens
     padded: bool = False  # the verify forward pads every row to the longest draft (rectangular cache), else packs them
+    positions: int | None = None  # positions the chain verify forward ran over, fillers included (step/widths.py)
     match_lengths: list[dict[int, int]] = field(
         default_factory=list
     )  # [B] drafter -> the match its draft (served or shadow) continued, where it reports one (`Draft.match_lengths`)
@@ -113,7 +114,10 @@ class StepFeedback:
 
     def verified_tokens(self, drafted: list[int] | None = None) -> int:
         """Token positions the verify forward ran over with these draft lengths ([B], default: the
-        step's): B x (1 + longest draft) when rows are padded to the longest, else B + the drafts."""
+        step's): B x (1 + longest draft) when rows are padded to the longest, else B + the drafts; the step's
+        own: `positions` where the engine says (a verification filled out to a cheaper width)."""
+        if drafted is None and self.positions is not None:
+            return self.positions
         drafted = self.drafted if drafted is None else drafted
         B = len(drafted)
         return B * (1 + max(drafted, default=0)) if self.padded else B + sum(drafted)

@@ -54,6 +54,7 @@ from .faults import DrafterCall, DrafterScope, Faults
 from .processors import GenerateBatch, first_scores, row_processors, target_scores
 from .rows import CANCELLED, ERROR, LENGTH, STOPPED, Request, Row
 from .stopping import HostStop
+from .widths import widen
 
 
 @dataclass
@@ -392,6 +393,7 @@ class SpinEngine:
         start = perf_counter()
         if proposal.trees is not None:
             trees = [t if t is not None else TokenTree.chain(d) for t, d in zip(proposal.trees, proposal.drafts)]
+            positions = None  # as `verified_tokens` counts them
             target = tree_step.TargetStep(rows, self.model, self.cache, self.faults, self._running_batch())
             verified = tree_step.verify(target, trees)
             if verified is None:
@@ -402,10 +404,12 @@ class SpinEngine:
             row_scores = [tree_step.path_scores(tree_scores[b], p) for b, p in enumerate(paths)]  # [B] [len + 1, V]
         else:
             chunks = [[r.sequence[-1]] + proposal.drafts[b] for b, r in enumerate(rows)]
-            # [B, K + 1, V], or None when every row failed
-            target_logits = self.faults.target_forward(self.cache, rows, self._forward_target, chunks)
+            fed, positions = self._widened(chunks)
+            # [B, K + 1, V] (fillers' slots cut off), or None when every row failed
+            target_logits = self.faults.target_forward(self.cache, rows, self._forward_target, fed)
             if target_logits is None:
                 return
+            target_logits = target_logits[:, : max(len(c) for c in chunks)]
             scores = target_scores(
                 rows, self._running_batch(), target_logits, proposal.drafts, self.faults.row
             )  # [B, K + 1, V]
@@ -479,6 +483,7 @@ class SpinEngine:
                 draft_seconds=proposal.draft_seconds,
                 verify_seconds=verify_seconds,
                 padded=self._padded,
+                positions=positions,
             )
             self.policy.update(feedback)
             if self.planner is not None:
@@ -489,6 +494,18 @@ class SpinEngine:
     def _padded(self) -> bool:
         """The target's verify forward pads every row to the longest draft (rectangular cache)."""
         return not isinstance(self.cache, PackedCache)
+
+    def _widened(self, chunks: list[list[int]]) -> tuple[list[list[int]], int]:
+        """(the chunks to feed, the positions the forward runs over): where the step drafts and the target's
+        cost profile verifies cheaper at a wider knot (`ForwardCost.width`), the chunks filled out to it with
+        filler tokens (step/widths.py; the rollback drops them); else as given."""
+        packed = isinstance(self.cache, PackedCache)
+        B, positions = len(chunks), sum(len(c) for c in chunks) if packed else len(chunks) * max(map(len, chunks))
+        if self.planner is None or all(len(c) == 1 for c in chunks):
+            return chunks, positions
+        wide = self.planner.profile.target.width(positions, B)
+        widened = widen(chunks, wide, [r.draft_room + 1 for r in self.rows], packed)
+        return (chunks, positions) if widened is None else (widened, wide)
 
     def _forward_target(self, chunks: list[list[int]]) -> torch.Tensor:
         """Logits [B, T, V] float32 of the target over one chunk per row, appended to its cache."""

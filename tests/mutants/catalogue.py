@@ -23,6 +23,7 @@ class Mutant:
 
 EQ = "tests/test_equivalence.py::"
 SAMPLING = "tests/test_sampling.py::"
+WIDTHS = "tests/test_widths.py::test_a_widened_verification_commits_what_plain_generate_does_and_pays"
 STATIC_DRAFTER = "tests/test_static_drafter.py::test_static_drafter_is_lossless_and_drafts_as_on_its_dynamic_cache"
 
 MUTANTS = (
@@ -424,6 +425,36 @@ MUTANTS = (
         (
             "tests/test_compiled_profile.py::test_the_compiled_profile_times_the_compiled_static_forward",
             "tests/test_compiled_profile.py::test_compiled_and_eager_costs_are_cached_apart",
+        ),
+    ),
+    Mutant(
+        "verification_not_widened",
+        "the planner prices a verification at the cheaper wider width the profile found, and the engine runs it at "
+        "the drafts' own (a CPU's slow 2-15 token GEMM): each step costs what the planner never expected",
+        "hf_spin/step/engine.py",
+        "        wide = self.planner.profile.target.width(positions, B)",
+        "        wide = positions",
+        (WIDTHS + "[1-rectangular]", WIDTHS + "[4-packed]"),
+    ),
+    Mutant(
+        "verification_priced_unwidened",
+        "the planner prices a verification at the drafts' own width though the engine widens it to a cheaper knot: "
+        "it drafts little where drafting pays",
+        "hf_spin/planning/cost_profile.py",
+        "        return self.target.verify(n_tokens, rows)",
+        "        return self.target.predict(n_tokens, rows)",
+        (WIDTHS + "[1-rectangular]", WIDTHS + "[4-packed]"),
+    ),
+    Mutant(
+        "fillers_before_the_drafts",
+        "a widened verification puts its filler tokens before a row's real ones: the target scores drafts after "
+        "tokens the row never had",
+        "hf_spin/step/widths.py",
+        "        return [c + [FILLER_TOKEN] * (width - len(c)) for c in chunks]",
+        "        return [[FILLER_TOKEN] * (width - len(c)) + c for c in chunks]",
+        (
+            "tests/test_widths.py::test_widen_fills_each_row_after_its_tokens_within_its_room",
+            WIDTHS + "[1-rectangular]",
         ),
     ),
 )

@@ -1,0 +1,60 @@
+"""Verification at a cheaper width (hf_spin/step/widths.py, `ForwardCost.width`): where the cost profile says a
+wider forward costs less (a CPU's slow small-M GEMM), a step's chunks are filled out with filler tokens to it.
+Lossless (greedy identity with plain `generate` on every layout), the forward runs at the width priced, and the
+planner, pricing it, drafts where it pays: on injected costs, so the decision is tested on machines we lack."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_spin
+from benchmarks.injected_costs import CostClock, profile_of, table
+from hf_spin.cache.forward import FILLER_TOKEN as F
+from hf_spin.step.widths import widen
+
+from .archs import EOS
+from .test_planning import Scripted, case, run
+
+
+def small_gemm(n: float) -> float:
+    """t(N): a plain step 0.1 s; 2-15 positions a slow small GEMM (3 steps), 16 and more a packed one (1.5)."""
+    return 0.1 if n <= 1 else 0.3 if n < 16 else 0.15 + 0.001 * (n - 16)
+
+
+def test_widen_fills_each_row_after_its_tokens_within_its_room():
+    assert widen([[5, 6], [7]], 8, [4, 4], packed=False) == [[5, 6, F, F], [7, F, F, F]]
+    assert widen([[5, 6], [7]], 8, [4, 3], packed=False) is None  # row 1 may verify 3 tokens at most
+    assert widen([[5, 6], [7]], 7, [8, 8], packed=False) is None  # not a multiple of the rows
+    assert widen([[5, 6], [7]], 3, [1, 1], packed=False) == [[5, 6], [7]]  # already there
+    # packed: the rows with the most room first, never past a row's room
+    assert widen([[5, 6], [7]], 6, [2, 5], packed=True) == [[5, 6], [7, F, F, F]]
+    assert widen([[5, 6], [7]], 6, [3, 3], packed=True) == [[5, 6, F], [7, F, F]]
+    assert widen([[5, 6], [7]], 9, [3, 3], packed=True) is None
+
+
+@pytest.mark.parametrize("batch,cache", [(1, "rectangular"), (4, "rectangular"), (4, "packed")])
+def test_a_widened_verification_commits_what_plain_generate_does_and_pays(batch, cache):
+    """On `small_gemm` every verification of 2-15 positions widens to 16: the output is plain `generate`'s, the
+    forwards ran at 16 positions, and drafting at 70% acceptance beats plain decoding by far, where verifying at
+    the drafts' own width (3 plain steps) would barely pay."""
+    new_tokens = 60
+    target, prompts, plain, refs = case(batch=batch, new_tokens=new_tokens)
+    clock = CostClock()
+    cost = table(small_gemm)
+    clock.hook(target, cost)
+    shapes = []
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    profile = profile_of(cost, [None], ["scripted"])
+    pool = hf_spin.AssistantPool([Scripted(refs, [0.7] * batch)], profile=profile, cache=cache)
+    out = run(target, prompts, pool, clock, new_tokens=new_tokens)
+    assert torch.equal(out, plain)
+    positions = [rows * width for rows, width in shapes]
+    # widened (until a row's room is under 16 tokens; at batch 4 on padded rows the planner drafts past 16)
+    assert positions.count(16) >= 3 or cache == "rectangular" and batch > 1, shapes
+    spin = clock.now
+    start = clock.now
+    target.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS)
+    assert spin < (clock.now - start) / 1.5, f"{spin:.2f}s against plain {clock.now - start:.2f}s"
