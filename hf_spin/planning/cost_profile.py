@@ -51,9 +51,9 @@ GRID_CONTEXT = 128
 # tokens at 8.8 plain steps, 2.1 in truth; 1 and 8 alone read a one-token probe (N = 2) at 1.2 steps, 2.1 in truth.
 GRID_TOKENS = (1, 8, 2, 4, 16, 32, 64)
 GRID_MIN_POINTS = 3
-# A verification pads to a wider knot only where that costs at most this fraction of its own width: a knot a
-# few percent cheaper by noise (a flat GPU's 2 and 8 tokens) is not worth the extra positions.
-PAD_GAIN = 0.95
+# A verification at a width the grid did not measure is priced at its interpolation times this when it is
+# weighed against a measured wider knot (`ForwardCost.width`): the unmeasured width's true cost is a guess.
+UNMEASURED_PREMIUM = 1.05
 # Rows of the per-row overhead point (measured with one new token per row).
 GRID_ROWS = 4
 # Seconds the grid of the target may take (beyond its first two points, always measured); a drafter
@@ -97,8 +97,8 @@ class ForwardCost:
     def values(self) -> list[float]:
         """[K] f at each knot with its online correction, as measured: not made non-decreasing, since a
         forward over more positions can cost less (one over 2-3 tokens runs a CPU's slow small-M GEMM, one
-        over 8 a packed one); `width` pads a verification to such a knot, so the cost `verify` reads never
-        falls with N. Kept until the next observation: the planner reads it for every draft slot."""
+        over 8 a packed one); `width` runs a verification at such a knot. Kept until the next observation:
+        the planner reads it for every draft slot."""
         if self._values is None or len(self._values) != len(self.knots):
             self._values = [s * math.exp(c.mean or 0.0) for s, c in zip(self.seconds, self.corrections)]
         return self._values
@@ -133,14 +133,19 @@ class ForwardCost:
         return self._interpolate(self.values(), n_tokens) + self.per_row * max(rows - 1, 0)
 
     def width(self, n_tokens: int, rows: int = 1) -> int:
-        """Positions to run a forward over `n_tokens` positions in `rows` rows at: a wider knot (a multiple
-        of `rows`, so rows padded alike reach it) that costs at most PAD_GAIN of N itself, the cheapest such,
-        else N. The added positions are filler tokens after each row's real ones (`step/widths.py`): causal
-        attention keeps them from the real tokens' logits, and the rollback drops them. Measured on an AMD
-        EPYC in float32, whisper-base's decoder takes 25 / 42 / 56 / 38 / 35 ms for 1 / 2 / 3 / 4 / 8 tokens."""
-        values, cost, best = self.values(), self._interpolate(self.values(), n_tokens), n_tokens
-        for knot, seconds in zip(self.knots, values):
-            if knot > n_tokens and knot % rows == 0 and seconds <= PAD_GAIN * cost:
+        """Positions to run a verification over `n_tokens` positions in `rows` rows at: the cheapest of N itself
+        and the wider knots (multiples of `rows`, so rows padded alike reach them). N off the knots is priced at
+        its interpolation times UNMEASURED_PREMIUM: between knots a CPU's cost is jagged (whisper-base's decoder,
+        AMD EPYC, float32: 28 / 47 / 62 / 43 / 41 / 44 / 64 / 45 ms for 1-8 tokens; M = 3 mod 4 runs a slow GEMM
+        path), so a measured knot a little dearer than the line through its neighbours is the safer width. The
+        added positions are filler tokens after each row's real ones (`step/widths.py`): causal attention keeps
+        them from the real tokens' logits, and the rollback drops them."""
+        values = self.values()
+        measured = dict(zip(self.knots, values))
+        cost = measured[n_tokens] if n_tokens in measured else self._interpolate(values, n_tokens) * UNMEASURED_PREMIUM
+        best = n_tokens
+        for knot, seconds in measured.items():
+            if knot > n_tokens and knot % rows == 0 and seconds < cost:
                 cost, best = seconds, knot
         return best
 
