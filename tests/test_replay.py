@@ -13,8 +13,8 @@ from benchmarks.replay.checks import CheckConfig, generated, left_pad
 from benchmarks.replay.costs import FLOOR, run_structures, shortfalls
 from benchmarks.replay.forced import force, match, replay_drafters
 from benchmarks.replay.record import continuation, record
-from benchmarks.replay.run import check
-from benchmarks.replay.trace import Request, load
+from benchmarks.replay.run import TARGET_SHAPES, check
+from benchmarks.replay.trace import Request, load, merge
 
 from .archs import VOCAB, tiny_model
 from .speculation import perturbed
@@ -150,6 +150,27 @@ def test_command_line_runs_the_benchmark_and_the_check(trace_file, trace, tmp_pa
     for method in ("generate", "generate_static", "transformers_lookup", "hf_spin_all"):
         assert f"| w | 1 | {method} |" in md.read_text()
     assert md.read_text().count(f"{len(trace.requests)}/{len(trace.requests)} |") == 7  # identical: every row
+
+
+def test_traces_replay_as_one_with_chains_and_trees_at_another_target_shape(trace_file, trace, tmp_path, monkeypatch):
+    """Several traces recorded alike replay in one run (`run A B`); `--trees both` runs every pool with token trees
+    and with chains; `--target-shape` builds the target at another shape, the recorded acceptance standing in."""
+    merged = merge([load(trace_file), load(trace_file)])
+    assert [r.continuation for r in merged.requests] == [r.continuation for r in trace.requests] * 2
+    assert len(merged.drafters[0].chains) == 2 * len(trace.drafters[0].chains)
+    other = load(trace_file)
+    other.k_max += 1
+    with pytest.raises(ValueError, match="k_max"):
+        merge([trace, other])
+    monkeypatch.setitem(TARGET_SHAPES, "wider", {"intermediate_size": 96})
+    argv = ["run", str(trace_file), str(trace_file), "--batch-sizes", "1", "--trees", "both", "--threads", "1"]
+    assert main(argv + ["--target-shape", "wider", "--out", str(tmp_path)]) == 0
+    (md,) = tmp_path.glob("replay-*.md")
+    text, n = md.read_text(), 2 * len(trace.requests)
+    assert text.startswith("target: wider's shape")
+    for method in ("hf_spin_all", "hf_spin_all_chains"):
+        assert f"| w | 1 | {method} |" in text
+    assert text.count(f"{n}/{n} |") == 4  # generate, transformers' lookup, the pool with trees and with chains
 
 
 def test_costs_replay_the_recorded_acceptance_on_injected_cost_structures(trace):

@@ -12,6 +12,7 @@ from benchmarks.workloads import WORKLOADS
 
 from .checks import DEFAULT_CHECKS
 from .costs import FLOOR
+from .run import TARGET_SHAPES, TREE_VARIANTS
 
 
 def parser() -> argparse.ArgumentParser:
@@ -42,8 +43,16 @@ def parser() -> argparse.ArgumentParser:
     rec.add_argument("--threads", type=int, default=2)
     rec.add_argument("--out", type=Path, default=Path("benchmarks/results/replay/trace.npz"))
     run = sub.add_parser("run", help="replay a trace with forced models of the recorded shapes")
-    run.add_argument("trace", type=Path)
+    run.add_argument("trace", type=Path, nargs="+", help="one trace, or several recorded alike, replayed as one")
     run.add_argument("--check", action="store_true", help="replay the recorded check runs; exit 1 unless exact")
+    run.add_argument(
+        "--target-shape",
+        choices=sorted(TARGET_SHAPES),
+        help="a larger target's shape in place of the recorded one's, the recorded acceptance standing in",
+    )
+    run.add_argument(
+        "--trees", choices=sorted(TREE_VARIANTS), default="auto", help="the pools with token trees, chains, or both"
+    )
     run.add_argument("--device", help="default: cuda when there is one, else cpu")
     run.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
     run.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
@@ -57,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
     costs = sub.add_parser(
         "costs", help="replay a trace on injected cost structures: the default path's decisions on other machines"
     )
-    costs.add_argument("trace", type=Path)
+    costs.add_argument("trace", type=Path, nargs="+", help="one trace, or several recorded alike, replayed as one")
     costs.add_argument("--structures", nargs="+", default=list(STRUCTURES), choices=STRUCTURES)
     costs.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     costs.add_argument("--floor", type=float, default=FLOOR, help="exit 1 if a pool runs below this x plain")

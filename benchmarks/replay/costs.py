@@ -28,7 +28,7 @@ from benchmarks.injected_costs import STRUCTURES, CostClock, profile_of, table
 from .forced import build_model, force, replay_drafters
 from .run import bench
 from .run import table as markdown
-from .trace import Trace, load
+from .trace import Trace, load, merge
 
 FLOOR = 0.97  # the never-slower goal: every pool at >= 0.97x plain generate on every structure
 STAND_IN = {  # the stand-ins' shape: small, so a run is quick; their cost comes from the clock, not from them
@@ -102,7 +102,7 @@ def shortfalls(records: list[dict], floor: float) -> list[str]:
 
 def main(args) -> int:
     torch.set_num_threads(args.threads)
-    trace = load(args.trace)
+    trace = merge([load(path) for path in args.trace])
     records = run_structures(trace, args.structures, args.batch_sizes)
     md = markdown(records)
     below = shortfalls(records, args.floor)
@@ -113,7 +113,7 @@ def main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    env = {**machine(), "trace": str(args.trace), "recorded_on": trace.env, "floor": args.floor}
+    env = {**machine(), "trace": [str(path) for path in args.trace], "recorded_on": trace.env, "floor": args.floor}
     (out / f"costs-{stamp}.json").write_text(json.dumps({"env": env, "records": records}, indent=1))
     (out / f"costs-{stamp}.md").write_text(md + "\n")
     return 1 if below else 0

@@ -10,6 +10,7 @@ tokens per target forward, acceptance per drafter, outputs identical to the reco
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections import defaultdict
@@ -26,9 +27,25 @@ from hf_spin.cache import CACHE_ARG
 
 from .checks import CheckConfig, compare, generated, left_pad, run_check
 from .forced import build_model, force, replay_drafters
-from .trace import Trace, load
+from .trace import Trace, load, merge
 
 WARMUP_TOKENS = 4  # a first call per method and batch size, untimed: allocations, kernels, compilations
+# Target shapes a replay can stand in for the recorded one (`--target-shape`): config fields over the recorded
+# target's (same vocabulary, tokens and acceptance: the recorded pair's, said so in the output).
+TARGET_SHAPES = {
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
+}
+# Which token-tree setting each recorded pool runs with (`--trees`): the pool's default ("auto": trees where
+# the drafters grow them and the target can verify them), chains only, or both side by side.
+TREE_VARIANTS = {"auto": ("auto",), "chains": (False,), "both": ("auto", False)}
 
 
 def check(trace: Trace, target, drafters: list) -> dict[str, list[str]]:
@@ -60,7 +77,14 @@ def _sync(device: torch.device) -> None:
 
 
 def methods(
-    trace: Trace, target, drafters: list, batch: int, cache_len: int, compile_config=None, profile=None
+    trace: Trace,
+    target,
+    drafters: list,
+    batch: int,
+    cache_len: int,
+    compile_config=None,
+    profile=None,
+    trees: tuple = ("auto",),
 ) -> dict:
     """method name -> fn(ids, mask, max_new_tokens) -> (output ids, hf_spin's stats or None), for this batch size.
 
@@ -68,7 +92,8 @@ def methods(
     so transformers compiles its decoding step once per batch size. compile_config: the static method's
     (`--compile-backend eager`: dynamo without inductor, which also runs on CPU); None: transformers' default,
     and the static method on CUDA only. profile: fn(pool entries) -> the pool's `CostProfile` (injected costs),
-    or None: each pool measures its own ("auto")."""
+    or None: each pool measures its own ("auto"). trees: the pools' `tree` settings to run (a variant with
+    chains only is named `..._chains`)."""
     names = [d.name for d in trace.drafters]
 
     def plain(ids, mask, n, **kwargs):
@@ -87,13 +112,14 @@ def methods(
         out["generate_static"] = static
     if batch == 1:
         out["transformers_lookup"] = lambda ids, mask, n: plain(ids, mask, n, prompt_lookup_num_tokens=trace.k_max)
-    for pool_name, spec in trace.pools.items():
+    for (pool_name, spec), tree in itertools.product(trace.pools.items(), trees):
         entries = [drafters[names.index(n)] for n in spec["drafters"]]
         pool = hf_spin.AssistantPool(
             entries,
             policy=spec["policy"],
             draft_length=trace.k_max,
             profile=profile(entries) if profile is not None else None,
+            tree=tree,
         )
 
         def spin(ids, mask, n, pool=pool):
@@ -108,17 +134,24 @@ def methods(
             )
             return out.sequences, out.stats
 
-        out[f"hf_spin_{pool_name}"] = spin
+        out[f"hf_spin_{pool_name}" + ("_chains" if tree is False and len(trees) > 1 else "")] = spin
     return out
 
 
 def bench(
-    trace: Trace, target, drafters: list, batch_sizes: list[int], compile_config=None, clock=None, profile=None
+    trace: Trace,
+    target,
+    drafters: list,
+    batch_sizes: list[int],
+    compile_config=None,
+    clock=None,
+    profile=None,
+    trees: tuple = ("auto",),
 ) -> list[dict]:
     """One record per (workload, batch size, method): tokens, seconds, forwards, per-drafter counts, identical.
 
     clock: a `CostClock` (benchmarks/injected_costs.py) to time calls by, installed as the engine's clock, with no
-    warm-up calls (they change nothing it reads); None: wall time. profile: as `methods` takes it."""
+    warm-up calls (they change nothing it reads); None: wall time. profile, trees: as `methods` takes them."""
     eos, pad = trace.target["eos_token_id"], trace.target["pad_token_id"]
     now = clock if clock is not None else lambda: _sync(target.device) or time.perf_counter()
     by_workload = defaultdict(list)
@@ -129,7 +162,7 @@ def bench(
         for workload, requests in by_workload.items():
             batches = [requests[i : i + bs] for i in range(0, len(requests), bs)]
             cache_len = max(len(r.prompt) for r in requests) + trace.max_new_tokens
-            for name, fn in methods(trace, target, drafters, bs, cache_len, compile_config, profile).items():
+            for name, fn in methods(trace, target, drafters, bs, cache_len, compile_config, profile, trees).items():
                 for chunk in {len(c): c for c in batches}.values() if clock is None else ():  # untimed, per shape
                     fn(*left_pad([r.prompt for r in chunk], pad, target.device), WARMUP_TOKENS)
                 rec = {
@@ -169,22 +202,24 @@ def table(records: list[dict]) -> str:
     structured = any("costs" in r for r in records)
     lines = [
         ("| costs " if structured else "")
-        + "| workload | batch | method | tok/s | x generate | tokens / forward | acceptance per drafter | identical |",
-        ("|---" if structured else "") + "|---|---|---|---|---|---|---|---|",
+        + "| workload | batch | method | tok/s | x generate | x static | tokens / forward | acceptance per drafter "
+        "| identical |",
+        ("|---" if structured else "") + "|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {
-        (r.get("costs"), r["workload"], r["batch"]): r["tokens"] / r["seconds"]
-        for r in records
-        if r["method"] == "generate"
-    }
+    base, static = (
+        {(r.get("costs"), r["workload"], r["batch"]): r["tokens"] / r["seconds"] for r in records if r["method"] == m}
+        for m in ("generate", "generate_static")
+    )
     for r in records:
         rate = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
-        speedup = rate / base[r.get("costs"), r["workload"], r["batch"]]
+        key = (r.get("costs"), r["workload"], r["batch"])
+        speedup = rate / base[key]
+        over_static = f"{rate / static[key]:.2f}" if key in static else "-"
         per_forward = f"{r['tokens'] / r['forwards']:.2f}" if r["forwards"] else "-"
         accept = ", ".join(f"{d} {a / n:.0%} ({a}/{n})" for d, (n, a) in r["drafters"].items() if n) or "-"
         lines.append(
             (f"| {r['costs']} " if structured else "")
-            + f"| {r['workload']} | {r['batch']} | {r['method']} | {rate:.1f} | {speedup:.2f} "
+            + f"| {r['workload']} | {r['batch']} | {r['method']} | {rate:.1f} | {speedup:.2f} | {over_static} "
             f"| {per_forward} | {accept} | {r['identical']}/{r['requests']} |"
         )
     return "\n".join(lines)
@@ -192,10 +227,17 @@ def table(records: list[dict]) -> str:
 
 def main(args) -> int:
     torch.set_num_threads(args.threads)
-    trace = load(args.trace)
+    trace = merge([load(path) for path in args.trace])
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    target = build_model(trace.target["config"], dtype, device)
+    shape = TARGET_SHAPES.get(args.target_shape, {})
+    target = build_model({**trace.target["config"], **shape}, dtype, device)
+    stand_in = (
+        f"target: {args.target_shape}'s shape ({target.num_parameters() / 1e9:.1f}B parameters, random weights) "
+        f"with the acceptance recorded for {trace.target['name']}\n"
+        if shape
+        else ""
+    )
     force(target, trace)
     drafters = replay_drafters(trace, dtype, device)
     if args.check:
@@ -212,8 +254,8 @@ def main(args) -> int:
     if args.compile_backend:
         compile_config = CompileConfig(backend=args.compile_backend, mode=None)
         compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
-    records = bench(trace, target, drafters, args.batch_sizes, compile_config)
-    md = table(records)
+    records = bench(trace, target, drafters, args.batch_sizes, compile_config, trees=TREE_VARIANTS[args.trees])
+    md = stand_in + table(records)
     print(md)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -222,7 +264,8 @@ def main(args) -> int:
         **machine(),
         "dtype": str(dtype).removeprefix("torch."),
         "compile_backend": args.compile_backend,
-        "trace": str(args.trace),
+        "trace": [str(path) for path in args.trace],
+        "target_shape": args.target_shape,
         "recorded_on": trace.env,
     }
     (out / f"replay-{stamp}.json").write_text(json.dumps({"env": env, "records": records}, indent=1))

@@ -209,5 +209,36 @@ def load(path: str | Path) -> Trace:
     )
 
 
+def merge(traces: list[Trace]) -> Trace:
+    """One trace of several recorded with the same target, drafters, pools and draft settings (the Spec-Bench
+    trace and the multi-turn / schema one, replayed in one run): their requests in order. Check runs are kept
+    only from a single trace (their step logs index its requests)."""
+    first = traces[0]
+    if len(traces) == 1:
+        return first
+    same = ("target", "k_max", "max_new_tokens", "min_confidence", "pools")
+    for t in traces[1:]:
+        differ = [f for f in same if getattr(t, f) != getattr(first, f)]
+        differ += [] if [d.header() for d in t.drafters] == [d.header() for d in first.drafters] else ["drafters"]
+        if differ:
+            raise ValueError(f"traces recorded differently ({', '.join(differ)}) cannot be replayed as one")
+    drafters = []
+    for i, d in enumerate(first.drafters):
+        parts = [t.drafters[i] for t in traces]
+        chains = None if d.chains is None else np.concatenate([x.chains for x in parts])
+        trees = None if d.trees is None else {k: np.concatenate([x.trees[k] for x in parts]) for k in d.trees}
+        drafters.append(DrafterRecord(d.name, d.kind, d.config, d.num_parameters, d.tree_width, chains, trees))
+    return Trace(
+        target=first.target,
+        drafters=drafters,
+        requests=[r for t in traces for r in t.requests],
+        k_max=first.k_max,
+        max_new_tokens=first.max_new_tokens,
+        min_confidence=first.min_confidence,
+        pools=first.pools,
+        env={"merged": [t.env for t in traces]},
+    )
+
+
 def _split(ids: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
     return [ids[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
