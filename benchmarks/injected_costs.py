@@ -20,12 +20,15 @@ from hf_spin.planning.cost_profile import CostProfile, ForwardCost
 TIMED_MODULES = ("hf_spin.step.engine", "hf_spin.step.faults")
 
 # t(N), seconds of a target forward over N positions (a plain step = 0.1 s), on the machines hf_spin meets:
-# flat (a GPU, an AMX CPU), AVX-512 bf16 (8 tokens ~1.3 steps), AVX2 float32 (~1.8), AVX2 bf16 (~6: linear).
+# flat (a GPU, an AMX CPU), AVX-512 bf16 (8 tokens ~1.3 steps), AVX2 float32 (~1.8), AVX2 bf16 (~6: linear), and
+# float32 where 2-3 tokens run a slow small GEMM, dearer than 8 (an AMD EPYC: Qwen2.5-Coder-0.5B 1 / 2 / 8 tokens
+# at 1 / 2.2 / 1.8 steps, whisper-base's decoder 1 / 1.7 / 1.6; docs/planning.md, "Verification width").
 STRUCTURES: dict[str, Callable[[float], float]] = {
     "flat": lambda n: 0.1,
     "avx512_bf16": lambda n: 0.1 * (1 + 0.3 * (n - 1) / 7),
     "avx2_fp32": lambda n: 0.1 * (1 + 0.8 * (n - 1) / 7),
     "avx2_bf16": lambda n: 0.1 * (0.3 + 0.7 * n),
+    "small_gemm_fp32": lambda n: 0.1 if n <= 1 else 0.1 * (2.1 if n < 4 else 1.6 + 0.04 * (n - 4)),
 }
 
 
