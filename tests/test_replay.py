@@ -14,7 +14,7 @@ from benchmarks.replay.costs import FLOOR, run_structures, shortfalls
 from benchmarks.replay.forced import force, match, replay_drafters
 from benchmarks.replay.record import continuation, record
 from benchmarks.replay.run import TARGET_SHAPES, check
-from benchmarks.replay.trace import Request, load, merge
+from benchmarks.replay.trace import Request, Trace, load, merge
 
 from .archs import VOCAB, tiny_model
 from .speculation import perturbed
@@ -94,6 +94,15 @@ def test_replay_reproduces_every_check(trace, forced):
     """Forced target + replay drafters: every step of every check run as recorded (chains, trees, batch 1 and 4,
     rectangular and packed rows)."""
     assert check(trace, forced, replay_drafters(trace, torch.float32, "cpu")) == {c.name: [] for c in CHECKS}
+
+
+def test_a_second_turn_is_its_own_request_though_its_prompt_starts_with_the_first_turns(trace):
+    """A multi-turn trace: turn 2's prompt is turn 1's prompt, its answer and the next question."""
+    first = trace.requests[0]
+    second = Request("0/turn2", "w", "g", first.prompt + first.continuation + [7, 8], [9, 10])
+    turns = Trace(trace.target, [], [first, second], trace.k_max, trace.max_new_tokens, trace.min_confidence)
+    assert turns.request_of(first.prompt + first.continuation[:3]) == 0
+    assert turns.request_of(second.prompt + [9]) == 1
 
 
 def test_check_names_parse():

@@ -85,15 +85,17 @@ def methods(
     compile_config=None,
     profile=None,
     trees: tuple = ("auto",),
+    caches: dict | None = None,
 ) -> dict:
     """method name -> fn(ids, mask, max_new_tokens) -> (output ids, hf_spin's stats or None), for this batch size.
 
-    cache_len: the static cache's length, one for every batch of a workload (its longest prompt + max_new_tokens),
-    so transformers compiles its decoding step once per batch size. compile_config: the static method's
+    cache_len: the static cache's length, one for every batch (the trace's longest prompt + max_new_tokens), so
+    transformers compiles its decoding step once per batch size. compile_config: the static method's
     (`--compile-backend eager`: dynamo without inductor, which also runs on CPU); None: transformers' default,
     and the static method on CUDA only. profile: fn(pool entries) -> the pool's `CostProfile` (injected costs),
     or None: each pool measures its own ("auto"). trees: the pools' `tree` settings to run (a variant with
-    chains only is named `..._chains`)."""
+    chains only is named `..._chains`). caches: rows -> the static method's `StaticCache`, kept by the caller
+    across workloads (one compiled decoding step per batch size, as transformers reuses its own cache)."""
     names = [d.name for d in trace.drafters]
 
     def plain(ids, mask, n, **kwargs):
@@ -101,7 +103,7 @@ def methods(
 
     out = {"generate": plain}
     if target.device.type == "cuda" or compile_config is not None:
-        caches = {}  # rows -> the static cache, reused across calls as transformers reuses its own
+        caches = {} if caches is None else caches
 
         def static(ids, mask, n):
             if ids.shape[0] not in caches:
@@ -158,11 +160,13 @@ def bench(
     for r in trace.requests:
         by_workload[r.workload].append(r)
     records = []
+    # one static cache length for every workload: transformers compiles its decoding step once per batch size
+    cache_len, caches = max(len(r.prompt) for r in trace.requests) + trace.max_new_tokens, {}
     for bs in batch_sizes:
         for workload, requests in by_workload.items():
             batches = [requests[i : i + bs] for i in range(0, len(requests), bs)]
-            cache_len = max(len(r.prompt) for r in requests) + trace.max_new_tokens
-            for name, fn in methods(trace, target, drafters, bs, cache_len, compile_config, profile, trees).items():
+            fns = methods(trace, target, drafters, bs, cache_len, compile_config, profile, trees, caches)
+            for name, fn in fns.items():
                 for chunk in {len(c): c for c in batches}.values() if clock is None else ():  # untimed, per shape
                     fn(*left_pad([r.prompt for r in chunk], pad, target.device), WARMUP_TOKENS)
                 rec = {

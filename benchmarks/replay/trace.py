@@ -97,7 +97,7 @@ class Trace:
     def __post_init__(self):
         self.offsets = np.cumsum([0] + [len(r.continuation) for r in self.requests])  # [R + 1]
         self.by_prompt = {tuple(r.prompt): i for i, r in enumerate(self.requests)}
-        self.prompt_lengths = sorted({len(r.prompt) for r in self.requests})
+        self.prompt_lengths = sorted({len(r.prompt) for r in self.requests}, reverse=True)  # longest first
 
     def drafter(self, name: str) -> DrafterRecord:
         for d in self.drafters:
@@ -106,7 +106,8 @@ class Trace:
         raise KeyError(f"drafter {name!r} is not in the trace; it has {[d.name for d in self.drafters]}")
 
     def request_of(self, sequence: list[int]) -> int | None:
-        """The request whose prompt `sequence` starts with, or None."""
+        """The request whose prompt `sequence` starts with, the longest such (a second turn's prompt starts with
+        the first turn's), or None."""
         for n in self.prompt_lengths:
             if n <= len(sequence) and (r := self.by_prompt.get(tuple(sequence[:n]))) is not None:
                 return r
