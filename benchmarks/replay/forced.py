@@ -60,7 +60,7 @@ class ForcedTarget:
         model.register_buffer("replay_lengths", lengths.to(device), persistent=False)
         model.register_buffer("replay_rows", torch.zeros(0, dtype=torch.long, device=device), persistent=False)
         self.requests: list[int] = []  # [B] the trace's request of each row of the running batch
-        # the latest forward's rows: (first tokens [B], their positions [B], width) on the device, or after a
+        # the latest forward's rows: its (ids, positions, packed metadata or None) on the device, or after a
         # prefill [B] (last prompt token, its position, 1) on the host
         self.last: tuple | list = []
         self.buffered: list[int] = []  # what module.replay_rows holds
@@ -117,7 +117,7 @@ class ForcedTarget:
             elif len(first_ids) < len(self.requests):
                 now = list(zip(first_ids.tolist(), first_positions.tolist()))
                 self.requests = match(self._before(), now, self.requests, self.sequences)
-            self.last = (first_ids, first_positions, ids.shape[1] if meta is None else meta.max_seqlen_q)
+            self.last = (ids, positions, meta)
         rows = [r if r != UNKNOWN else len(self.sequences) for r in self.requests]
         if rows != self.buffered:
             module.replay_rows = torch.tensor(rows, device=module.replay_rows.device)
@@ -140,18 +140,36 @@ class ForcedTarget:
         self.last = [(p[-1] if p else 0, len(p) - 1, 1) for p in prompts]  # the next forward starts after these
 
     def _before(self) -> list[tuple[int, int, int]]:
-        """[B] (first token, its position, width) of each row in the latest forward."""
+        """[B] (first token, its position, reach) of each row in the latest forward (read when rows leave). reach:
+        how far past its first position the row can have committed: 1 + the depths d = 1, 2, ... at which some
+        slot at position + d holds the recorded token there (a chain's accepted drafts exactly; a tree's accepted
+        path, or more where matching nodes lie on different branches), so rows whose recorded texts agree so far
+        (repeated-schema requests) are told apart by which of them could have ended."""
         if isinstance(self.last, list):
             return self.last
-        first_ids, first_positions, width = self.last
-        return [(t, p, width) for t, p in zip(first_ids.tolist(), first_positions.tolist())]
+        ids, positions, meta = self.last
+        if meta is None:
+            rows, places = ids.tolist(), positions.tolist()
+        else:
+            cu = meta.cu_seqlens_q.tolist()
+            flat, at = ids[0].tolist(), positions[0].tolist()
+            rows, places = [flat[a:b] for a, b in zip(cu[:-1], cu[1:])], [at[a:b] for a, b in zip(cu[:-1], cu[1:])]
+        out = []
+        for r, row, place in zip(self.requests, rows, places):
+            p0, reach = place[0], len(row)
+            if r != UNKNOWN:
+                seq, held, reach = self.sequences[r], set(zip(place, row)), 1
+                while p0 + reach < len(seq) and (p0 + reach, seq[p0 + reach]) in held:
+                    reach += 1
+            out.append((row[0], p0, reach))
+        return out
 
 
 def match(
     before: list[tuple[int, int, int]], now: list[tuple[int, int]], requests: list[int], sequences: list[list[int]]
 ) -> list[int]:
     """The requests of the rows left after rows retired: `now` ([B] each row's first token and its position, the
-    row's last committed token) against `before` ([B0] the latest forward's rows: first token, position, width,
+    row's last committed token) against `before` ([B0] the latest forward's rows: first token, position, reach,
     with `requests` [B0]). Rows keep their order; row i may be earlier row j if j's recorded sequence holds i's token
     at i's position, one j's last forward could have reached, short of its end. Of the assignments that fit, the
     one whose retired rows could have reached their recorded end (EOS, or the recording's max_new_tokens) wins;
@@ -164,13 +182,13 @@ def match(
         return [UNKNOWN] * B
 
     def fits(i: int, j: int) -> bool:
-        r, (token, pos), (_, p0, width) = requests[j], now[i], before[j]
-        return r != UNKNOWN and p0 < pos <= p0 + width and pos < len(sequences[r]) - 1 and sequences[r][pos] == token
+        r, (token, pos), (_, p0, reach) = requests[j], now[i], before[j]
+        return r != UNKNOWN and p0 < pos <= p0 + reach and pos < len(sequences[r]) - 1 and sequences[r][pos] == token
 
     def early(j: int) -> int:
         """1 if row j's retiring needs it to have stopped short of its recorded end, else 0."""
-        r, (_, p0, width) = requests[j], before[j]
-        return int(r != UNKNOWN and p0 + width + 1 < len(sequences[r]))
+        r, (_, p0, reach) = requests[j], before[j]
+        return int(r != UNKNOWN and p0 + reach + 1 < len(sequences[r]))
 
     # cost[i][j]: the fewest early stops for rows i.. to be earlier rows j.. (in order); B0 + 1: impossible
     impossible = B0 + 1
