@@ -176,6 +176,19 @@ def test_a_drafters_own_encoder_is_measured_and_priced_with_its_first_catch_up()
     assert planner.worth_catching_up([0], 0, [1], [31], [True]) == [False]
 
 
+def test_an_idle_catch_up_on_padded_rows_is_priced_over_every_row_it_pads():
+    """A rectangular drafter cache runs a catch-up over every row of the batch, padded to the longest chunk: one
+    row's 113-token catch-up at batch 4 costs a forward over 452 positions. Priced per row it fit the budget (one
+    plain step); priced over the padded rows it does not (costs replay, schema requests, batch 4: 0.96x plain)."""
+    linear = table(lambda n: 0.1 * (1 + 0.8 * (n - 1) / 7))  # AVX2 float32-like
+    planner = Planner(profile_of(linear, [table(lambda n: 0.076 * (0.1 * (1 + 0.8 * (n - 1) / 7)))], ["drafter"]))
+    planner.budget.advance = 0.1
+    assert planner._catch_up_seconds({0: 113}, (), 4) > 3.5 * planner._catch_up_seconds({0: 113})
+    assert planner.worth_catching_up([0], 0, [113], [31], padded_rows=4) == [False]
+    assert planner.budget.spent == 0.0
+    assert planner.worth_catching_up([0], 0, [113], [31]) == [True]  # one row's own forward: the budget buys it
+
+
 def test_a_short_grid_brackets_the_draft_widths_instead_of_extrapolating():
     """A slow machine whose GEMV path makes one token cheap and any wider forward cost about two (an AMD
     EPYC in float32: 431 / 913 / 935 / 897 ms for 1 / 2 / 4 / 8 tokens): the grid measures 1, 8 and 2

@@ -362,35 +362,46 @@ class Planner:
         )
 
     def worth_catching_up(
-        self, row_ids: list[int], drafter: int, lags: list[int], rooms: list[int], unencoded: list[bool] | None = None
+        self,
+        row_ids: list[int],
+        drafter: int,
+        lags: list[int],
+        rooms: list[int],
+        unencoded: list[bool] | None = None,
+        padded_rows: int = 1,
     ) -> list[bool]:
         """[B] whether to run an idle catch-up (a policy's `Plan.catch_up`: feeding a drafter a row it does not
         draft now) on each row: where it pays for itself (drafting the row with `drafter` alone, at what the
         evidence says, the exploit plan's pessimistic prior, with this catch-up of `lags` ([B] tokens) spread
         over the row's steps left (`rooms`, [B] tokens), beats a plain step), or else as a probe the
         exploration budget affords at the catch-up's full price (with the drafter's encoder where `unencoded`,
-        [B]). Never for a drafter that cannot pay here."""
+        [B]). Never for a drafter that cannot pay here.
+        padded_rows: the rows the drafter's catch-up forward runs over whichever it feeds (a rectangular cache pads
+        every row of the batch to the longest chunk): a row's catch-up is priced as that many rows of its lag. Priced
+        per row, a 135M drafter's catch-up of one 113-token schema prompt fit a budget of one plain step while the
+        forward over four padded rows cost four times that (the costs replay, batch 4: 0.96x plain)."""
         if not self.paying[drafter]:
             return [False] * len(row_ids)
         with self.lock:
             out = []
             for r, lag, room, fresh in zip(row_ids, lags, rooms, unencoded or [False] * len(row_ids)):
-                seconds = self._catch_up_seconds({drafter: lag}, {drafter} if fresh else ())
+                seconds = self._catch_up_seconds({drafter: lag}, {drafter} if fresh else (), padded_rows)
                 curve = self._curve(r, (drafter,), min(room, self.profile.max_k), None, 0.0, EVIDENCE_ONLY)
                 spread = self._spread(seconds, self.lengths.left(r, room), curve)
                 pays = self._best([curve], [(drafter,)], False, [spread])[0] > 0
                 out.append(pays or self.budget.spend(seconds))
             return out
 
-    def _catch_up_seconds(self, lags: dict[int, int], unencoded: Collection[int] = ()) -> float:
+    def _catch_up_seconds(self, lags: dict[int, int], unencoded: Collection[int] = (), rows: int = 1) -> float:
         """Seconds a row's model drafters would spend catching up on the tokens they lack (the whole
         prompt, for a drafter new to the row), and those in `unencoded` running their own encoder over
-        the row first (`ForwardCost.encoder`)."""
+        the row first (`ForwardCost.encoder`); `rows`: the rows a catch-up forward runs over (padded), each at
+        the row's lag."""
         seconds = 0.0
         for d, lag in lags.items():
             cost = self.profile.drafters[d]
             if cost is not None and lag > 1:  # one token (the last step's bonus) is every step's own catch-up
-                seconds += cost.bound(lag) - cost.predict(1)  # a prompt lies far past the grid: read pessimistically
+                seconds += cost.bound(rows * lag) - cost.predict(1)  # far past the grid: read pessimistically
             if cost is not None and d in unencoded:
                 seconds += cost.encoder
         return seconds

@@ -36,7 +36,7 @@ from time import perf_counter
 import torch
 
 from .. import host_syncs
-from ..cache import PackedCache, RowCache, forward_ragged
+from ..cache import PackedCache, RectangularCache, RowCache, forward_ragged
 from ..cache.encoder_rows import EncoderRows
 from ..cache.static_forward import StaticOptions, StaticTarget
 from ..drafters import Drafter
@@ -556,6 +556,7 @@ class SpinEngine:
                     lags,
                     [rows[b].draft_room for b in bs],
                     [drafter.unencoded(b) for b in bs],
+                    len(rows) if isinstance(getattr(drafter, "cache", None), RectangularCache) else 1,
                 )
                 bs = [b for b, w in zip(bs, worth) if w]
             if self.usable[d_idx] and bs:

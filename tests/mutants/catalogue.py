@@ -457,4 +457,13 @@ MUTANTS = (
             WIDTHS + "[1-rectangular]",
         ),
     ),
+    Mutant(
+        "idle_catch_up_priced_per_row",
+        "an idle catch-up on a rectangular drafter cache is priced at the row's own lag, though its forward runs over "
+        "every row of the batch padded to it: the budget buys catch-ups that cost the batch size times their price",
+        "hf_spin/planning/planner.py",
+        "seconds += cost.bound(rows * lag) - cost.predict(1)",
+        "seconds += cost.bound(lag) - cost.predict(1)",
+        ("tests/test_planning.py::test_an_idle_catch_up_on_padded_rows_is_priced_over_every_row_it_pads",),
+    ),
 )
