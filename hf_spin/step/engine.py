@@ -504,6 +504,8 @@ class SpinEngine:
         if self.planner is None or all(len(c) == 1 for c in chunks):
             return chunks, positions
         wide = self.planner.profile.target.width(positions, B)
+        if wide == positions:  # ragged rows keep their holes
+            return chunks, positions
         widened = widen(chunks, wide, [r.draft_room + 1 for r in self.rows], packed)
         return (chunks, positions) if widened is None else (widened, wide)
 
