@@ -307,6 +307,7 @@ class AssistantPool:
                 raise ValueError(
                     f"the CostProfile has {len(self.profile.drafters)} drafters, the pool {len(self.drafters)}"
                 )
+            self.cost_profile.target.widens = static is None  # the static layout verifies at its query bucket
             self.planner = Planner(self.cost_profile)  # warns once if nothing can pay here
             self.policy.attach_profile(self.cost_profile)
             self._profiled = (id(target), static)

@@ -58,3 +58,24 @@ def test_a_widened_verification_commits_what_plain_generate_does_and_pays(batch,
     start = clock.now
     target.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS)
     assert spin < (clock.now - start) / 1.5, f"{spin:.2f}s against plain {clock.now - start:.2f}s"
+
+
+def test_the_static_layout_verifies_at_its_own_query_bucket_and_prices_it_there():
+    """On the static layout the forward runs at its sticky query bucket, whatever the profile: widening would
+    compile a wider graph (a CUDA graph capture) and keep it for every later step. Priced as run: at N. Here 2-15
+    positions cost 1.5 plain steps and 16 cost 1.2: drafting pays at the bucket, and 16 would be cheaper still."""
+    new_tokens = 30
+    target, prompts, plain, refs = case(batch=1, new_tokens=new_tokens)
+    clock = CostClock()
+    cost = table(lambda n: 0.1 if n <= 1 else 0.15 if n < 16 else 0.12)
+    clock.hook(target, cost)
+    widths = []
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    profile = profile_of(cost, [None], ["scripted"])
+    pool = hf_spin.AssistantPool([Scripted(refs, [0.9])], profile=profile, cache="static", compile=False)
+    out = run(target, prompts, pool, clock, new_tokens=new_tokens)
+    assert torch.equal(out, plain)
+    assert max(widths[1:]) <= 9 and len(set(widths[1:]) - {1}) == 1, widths  # drafted, at one bucket
+    assert not profile.target.widens and profile.verify_seconds(1, 5) == profile.target.predict(5)

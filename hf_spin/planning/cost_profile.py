@@ -68,6 +68,9 @@ class ForwardCost:
     knots: [K] token positions N measured, increasing; seconds: [K] f at each knot; per_row: r.
     encoder: seconds of the model's own encoder over one row (an encoder-decoder drafter runs it before
         its first catch-up of a row); 0 for a model without one.
+    widens: whether a verification may run at a wider knot (`width`). The pool sets it False on the static
+        layout, whose forward runs at its own sticky query bucket: a wider one is another compiled graph
+        (a CUDA graph capture), kept for every later step.
     """
 
     knots: list[int]
@@ -75,6 +78,7 @@ class ForwardCost:
     per_row: float = 0.0
     encoder: float = 0.0
     observations: int = 0  # online observations so far
+    widens: bool = True
     corrections: list[DecayedMean] = field(default_factory=list)  # [K] log(measured / predicted)
     _values: list[float] | None = field(
         default=None, repr=False, compare=False
@@ -140,6 +144,8 @@ class ForwardCost:
         path), so a measured knot a little dearer than the line through its neighbours is the safer width. The
         added positions are filler tokens after each row's real ones (`step/widths.py`): causal attention keeps
         them from the real tokens' logits, and the rollback drops them."""
+        if not self.widens:
+            return n_tokens
         values = self.values()
         measured = dict(zip(self.knots, values))
         cost = measured[n_tokens] if n_tokens in measured else self._interpolate(values, n_tokens) * UNMEASURED_PREMIUM

@@ -458,6 +458,15 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "static_layout_widened",
+        "the static layout widens a verification to a cheaper knot: its sticky query bucket grows, a wider graph is "
+        "compiled (a CUDA graph capture on a GPU) and every later step runs at it",
+        "hf_spin/pool.py",
+        "            self.cost_profile.target.widens = static is None",
+        "            self.cost_profile.target.widens = True",
+        ("tests/test_widths.py::test_the_static_layout_verifies_at_its_own_query_bucket_and_prices_it_there",),
+    ),
+    Mutant(
         "idle_catch_up_priced_per_row",
         "an idle catch-up on a rectangular drafter cache is priced at the row's own lag, though its forward runs over "
         "every row of the batch padded to it: the budget buys catch-ups that cost the batch size times their price",
