@@ -64,16 +64,14 @@ def _cache_layout(cache: str | None, ragged_attention: bool | None) -> str:
     return cache
 
 
-def _static_options(layout: str, compile, tree) -> StaticOptions | None:
-    """The static layout's options from `AssistantPool(cache=, compile=, tree=)`; None on the other layouts."""
+def _static_options(layout: str, compile) -> StaticOptions | None:
+    """The static layout's options from `AssistantPool(cache=, compile=)`; None on the other layouts."""
     if layout != "static":
         if compile not in (None, False):
             raise ValueError(
                 f"compile={compile!r} needs cache='static' (the fixed-shape forwards); got cache={layout!r}"
             )
         return None
-    if tree is not False and tree != "auto":
-        raise ValueError(f"tree={tree!r}: the static cache verifies chains only (for now); use tree='auto' or False")
     if isinstance(compile, StaticOptions):
         return compile
     return StaticOptions("auto" if compile is None else compile)
@@ -128,7 +126,7 @@ class AssistantPool:
         old spelling of "packed" / "rectangular", still works with a FutureWarning.) "static": the
         target's KV in a `StaticRowCache` (row slots x capacity allocated once, each row's length on the
         device), every verification one fixed-shape forward (`cache/static_forward.py`) that `compile`
-        may compile; chains only (tree="auto" verifies chains there), full-attention models taking 4D masks.
+        may compile (token trees run in the same graph as chains), full-attention models taking 4D masks.
         Model drafters draft there too, through static caches of their own (those the layout cannot take
         draft eagerly on a dynamic cache).
     compile: the static layout's fixed-shape forwards (the target's verification, model drafters' draft
@@ -139,7 +137,7 @@ class AssistantPool:
         tree, prompt lookup's several continuations, suffix drafting's likeliest ones and a model
         drafter's grown tree (on a rectangular cache) in one forward, False chains only (a vote's
         heaviest path), N at most the tree's N heaviest nodes. Packed rows use the kernel's tree masks,
-        the rectangular cache a 4D mask (models whose masks come from transformers'
+        the rectangular and static caches a 4D mask (models whose masks come from transformers'
         create_causal_mask, eager or SDPA attention); chains for sliding-window, chunked and
         slot-biased models. A tree may hold more nodes than draft_length (prompt lookup: up to 4
         continuations of k tokens; a model drafter: tree_width x k; a vote: every drafter's): with a
@@ -177,7 +175,7 @@ class AssistantPool:
                 f"tree={tree!r} is not supported; give 'auto', False (chains) or a positive number of nodes"
             )
         self.tree = tree
-        self.static = _static_options(self.cache_layout, compile, tree)  # None: not the static layout
+        self.static = _static_options(self.cache_layout, compile)  # None: not the static layout
         self._vocab_checked: set[int] = (
             set()
         )  # ids of translating drafters already compared with the target's vocabulary

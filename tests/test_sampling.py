@@ -146,13 +146,14 @@ DRAFTERS = {
 
 
 def _sampled_counts(
-    target, entry, prompt, n: int, seed: int, encoder: dict | None = None
+    target, entry, prompt, n: int, seed: int, encoder: dict | None = None, cache: str = "rectangular"
 ) -> tuple[torch.Tensor, hf_spin.GenerationStats]:
     """Counts [V ** MEASURED] of (t_2, t_3, t_4) over n sampled rows, drafting 3 tokens a step.
-    encoder: an encoder-decoder target's encoder inputs of one row, repeated (`prompt`: the decoder prompt)."""
+    encoder: an encoder-decoder target's encoder inputs of one row, repeated (`prompt`: the decoder prompt);
+    cache: the pool's layout."""
     torch.manual_seed(seed)
     # chains: the control below patches the chain verifier (trees: tests/test_token_trees.py)
-    pool = hf_spin.AssistantPool([entry], draft_length=multi_token(MEASURED), tree=False)
+    pool = hf_spin.AssistantPool([entry], draft_length=multi_token(MEASURED), tree=False, cache=cache)
     kwargs = dict(do_sample=True, temperature=0.7, top_k=5, max_new_tokens=SAMPLED_NEW_TOKENS + 1, pad_token_id=0)
     if encoder is None:
         inputs = {"input_ids": prompt.expand(n, -1)}
@@ -203,6 +204,18 @@ def test_engine_sampling_check_rejects_a_lossy_verifier(drafter, monkeypatch):
     target = peaky(0)
     counts, _ = _sampled_counts(target, DRAFTERS[drafter](target), PROMPT, LARGE_N, seed=LARGE_N)
     assert fits(counts, _exact_measured()) < 1e-6
+
+
+@pytest.mark.parametrize("lossy", [False, True], ids=["exact", "lossy_control"])
+def test_static_layout_sampling_matches_target_distribution(lossy, monkeypatch):
+    """The same check on the static layout (the target and the model drafter on fixed-shape forwards); its
+    control, the verifier exact at draft position 0 only, must fail it."""
+    if lossy:
+        monkeypatch.setattr(hf_spin.verify.chains, "verify_sampling", accept_after_first)
+    counts, stats = _sampled_counts(peaky(0), peaky(1), PROMPT, LARGE_N, seed=LARGE_N, cache="static")
+    assert_speculated(stats, longest=MEASURED)
+    p = fits(counts, _exact_measured())
+    assert p < 1e-6 if lossy else p > ALPHA, p
 
 
 def test_engine_sampling_negative_control():

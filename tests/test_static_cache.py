@@ -180,3 +180,48 @@ def test_rows_leaving_and_joining_keep_every_row_exact(one_thread):
 def test_models_it_cannot_run_exactly_are_refused(arch, overrides, reason):
     with pytest.raises(ValueError, match=reason):
         check_static_support(tiny_model(arch, **overrides))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@torch.no_grad()
+def test_tree_slots_score_their_own_paths_and_the_kept_path_decodes_on(compiled, one_thread, fresh_dynamo):
+    """A token tree in the static layout's query slots: the logits at each slot equal a plain forward over the
+    prompt and the slot's path; after keep_paths (the accepted path's KV moved down behind the root) the rows
+    decode on exactly. Chains and trees run at one width in one compiled graph, with no recompilation."""
+    from hf_spin.cache.static_forward import StaticOptions, StaticTarget
+    from hf_spin.verify.token_tree import TokenTree
+
+    from .archs import VOCAB
+    from .test_token_trees import _random_tree
+
+    model = tiny_model("llama")
+    target = StaticTarget(model, StaticOptions(compile=compiled, backend="eager", query_slots=9))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 5, 7)]
+    trees = [_random_tree(g, 7, VOCAB), _random_tree(g, 4, VOCAB), TokenTree.chain([30, 31, 32])]
+    _, cache = _prefilled(model, [p[:-1] for p in prompts])
+
+    def plain(tokens):
+        return model(torch.tensor([tokens])).logits[0, -1]
+
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        first = target(model, cache, [[p[-1], 40, 41] for p in prompts])  # a chain step first: the graph
+        cache.rollback([len(p) - 1 for p in prompts])  # drafts rejected, the roots fed again below
+        for b, p in enumerate(prompts):
+            torch.testing.assert_close(first[b, 0], plain(p), atol=1e-5, rtol=1e-5)
+        logits = target.tree(model, cache, [p[-1] for p in prompts], trees)  # [3, 1 + N_max, V]
+        for b, (prompt, tree) in enumerate(zip(prompts, trees)):
+            torch.testing.assert_close(logits[b, 0], plain(prompt), atol=1e-5, rtol=1e-5)
+            for node in range(len(tree)):
+                path = [tree.tokens[n] for n in tree.path(node)]
+                torch.testing.assert_close(logits[b, node + 1], plain(prompt + path), atol=1e-5, rtol=1e-5)
+        deepest = max(range(len(trees[0])), key=lambda n: (len(trees[0].path(n)), n))
+        paths = [trees[0].path(deepest), [], [0, 1]]
+        assert paths[0] != list(range(len(paths[0])))  # its KV moves
+        cache.keep_paths([len(p) - 1 for p in prompts], paths)
+        after = target(model, cache, [[5, 7], [6, 8], [7, 9]])  # chains again, the tree's layout cleared
+    for b, (prompt, tree, path) in enumerate(zip(prompts, trees, paths)):
+        kept = prompt + [tree.tokens[n] for n in path]
+        assert cache.lengths[b] == len(kept) + 2
+        torch.testing.assert_close(after[b, 1], plain(kept + [5 + b, 7 + b]), atol=1e-5, rtol=1e-5)
+    assert fresh_dynamo["stats"]["unique_graphs"] == (1 if compiled else 0)

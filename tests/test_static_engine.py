@@ -1,6 +1,7 @@
 """The static cache layout in the engine (`AssistantPool(cache="static", compile=...)`): greedy output equals plain
-`generate` (float32), batch 1 and 4 with ragged prompts, a model drafter and prompt lookup, chains only;
-rows leave the batch as they stop (freed slots) and models the layout cannot run are refused.
+`generate` (float32), batch 1 and 4 with ragged prompts, a model drafter and prompt lookup, chains and token
+trees (trees across architectures: tests/test_token_trees.py); rows leave the batch as they stop (freed slots)
+and models the layout cannot run are refused.
 """
 
 import functools
@@ -72,8 +73,6 @@ def test_layouts_and_models_it_cannot_run_are_refused():
         spin_pool(["prompt_lookup"], cache="static", ragged_attention=True)
     with pytest.raises(ValueError, match="needs cache='static'"):
         spin_pool(["prompt_lookup"], compile=True)
-    with pytest.raises(ValueError, match="chains only"):
-        spin_pool(["prompt_lookup"], tree=4, cache="static")
     with pytest.raises(ValueError, match="compile="):
         spin_pool(["prompt_lookup"], cache="static", compile="always")
     with pytest.raises(ValueError, match="query_slots="):
@@ -158,6 +157,33 @@ def test_compiled_verification_keeps_greedy_output_without_recompiling(drafter, 
     with torch._dynamo.config.patch(error_on_recompile=True):
         pool = assert_static_lossless(target, entry, *_case("llama", 4), **options)
     assert fresh_dynamo["stats"]["unique_graphs"] == compiled, str(pool.last_stats)
+
+
+@pytest.mark.parametrize("kind", ["lookup", "vote"])
+def test_compiled_token_trees_keep_greedy_output_without_recompiling(kind, fresh_dynamo):
+    """Token trees on the static layout (prompt lookup's continuations; a vote of two drafters and prompt
+    lookup, merged): greedy output is plain `generate`'s, trees branch, and the target runs one graph per query
+    width it meets, chains and trees alike; a second call compiles nothing."""
+    import hf_spin.step.tree_step as tree_step
+    from hf_spin.cache.static_forward import run_static
+
+    from .test_token_trees import CASE, _pool
+
+    target = _models("llama")[0]
+    inputs, reference = greedy_case(target, 4, *CASE[kind])
+    seen, real, compiled = [], tree_step.verify, 0
+    options = StaticOptions(compile=True, backend="eager", query_slots=DRAFT_TOKENS + 1)
+    for call in range(2):
+        pool = _pool("llama", kind, cache="static")
+        pool.static = options
+        with pytest.MonkeyPatch.context() as m, torch._dynamo.config.patch(error_on_recompile=call == 1):
+            m.setattr(tree_step, "verify", lambda step, trees: seen.extend(trees) or real(step, trees))
+            out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+        assert torch.equal(out, reference), f"\n{out}\n{reference}"
+        assert_speculated(pool.last_stats)
+        compiled = compiled or graphs(run_static)  # after the first call
+    assert any(len(t.children(n)) >= 2 for t in seen for n in range(-1, len(t))), "no tree branched"
+    assert graphs(run_static) == compiled and 1 <= compiled <= 3  # widths 1, k + 1 and one tree bucket at most
 
 
 def test_a_step_that_drafts_nothing_is_the_one_token_decode(monkeypatch):

@@ -342,13 +342,13 @@ def _pool(arch: str, kind: str, cache: str = "packed"):
     )
 
 
-@pytest.mark.parametrize("cache_kind", ["packed", "rectangular"])
+@pytest.mark.parametrize("cache_kind", ["packed", "rectangular", "static"])
 @pytest.mark.parametrize("kind", ["lookup", "vote"])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("arch", TREE_ARCHS)
 def test_trees_equal_plain_generate(arch, batch, kind, cache_kind, verified_trees, one_thread):
-    """Each step verifies every row's tree whole in one forward (packed rows, or the rectangular cache
-    with a 4D mask); greedy output as plain `generate`."""
+    """Each step verifies every row's tree whole in one forward (packed rows, the rectangular cache with a 4D
+    mask, or the static layout's query slots); greedy output as plain `generate`."""
     import hf_spin
 
     from .archs import tiny_model

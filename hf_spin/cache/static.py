@@ -2,14 +2,18 @@
 
 `StaticRowCache` holds, per layer, keys `[R, H, C, D]` and values `[R, H, C, D_v]` for R row slots of
 capacity C. Each engine row lives in one slot (`slot_of`); its tokens fill slots `0 .. length - 1`
-contiguously (no holes), so a token's position is its slot index. A forward (`static_forward.forward_static`)
-feeds every slot the same number T of query slots and writes them at `length .. length + T - 1` with a
-scatter whose shapes never depend on the lengths; a key j is visible to query t of slot s iff
-j <= length[s] + t (causal per row), a 4D mask built on the device from the lengths. So the lengths,
-acceptance and the rows present change no shape: the forward can be compiled once per (R, T, C).
+contiguously (no holes), so a committed token's position is its slot index. A forward
+(`static_forward.forward_static`) feeds every slot the same number T of query slots and writes them at
+`length .. length + T - 1` with a scatter whose shapes never depend on the lengths. Where the T new tokens
+sit and what they see is the query layout, device buffers of fixed shape: each query slot's depth (position
+length + depth) and which of the T new slots it sees; a chain's (depth t, causal) unless a token tree's is
+written there (`use_layout`). A key before the row's length is visible to every query. The 4D mask is built
+on the device from the lengths and the layout, so the lengths, acceptance, trees and the rows present change
+no shape: the forward can be compiled once per (R, T, C).
 
-Rollback lowers lengths (rejected slots are overwritten by the next write); rows leave by freeing their
-slot and join into a free one. Capacity and row slots grow in buckets, by reallocation, outside any
+Rollback lowers lengths (rejected slots are overwritten by the next write); after a tree, `keep_paths` moves
+the accepted path's KV down to the slots after the root, so the row stays contiguous. Rows leave by freeing
+their slot and join into a free one. Capacity and row slots grow in buckets, by reallocation, outside any
 compiled region (`reserve`, `add_empty_rows`). gpt-fast's batch-1 static cache, per row.
 """
 
@@ -89,6 +93,8 @@ class StaticRowCache(Cache):
     slot_lengths: `[R]` the same on the device, updated in place (a static address) after each change.
     width: query slots of the forwards so far; it only grows (`query_width`), so that a step with shorter
         drafts reuses the compiled forward of the longest.
+    query_depths, query_visible: `[R, T]` long and `[R, T, T]` bool, the layout of the next forward's T query
+        slots (`use_layout`): one pair of static-address buffers per width, a chain's unless a tree's is written.
     """
 
     def __init__(self, device: torch.device | str = "cpu"):
@@ -99,6 +105,8 @@ class StaticRowCache(Cache):
         self.host_lengths: list[int] = []
         self.slot_lengths = torch.zeros(0, dtype=torch.long, device=self._device)  # [R]
         self.width = 0
+        self._layouts: dict[int, list] = {}  # width -> [depths, visible, holds a tree]; per row-slot count
+        self.query_depths = self.query_visible = None
 
     # -- layout ---------------------------------------------------------------------------------------
     @property
@@ -128,6 +136,8 @@ class StaticRowCache(Cache):
         self.slot_lengths.copy_(to_device(host, self._device), non_blocking=True)
 
     def _resize(self, rows: int, capacity: int) -> None:
+        if rows != self.num_slots:
+            self._layouts.clear()  # sized per row slot
         for layer in self.layers:
             if layer.is_initialized:
                 layer.resize(rows, capacity)
@@ -166,13 +176,41 @@ class StaticRowCache(Cache):
         layer.values.scatter_(2, index.expand(-1, value_states.shape[1], -1, value_states.shape[3]), value_states)
         return layer.keys, layer.values
 
+    def use_layout(self, width: int, trees: dict[int, tuple[list[int], torch.Tensor]] | None = None) -> None:
+        """Set the layout of the next forward's `width` query slots (outside any compiled region): a chain's
+        (query t at depth t, seeing new slots u <= t), or for the slots in `trees` (slot -> (depths `[n]`,
+        visible `[n, n]` bool, n <= width), a token tree's (`TokenTree.ancestor_mask`); the slots past a
+        tree's n keep a chain's. Writes the device buffers only when a tree is written or cleared."""
+        if width not in self._layouts:
+            depths = torch.arange(width, device=self._device).repeat(self.num_slots, 1)  # [R, T]
+            visible = torch.ones(width, width, dtype=torch.bool, device=self._device).tril()  # [T, T]
+            visible = visible.repeat(self.num_slots, 1, 1)  # [R, T, T]
+            _mark_static(depths, visible)
+            self._layouts[width] = [depths, visible, False]
+        layout = self._layouts[width]
+        if trees or layout[2]:
+            depths = torch.arange(width).repeat(self.num_slots, 1)  # [R, T] host
+            visible = torch.ones(width, width, dtype=torch.bool).tril().repeat(self.num_slots, 1, 1)  # [R, T, T]
+            for slot, (depth, mask) in (trees or {}).items():
+                n = len(depth)
+                depths[slot, :n] = torch.tensor(depth)
+                visible[slot, :n, :n] = mask
+            layout[0].copy_(to_device(depths, self._device), non_blocking=True)
+            layout[1].copy_(to_device(visible, self._device), non_blocking=True)
+            layout[2] = bool(trees)
+        self.query_depths, self.query_visible = layout[0], layout[1]
+
     def query_inputs(self, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(position_ids `[R, T]`, additive 4D mask `[R, 1, T, C]` in `dtype`) of a forward of `width`
-        query slots, from the device lengths alone: query t of slot s sits at position length[s] + t and
-        sees keys j <= length[s] + t."""
-        positions = self.slot_lengths[:, None] + torch.arange(width, device=self._device)  # [R, T]
-        keys = torch.arange(self.capacity, device=self._device)  # [C]
-        visible = keys[None, None, :] <= positions[:, :, None]  # [R, T, C]
+        query slots, from the device lengths and the layout (`use_layout`) alone: query t of slot s sits at
+        position length[s] + depth[s, t] and sees every key before length[s] and the new slots
+        length[s] + u that the layout lets it (a chain: u <= t, so keys j <= length[s] + t)."""
+        depths, seen = self.query_depths, self.query_visible  # [R, T], [R, T, T]
+        assert depths.shape == (self.num_slots, width), f"a layout of {tuple(depths.shape)} for {width} query slots"
+        positions = self.slot_lengths[:, None] + depths  # [R, T]
+        rel = torch.arange(self.capacity, device=self._device)[None, :] - self.slot_lengths[:, None]  # [R, C]
+        new = seen.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(-1, width, -1))  # [R, T, C]
+        visible = (rel < 0)[:, None, :] | (new & (rel < width)[:, None, :])  # [R, T, C]
         mask = torch.zeros(visible.shape, dtype=dtype, device=self._device)
         return positions, mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]
 
@@ -199,6 +237,23 @@ class StaticRowCache(Cache):
         keep = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
         for s, k in zip(self.slot_of, keep):
             self.host_lengths[s] = min(self.host_lengths[s], int(k))
+        self._push()
+
+    def keep_paths(self, bases: list[int], paths: list[list[int]]) -> None:
+        """After a token-tree forward: row b holds bases[b] tokens, its root, then the tree's nodes in node
+        order; keep the root and the accepted nodes paths[b], moved down to the slots after the root (the
+        path's node j at position base + 1 + j already: only its KV moves). A row fed nothing keeps its base."""
+        moves = []  # [P] (slot, from, to)
+        for s, base, path in zip(self.slot_of, bases, paths):
+            moves += [(s, base + 1 + node, base + 1 + j) for j, node in enumerate(path) if node != j]
+            self.host_lengths[s] = min(self.host_lengths[s], base + 1 + len(path))
+        if moves:
+            index = per_device(to_device(list(zip(*moves)), self._device, torch.long))  # [3, P]
+            for layer in self.layers:
+                if layer.is_initialized:
+                    r, a, b = index(layer.keys.device)
+                    for kv in (layer.keys, layer.values):
+                        kv[r, :, b] = kv[r, :, a]  # [P, H, D]: read before written
         self._push()
 
     def select_rows(self, rows) -> None:

@@ -87,7 +87,12 @@ def shared_compiled(forward, backend: str, mode: str | None):
 
 
 def forward_static(
-    model, cache: StaticRowCache, chunks: list[list[int]], forward=run_static, width: int | None = None
+    model,
+    cache: StaticRowCache,
+    chunks: list[list[int]],
+    forward=run_static,
+    width: int | None = None,
+    trees: list[tuple[list[int], torch.Tensor] | None] | None = None,
 ) -> torch.Tensor:
     """Run `model` on one chunk of new tokens per row (B chunks, in the cache's row order), appending them.
 
@@ -95,6 +100,8 @@ def forward_static(
     forwards of one width share one shape; padding and free slots compute but are not counted.
     forward: `run_static`, or a compiled copy of it (`compile_static`); a cache with no storage yet runs
     eagerly.
+    trees: [B] a row's chunk as a token tree, (depth of each token `[n]`, which of the chunk each sees
+    `[n, n]`), or None for a chain (`StaticRowCache.use_layout`); the same graph runs either.
     Returns logits `[B, T, V]`, T = the longest chunk (the slots after a row's chunk are padding).
     """
     if len(chunks) != len(cache.slot_of):
@@ -106,6 +113,7 @@ def forward_static(
     width = width or query_bucket(longest)
     assert width >= longest, f"{width} query slots for a chunk of {longest} tokens"
     cache.reserve(width)  # any reallocation happens here, outside the compiled forward
+    cache.use_layout(width, {cache.slot_of[b]: t for b, t in enumerate(trees or []) if t is not None})
     ids = [[FILLER_TOKEN] * width for _ in range(cache.num_slots)]  # [R, T]
     for slot, chunk in zip(cache.slot_of, chunks):
         ids[slot][: len(chunk)] = chunk
@@ -170,8 +178,17 @@ class StaticTarget:
         self.forward = options.forward_for(model)
         self.min_width = options.query_slots or 1
 
-    def __call__(self, model, cache: StaticRowCache, chunks: list[list[int]]) -> torch.Tensor:
+    def __call__(self, model, cache: StaticRowCache, chunks: list[list[int]], trees=None) -> torch.Tensor:
         """Logits `[B, T, V]` of one chunk per row, appended to `cache` (see `forward_static`)."""
         longest = max(len(c) for c in chunks)
         width = 1 if longest == 1 else cache.query_width(max(longest, self.min_width))
-        return forward_static(model, cache, chunks, self.forward, width)
+        return forward_static(model, cache, chunks, self.forward, width, trees)
+
+    def tree(self, model, cache: StaticRowCache, roots: list[int | None], trees: list) -> torch.Tensor:
+        """`forward_tree` on the static layout: [root] + each row's `TokenTree` in its slot's query slots, each
+        at position length + depth and seeing its own path, in the graph a chain of that width runs; logits
+        `[B, 1 + N_max, V]`. Afterwards the cache holds every slot; its `keep_paths` keeps the accepted ones.
+        roots: [B] each row's last committed token, None for a row left out (fault isolation)."""
+        chunks = [[root] + tree.tokens if root is not None else [] for root, tree in zip(roots, trees)]
+        layouts = [([0] + t.depths(), t.ancestor_mask()) if r is not None else None for r, t in zip(roots, trees)]
+        return self(model, cache, chunks, layouts)

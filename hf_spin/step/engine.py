@@ -126,8 +126,8 @@ class SpinEngine:
         for drafter in self.drafters:  # model drafters decode on the same layout, through caches of their own
             if isinstance(drafter, ModelDrafter):
                 drafter.static = static
-        # token trees (tree_step.usable): "auto", False, or a node cap; chains on the static layout
-        self.tree = pool.tree if pool is not None and self.static is None else False
+        # token trees (tree_step.usable): "auto", False, or a node cap
+        self.tree = pool.tree if pool is not None else False
         self.tree_capability = tree_step.capability(model) if self.tree is not False else (False, False)
         self.planner = (
             pool.planner if pool is not None else None
@@ -394,7 +394,7 @@ class SpinEngine:
         if proposal.trees is not None:
             trees = [t if t is not None else TokenTree.chain(d) for t, d in zip(proposal.trees, proposal.drafts)]
             positions = None  # as `verified_tokens` counts them
-            target = tree_step.TargetStep(rows, self.model, self.cache, self.faults, self._running_batch())
+            target = tree_step.TargetStep(rows, self.model, self.cache, self.faults, self._running_batch(), self.static)
             verified = tree_step.verify(target, trees)
             if verified is None:
                 return

@@ -2,8 +2,9 @@
 walked (tree_verification.py), the accepted path kept in the target's cache (docs/design.md, "token tree").
 
 A step verifies trees where the pool's `tree` allows them and its rows can take them (`usable`):
-packed rows (the kernel's tree masks) or a rectangular cache under a model that takes 4D masks, no
-sliding-window, chunked or slot-biased layers (a tree's tokens are not at consecutive slots). Processors that
+packed rows (the kernel's tree masks), or a rectangular or static cache under a model that takes 4D masks, no
+sliding-window, chunked or slot-biased layers (a tree's tokens are not at consecutive slots; the static layout
+runs the tree in its fixed-shape forward's query slots, `StaticTarget.tree`). Processors that
 read token ids score each slot after its own path; a seeded row walks its tree greedily over log p plus its noise
 at each slot's position (Gumbel-max). A chain row in a tree step is a tree with one child per node, so such a step
 has one way to verify every row.
@@ -26,7 +27,7 @@ from .rows import Row
 
 
 def capability(model) -> tuple[bool, bool]:
-    """(trees on packed rows, trees on a rectangular cache): what the model allows (module docstring),
+    """(trees on packed rows, trees on a rectangular or static cache): what the model allows (module docstring),
     read once per engine: reading a config's attributes costs microseconds a step."""
     slots_free = not needs_contiguous_slots(model.config)
     return slots_free, slots_free and takes_4d_masks(model)
@@ -42,14 +43,16 @@ def usable(tree, capability: tuple[bool, bool], cache: RowCache | None) -> bool:
 class TargetStep:
     """What a tree verification reads and touches: the active rows (a row that fails is failed in
     place, `Row.fail`), the target, its cache (the trees appended, then each row's accepted path kept),
-    the fault policy of the forward and of each row's scoring, and the `generate` batch when every row
-    belongs to it (the processors' whole-batch fast path), else None."""
+    the fault policy of the forward and of each row's scoring, the `generate` batch when every row
+    belongs to it (the processors' whole-batch fast path), else None, and the static layout's verification
+    forward (`StaticTarget`) where the target's cache is a `StaticRowCache`."""
 
     rows: list[Row]
     model: Any
     cache: RowCache
     faults: Faults
     batch: GenerateBatch | None
+    static: Any = None
 
 
 def verify(target: TargetStep, trees: list[TokenTree]) -> tuple[list[list[int]], list[int], torch.Tensor] | None:
@@ -62,7 +65,8 @@ def verify(target: TargetStep, trees: list[TokenTree]) -> tuple[list[list[int]],
 
     def forward(fed: list[list[int]]) -> torch.Tensor:
         roots = [c[0] if c else None for c in fed]
-        return forward_tree(target.model, target.cache, roots, trees).to(dtype=torch.float32)
+        run = target.static.tree if target.static is not None else forward_tree
+        return run(target.model, target.cache, roots, trees).to(dtype=torch.float32)
 
     logits = target.faults.target_forward(target.cache, rows, forward, chunks)  # [B, 1 + N_max, V]
     if logits is None:

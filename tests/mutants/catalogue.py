@@ -467,6 +467,18 @@ MUTANTS = (
         ("tests/test_widths.py::test_the_static_layout_verifies_at_its_own_query_bucket_and_prices_it_there",),
     ),
     Mutant(
+        "static_tree_path_left_in_place",
+        "after a token tree on the static layout the accepted path's KV stays at its nodes' slots, not moved down "
+        "behind the root: the next forward reads a rejected branch's keys as the path's",
+        "hf_spin/cache/static.py",
+        "            moves += [(s, base + 1 + node, base + 1 + j) for j, node in enumerate(path) if node != j]",
+        "            moves += []",
+        (
+            "tests/test_static_cache.py::test_tree_slots_score_their_own_paths_and_the_kept_path_decodes_on[eager]",
+            "tests/test_token_trees.py::test_trees_equal_plain_generate[llama-4-vote-static]",
+        ),
+    ),
+    Mutant(
         "idle_catch_up_priced_per_row",
         "an idle catch-up on a rectangular drafter cache is priced at the row's own lag, though its forward runs over "
         "every row of the batch padded to it: the budget buys catch-ups that cost the batch size times their price",
