@@ -25,8 +25,9 @@ Sections, each written to DIR/gpu_check.json as soon as it ends (a run cut short
    installed torch has it) on ragged verification batches of 1-32 rows, 256-4096 keys.
 7. compiled (its own call, not in the default run: `--sections environment compiled`): the static
    cache's compiled verification (`cache="static", compile=True`) beside hf_spin eager, plain `generate`
-   and `generate(cache_implementation="static")` compiled by transformers, at the 1.5B and a 7B shape;
-   ms per token, warm-up seconds, recompilations, syncs per step, and the issue's goals PASS/FAIL/NA.
+   and `generate(cache_implementation="static")` compiled by transformers, at the 1.5B and a 7B shape,
+   chains and token trees; ms per token, warm-up seconds, recompilations, syncs per step, and the issue's
+   goals PASS/FAIL/NA.
 
 docs/benchmarks.md says how to read it; tests/test_gpu_check.py runs the CPU smoke.
 """
@@ -182,31 +183,46 @@ class Oracle(Drafter):
 
     name = kind = "oracle"
 
-    def __init__(self, references: list[list[int]], alpha: float, vocab: int, seed: int = 0, tree: bool = False):
+    def __init__(
+        self, references: list[list[int]], alpha: float, vocab: int, seed: int = 0, tree: bool = False, draws: int = 1
+    ):
         self.by_prefix = {tuple(r[:KEY]): r for r in references}
         self.alpha, self.vocab, self.rng = alpha, vocab, random.Random(seed)
         self.tree = tree  # where the step takes token trees: the draft, and the truth as a lighter second branch
+        self.draws = draws  # > 1: where the step takes trees, `draws` independent drafts merged (no truth branch)
+
+    def _one(self, truth: list[int]) -> list[int]:
+        """The truth up to its first wrong token, each right with probability alpha."""
+        draft = []
+        for token in truth:
+            right = self.rng.random() < self.alpha
+            draft.append(token if right else (token + 1) % self.vocab)
+            if not right:
+                break
+        return draft
 
     def draft(self, request: DraftRequest) -> Draft:
         tokens, trees = [], []
         for row, k in zip(request.rows, request.k):
             seq = request.sequences[row]
             truth = self.by_prefix[tuple(seq[:KEY])][len(seq) : len(seq) + k]
-            draft = []
-            for token in truth:
-                right = self.rng.random() < self.alpha
-                draft.append(token if right else (token + 1) % self.vocab)
-                if not right:
-                    break
+            draft = self._one(truth)
             tokens.append(draft)
-            trees.append(
-                TokenTree.merge([TokenTree.chain(draft, weight=2.0), TokenTree.chain(truth)]) if draft else None
-            )
-        return Draft(tokens=tokens, q=[None] * len(tokens), trees=trees if self.tree and request.trees else None)
+            if self.draws > 1:  # accepted: the longest right prefix of the draws
+                others = [self._one(truth) for _ in range(self.draws - 1)]
+                trees.append(TokenTree.merge([TokenTree.chain(d) for d in [draft, *others] if d]) if draft else None)
+            else:
+                trees.append(
+                    TokenTree.merge([TokenTree.chain(draft, weight=2.0), TokenTree.chain(truth)]) if draft else None
+                )
+        tree = (self.tree or self.draws > 1) and request.trees
+        return Draft(tokens=tokens, q=[None] * len(tokens), trees=trees if tree else None)
 
 
-def theoretical_accepted(alpha: float, k: int) -> float:
-    return sum(alpha**i for i in range(1, k + 1))
+def theoretical_accepted(alpha: float, k: int, draws: int = 1) -> float:
+    """Expected accepted tokens a step: P(the longest right prefix of `draws` independent drafts reaches i),
+    summed over i = 1..k."""
+    return sum(1 - (1 - alpha**i) ** draws for i in range(1, k + 1))
 
 
 class Check:
@@ -712,6 +728,7 @@ NEVER_SLOWER = 0.97  # alpha 0, the default pool (profile "auto"): x generate's 
 CHAIN_ALPHA, CHAIN_SPEEDUP = 0.8, 2.0  # a chain of k = 4 at batch 1, x generate's static cache compiled
 DRAFT_COST = 0.4  # a 0.5B-shape draft token (compiled, its own static cache) / the 1.5B's compiled plain step
 WARMUP_RATIO = 1.5  # hf_spin's compilation warm-up / transformers' static-cache warm-up
+TREE_ALPHA, TREE_DRAWS, TREE_GAIN = 0.6, 2, 1.2  # trees of 2 oracle drafts at alpha 0.6: x chains, same batch
 
 
 def unique_graphs() -> int:
@@ -748,15 +765,17 @@ def static_generate(check: Check, model, ids, mask, tokens: int) -> torch.Tensor
     )
 
 
-def static_spin(check: Check, model, ids, mask, tokens: int, drafter, static: bool, profile: str, compile=True):
-    """hf_spin's greedy generate, chains of k: on the static layout compiled (k + 1 query slots from the
-    first verification on, so one graph serves the run; compile=False: the same forward eager), or eager
-    on the rectangular cache."""
+def static_spin(
+    check: Check, model, ids, mask, tokens: int, drafter, static: bool, profile: str, compile=True, trees=False
+):
+    """hf_spin's greedy generate, drafts of k: on the static layout compiled (k + 1 query slots from the
+    first verification on, so one graph serves the run; a tree's nodes widen it once; compile=False: the
+    same forward eager), or eager on the rectangular cache; chains, or the drafter's token trees."""
     k = check.cfg["k"]
     options = StaticOptions(compile, backend=compile_backend(check), query_slots=k + 1)
     layout = dict(cache="static", compile=options) if static else dict(cache="rectangular")
     pool = hf_spin.AssistantPool(
-        [drafter], draft_length=FixedLength(k, min_confidence=0.0), profile=profile, tree=False, **layout
+        [drafter], draft_length=FixedLength(k, min_confidence=0.0), profile=profile, tree=trees and "auto", **layout
     )
     out = model.generate(
         input_ids=ids,
@@ -812,7 +831,7 @@ def compiled(check: Check) -> dict:
         "k": cfg["k"],
         "tokens": cfg["e2e_tokens"],
         "backend": compile_backend(check),
-        "trees": "not measured: the static layout verifies chains only for now (tree=N is refused there)",
+        "trees": f"alpha {TREE_ALPHA}: {TREE_DRAWS} independent oracle drafts merged into a tree, compiled",
         "configs": [],
         "runs": [],
     }
@@ -935,18 +954,22 @@ def compiled_config(check: Check, report: dict, label: str, model, batch: int):
         }
     )
 
-    def spin_run(compiled: bool, alpha: float | None, profile: str, first: bool = False, warm: bool = False):
-        """One hf_spin run: timed; before it a first call where it compiles (first) or measures its cost
-        profile (warm); after it the same run again under `count_syncs`. alpha None: the model drafter."""
+    def spin_run(
+        compiled: bool, alpha: float | None, profile: str, first: bool = False, warm: bool = False, draws: int = 1
+    ):
+        """One hf_spin run: timed; before it a first call where it compiles (first), measures its cost
+        profile or compiles a tree's wider graph (warm); after it the same run again under `count_syncs`.
+        alpha None: the model drafter; draws > 1: token trees of that many oracle drafts."""
         method = "hf_spin_compiled" if compiled else "hf_spin_eager"
         r = {**where, "method": method, "alpha": alpha, "profile": profile}
-        r["drafter"] = "oracle" if alpha is not None else "0.5B model"
+        r["drafter"] = "0.5B model" if alpha is None else "oracle" if draws == 1 else f"oracle tree of {draws}"
         if check.left() < (reserve if first else 0.03 * budget):
             return record({**r, "skipped": "time budget"})
 
         def run(n: int = tokens, compile: bool = True):  # a fresh oracle: every call drafts the same
-            drafter = Oracle(refs, alpha, vocab, seed=batch) if alpha is not None else check.model("drafter")
-            return static_spin(check, model, ids, mask, n, drafter, compiled, profile, compile=compile)
+            oracle = alpha is not None
+            drafter = Oracle(refs, alpha, vocab, seed=batch, draws=draws) if oracle else check.model("drafter")
+            return static_spin(check, model, ids, mask, n, drafter, compiled, profile, compile, trees=draws > 1)
 
         try:
             if first or warm:  # eager: the profile's measurement alone, over 4 tokens
@@ -975,7 +998,7 @@ def compiled_config(check: Check, report: dict, label: str, model, batch: int):
             speedup_vs_static=static_s / s,
             speedup_vs_plain=plain_s / s,
             accepted_per_step=stats.mean_accepted_length - 1,
-            theoretical_accepted_per_step=theoretical_accepted(alpha, k) if alpha is not None else None,
+            theoretical_accepted_per_step=theoretical_accepted(alpha, k, draws) if alpha is not None else None,
             steps=stats.steps,
             identical_rows=sum(a == b for a, b in zip(refs, got)),
             identical_rows_static=sum(a == b for a, b in zip(static_refs, got)),
@@ -1000,6 +1023,7 @@ def compiled_config(check: Check, report: dict, label: str, model, batch: int):
     variants = [(0.0, "off"), (0.0, "auto")] + [(a, "off") for a in alphas if a]
     for i, (alpha, profile) in enumerate(variants):
         spin_run(True, alpha, profile, first=i == 0, warm=profile == "auto")
+    spin_run(True, TREE_ALPHA, "off", warm=True, draws=TREE_DRAWS)  # its warm call compiles the tree's width
     if model is check.models.get(("target", cfg["dtype"])):  # the drafter shares the 1.5B's vocabulary
         spin_run(True, None, "off", first=True)  # its first call compiles the drafter's graphs (widths 1, 2)
     return lambda: [spin_run(False, alpha, profile, warm=profile == "auto") for alpha, profile in variants]
@@ -1048,6 +1072,16 @@ def compiled_goals(report: dict) -> dict:
                 for r in pick(method="hf_spin_compiled", alpha=CHAIN_ALPHA, profile="off", batch=1)
             },
             lambda v: v >= CHAIN_SPEEDUP,
+        ),
+        "trees": goal(
+            f"alpha {TREE_ALPHA}, trees of {TREE_DRAWS} drafts, compiled: >= {TREE_GAIN}x chains, same batch",
+            {
+                at(r): chain["ms_per_token"] / r["ms_per_token"]
+                for r in pick(method="hf_spin_compiled", drafter=f"oracle tree of {TREE_DRAWS}")
+                for chain in pick(method="hf_spin_compiled", drafter="oracle", alpha=TREE_ALPHA, profile="off")
+                if at(chain) == at(r)
+            },
+            lambda v: v >= TREE_GAIN,
         ),
         "draft_cost": goal(
             f"a 0.5B-shape draft token <= {DRAFT_COST} of the 1.5B's compiled plain step",

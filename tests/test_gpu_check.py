@@ -127,7 +127,7 @@ SPIN_FIELDS = (
 
 def test_compiled_section_runs_every_method_and_records_every_field(compiled_report):
     report = compiled_report
-    assert "error" not in report and report["backend"] == "eager" and "chains only" in report["trees"]
+    assert "error" not in report and report["backend"] == "eager" and "merged into a tree" in report["trees"]
     assert [(c["model"], c["batch"]) for c in report["configs"] if "seconds" in c] == [
         (m, b) for m in ("1.5B", "7B") for b in (1, 4)
     ]
@@ -140,6 +140,7 @@ def test_compiled_section_runs_every_method_and_records_every_field(compiled_rep
         }
         variants = [(0.0, "off"), (0.0, "auto"), (0.6, "off"), (0.8, "off"), (0.9, "off")]
         expected = {(m, "oracle", a, p) for m in ("hf_spin_compiled", "hf_spin_eager") for a, p in variants}
+        expected.add(("hf_spin_compiled", "oracle tree of 2", 0.6, "off"))
         if model == "1.5B":  # the 0.5B-shape drafter against the 1.5B's compiled plain step
             expected.add(("hf_spin_compiled", "0.5B model", None, "off"))
         assert spin == expected
@@ -161,6 +162,6 @@ def test_compiled_section_runs_every_method_and_records_every_field(compiled_rep
             assert r["theoretical_accepted_per_step"] is not None
             assert (r["accepted_per_step"] == 0) if r["alpha"] == 0 else (r["accepted_per_step"] > 0), r
     goals = report["goals"]
-    assert set(goals) == {"never_slower", "chain_speedup", "draft_cost", "no_recompilation", "warmup"}
+    assert set(goals) == {"never_slower", "chain_speedup", "trees", "draft_cost", "no_recompilation", "warmup"}
     assert all(g["verdict"] in ("PASS", "FAIL") and g["values"] for g in goals.values()), goals
     assert goals["no_recompilation"]["verdict"] == "PASS" and report["graphs_compiled"] >= 8
