@@ -105,15 +105,17 @@ def test_compiled_and_eager_costs_are_cached_apart(static_calls, tmp_path, monke
 def test_a_compiled_pool_profiled_auto_keeps_greedy_output(batch, backend, tmp_path, monkeypatch, fresh_dynamo):
     """profile="auto" on the static compiled layout: the profile compiles through the forwards the engine then
     runs (one compiled callable, shared), and the output is plain generate's, whatever the measured costs make
-    the planner draft. At batch 1 the grid met every shape the run can meet (9 query slots: the grid's N = 8;
-    one slot; the drafter's 1 and 2), so generate compiles nothing."""
+    the planner draft. The target's grid runs at the engine's widths (N = 2 and 4 in its 5 query slots; one
+    slot) and the per-row point (4 rows): three graphs, and at batch 1 the run meets no other shape (the
+    drafter's 1 and 2 warmed too), so generate compiles nothing."""
     monkeypatch.setenv("HF_SPIN_PROFILES", str(tmp_path))
     target, other = _models("llama")
     inputs, reference = _case("llama", batch)
-    options = StaticOptions(True, backend=backend, query_slots=9)
+    options = StaticOptions(True, backend=backend, query_slots=5)
     pool = spin_pool([other, "prompt_lookup"], tree=False, cache="static", compile=options, profile="auto")
     pool.bind(target)
-    assert pool.cost_profile.source == "measured" and graphs(run_static) >= 3 and graphs(run_static_draft) >= 2
+    assert pool.cost_profile.source == "measured" and pool.cost_profile.target.knots == [1, 2, 4]
+    assert graphs(run_static) == 3 and graphs(run_static_draft) >= 2
     warmed = fresh_dynamo["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=batch == 1):
         out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)

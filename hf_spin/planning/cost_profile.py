@@ -33,7 +33,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from ..cache.encoder_rows import reads_encoder_output
 from ..cache.forward import CACHE_ARG
-from ..cache.static import StaticRowCache, query_bucket
+from ..cache.static import StaticRowCache
 from ..cache.static_forward import forward_static
 from .estimates import DecayedMean, geometric_tokens
 
@@ -283,12 +283,11 @@ def _eager_point(model, rows: int, tokens: int, generator: torch.Generator):
     return reset, lambda: _grid_forward(model, cache, encoder, new)
 
 
-def _static_point(model, forward, rows: int, tokens: int, generator: torch.Generator):
+def _static_point(model, forward, width: int, rows: int, tokens: int, generator: torch.Generator):
     """(reset, forward) of one grid point on the static layout: `tokens` new tokens a row through
-    `forward_static` with `forward` at the engine's query width (`query_bucket(tokens)`), on a StaticRowCache of
+    `forward_static` with `forward` at the engine's query width `width`, on a StaticRowCache of
     `row_bucket(rows)` slots holding GRID_CONTEXT positions of random KV each (capacity: its first bucket), rolled
     back by reset. Runs once here, untimed: a compiled forward compiles its graph for these shapes (or finds one)."""
-    width = query_bucket(tokens)
     cache = StaticRowCache(model.device)
     cache.add_empty_rows(rows)
     cache.reserve(GRID_CONTEXT + width)
@@ -317,10 +316,10 @@ def measure(
     cropped back after each), each timed twice and the faster kept (the first run pays allocations),
     until the next point would overrun `budget` seconds (a warm-up forward first, outside the budget;
     the first GRID_MIN_POINTS always run); then GRID_ROWS rows of one token for the per-row overhead.
-    static: None (the eager path on a dynamic cache), or on the static layout the forward the engine runs
-        for chunks of N tokens a row (`static(N)`, compiled or not): each point then goes through
-        `forward_static` after an untimed run that compiles its graph (within the budget: compiling is what
-        a point costs first).
+    static: None (the eager path on a dynamic cache), or on the static layout (the forward, the query slots)
+        the engine runs chunks of N tokens a row through (`static(N)`, compiled or not; None: an N the engine
+        never runs, not measured): each point then goes through `forward_static` after an untimed run that
+        compiles its graph (within the budget: compiling is what a point costs first).
     `progress`: called with each point's description (a progress bar's update)."""
     device = model.device
     generator = torch.Generator().manual_seed(0)
@@ -329,7 +328,7 @@ def measure(
         if static is None:
             reset, forward = _eager_point(model, rows, tokens, generator)
         else:
-            reset, forward = _static_point(model, static(tokens), rows, tokens, generator)
+            reset, forward = _static_point(model, *static(tokens), rows, tokens, generator)
         best = float("inf")
         for _ in range(2):
             reset()
@@ -346,6 +345,8 @@ def measure(
     started = clock()
     table: dict[int, float] = {}
     for n in GRID_TOKENS:
+        if static is not None and static(n) is None:
+            continue
         if len(table) >= GRID_MIN_POINTS:
             guess = ForwardCost.from_table(dict(sorted(table.items()))).predict(n)  # what is measured, read at N
             if clock() - started + 2 * guess > budget:  # two runs

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from ..cache.static import query_bucket
 from ..cache.static_forward import StaticOptions, check_static_support, run_static, run_static_draft
 from ..drafters.model import COMPILED_CHUNK
 from ..version import __version__
@@ -34,10 +35,13 @@ def cache_dir() -> Path:
 
 
 def static_forwards(model, static: StaticOptions | None, drafter: bool):
-    """The forward the engine runs `model` through for chunks of N tokens a row, as `measure(static=)` takes
-    it, where the static layout compiles `model`'s forwards: the target's compiled `run_static`; a drafter's
-    compiled `run_static_draft` for chunks of up to COMPILED_CHUNK tokens, `run_static` eagerly beyond
-    (`ModelDrafter._forward`). None (measured on the eager path) elsewhere, and for a model the layout refuses."""
+    """N -> (the forward the engine runs `model` through for chunks of N tokens a row, its query slots), as
+    `measure(static=)` takes it, where the static layout compiles `model`'s forwards: the target's compiled
+    `run_static` at `StaticTarget`'s width (one slot for one token, else the bucket of N and `query_slots`; None
+    for an N past `query_slots`, which the engine's drafts do not reach: measuring it would compile a graph
+    the engine never runs); a drafter's compiled `run_static_draft` for chunks of up to COMPILED_CHUNK tokens,
+    `run_static` eagerly beyond (`ModelDrafter._forward`), at the bucket of N. None (measured on the eager
+    path) elsewhere, and for a model the layout refuses."""
     if static is None or not static.compiles(model):
         return None
     try:
@@ -45,10 +49,16 @@ def static_forwards(model, static: StaticOptions | None, drafter: bool):
     except ValueError:
         return None
     if not drafter:
-        compiled = static.forward_for(model)
-        return lambda tokens: compiled
+        compiled, slots = static.forward_for(model), static.query_slots or 1
+
+        def target(tokens: int):
+            if static.query_slots is not None and tokens > static.query_slots:
+                return None
+            return compiled, 1 if tokens == 1 else query_bucket(max(tokens, slots))
+
+        return target
     compiled = static.forward_for(model, run_static_draft)
-    return lambda tokens: compiled if tokens <= COMPILED_CHUNK else run_static
+    return lambda tokens: (compiled if tokens <= COMPILED_CHUNK else run_static, query_bucket(tokens))
 
 
 def forward_kind(model, static: StaticOptions | None, drafter: bool = False) -> str:
