@@ -1,8 +1,8 @@
 """The decoding step's host-device sync budget (docs/design.md, "Host syncs").
 
 A greedy step with a model drafter of draft length k reads the device at most k + 2 times, whatever
-the batch size, on both cache layouts: one transfer per draft position (every row's token at once),
-one for the verdict. Counted on the CPU by `hf_spin.host_syncs.count_syncs("instrumented")`, which
+the batch size, on every cache layout (rectangular, packed, static): one transfer per draft position (every
+row's token at once), one for the verdict; with prompt lookup, the verdict alone. Counted on the CPU by `hf_spin.host_syncs.count_syncs("instrumented")`, which
 counts what would synchronise with the tensors on a GPU (its docstring says what it sees and what
 not); the planted reads below show it can fail.
 """
@@ -32,12 +32,12 @@ def models():
     return tiny_model("llama"), perturbed("llama")
 
 
-def generate_counted(models, batch: int, cache: str, tree="auto", **kwargs):
+def generate_counted(models, batch: int, cache: str, tree="auto", entry=None, **kwargs):
     """(syncs per step, the counter, the pool) of a generate call over `batch` ragged prompts (the model
-    drafter grows token trees on the rectangular cache unless tree=False)."""
+    drafter grows token trees on the rectangular cache unless tree=False; `entry`: another drafter)."""
     target, drafter = models
     ids, mask = ragged_batch(batch, 14, seed=0)
-    spin = pool([drafter], cache=cache, tree=tree)
+    spin = pool([entry or drafter], cache=cache, tree=tree)
     with count_syncs("instrumented") as syncs:
         target.generate(
             input_ids=ids,
@@ -51,7 +51,7 @@ def generate_counted(models, batch: int, cache: str, tree="auto", **kwargs):
     return syncs.per_step(exclude=KERNEL_REFERENCE), syncs, spin
 
 
-@pytest.mark.parametrize("cache", ["rectangular", "packed"])
+@pytest.mark.parametrize("cache", ["rectangular", "packed", "static"])
 def test_greedy_step_within_budget_whatever_the_batch(models, cache):
     per_step = {}
     for batch in (1, 16):
@@ -65,7 +65,18 @@ def test_greedy_step_within_budget_whatever_the_batch(models, cache):
     assert per_step[16] <= per_step[1] + 0.5, f"syncs a step grow with the batch: {per_step}"
 
 
-@pytest.mark.parametrize("cache", ["rectangular", "packed"])
+@pytest.mark.parametrize("cache", ["rectangular", "packed", "static"])
+def test_a_model_free_drafter_reads_the_device_once_a_step(models, cache):
+    """Prompt lookup drafts on the host: a step's one read of the device is its verdict (chains or token trees:
+    accepted counts and next tokens, or every slot's argmax, in one transfer), on every layout, at batch 1 and
+    16 (the issue's budget is two)."""
+    for batch in (1, 16):
+        per_step, syncs, spin = generate_counted(models, batch, cache, entry="prompt_lookup", do_sample=False)
+        assert_speculated(spin.last_stats)
+        assert per_step <= 1, f"batch {batch}: {per_step:.2f} syncs a step; sites {syncs.step_sites.most_common(8)}"
+
+
+@pytest.mark.parametrize("cache", ["rectangular", "packed", "static"])
 def test_sampled_step_within_budget(models, cache):
     """do_sample with generate's default warpers (top-k): the draws stay on the device too."""
     torch.manual_seed(0)
@@ -139,7 +150,7 @@ def test_counter_is_silent_outside_its_block():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts the CUDA runtime's own sync warnings")
-@pytest.mark.parametrize("cache", ["rectangular", "packed"])
+@pytest.mark.parametrize("cache", ["rectangular", "packed", "static"])
 def test_cuda_step_within_budget(cache):
     target, drafter = tiny_model("llama").cuda(), perturbed("llama").cuda()
     for batch in (1, 16):
