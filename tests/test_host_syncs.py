@@ -1,10 +1,10 @@
 """The decoding step's host-device sync budget (docs/design.md, "Host syncs").
 
 A greedy step with a model drafter of draft length k reads the device at most k + 2 times, whatever
-the batch size, on every cache layout (rectangular, packed, static): one transfer per draft position (every
-row's token at once), one for the verdict; with prompt lookup, the verdict alone. Counted on the CPU by `hf_spin.host_syncs.count_syncs("instrumented")`, which
-counts what would synchronise with the tensors on a GPU (its docstring says what it sees and what
-not); the planted reads below show it can fail.
+the batch size, on every cache layout (rectangular, packed, static): one transfer per draft position
+(every row's token at once), one for the verdict; with prompt lookup, the verdict alone. Counted on the
+CPU by `hf_spin.host_syncs.count_syncs("instrumented")`, which counts what would synchronise with the
+tensors on a GPU (its docstring says what it sees and what not); the planted reads below show it can fail.
 """
 
 from __future__ import annotations
