@@ -7,6 +7,7 @@ and models the layout cannot run are refused.
 import functools
 import inspect
 import os
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from hf_spin.cache.static_forward import StaticOptions
 from hf_spin.stats import DrafterStats
 from hf_spin.step.engine import SpinEngine
 
+from .archs import ARCHS as ALL_ARCHS
 from .archs import tiny_model
 from .speculation import DRAFT_TOKENS, assert_speculated, greedy_case, perturbed
 from .speculation import pool as spin_pool
@@ -23,6 +25,7 @@ from .speculation import pool as spin_pool
 MAX_NEW_TOKENS = 24
 PROMPT_LENGTH = 14  # ragged rows at batch 4: 14, 12, 10, 8 real tokens
 ARCHS = {"llama": {}, "qwen2": {}, "gemma": {}, "mistral": dict(sliding_window=None)}
+UNTRACEABLE = {"ctrl"}  # torch 2.13's dynamo breaks on its positional encoding: eager, with a warning
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -184,6 +187,33 @@ def test_compiled_token_trees_keep_greedy_output_without_recompiling(kind, fresh
         compiled = compiled or graphs(run_static)  # after the first call
     assert any(len(t.children(n)) >= 2 for t in seen for n in range(-1, len(t))), "no tree branched"
     assert graphs(run_static) == compiled and 1 <= compiled <= 3  # widths 1, k + 1 and one tree bucket at most
+
+
+@pytest.mark.parametrize("arch", sorted(ALL_ARCHS))
+def test_every_architecture_compiles_exactly_or_is_refused_with_the_reason(arch, fresh_dynamo):
+    """Across the tiny architectures: compiled (dynamo alone), prompt lookup's chains and trees give plain
+    `generate`'s output; a model dynamo cannot trace whole runs eagerly with a warning; one the static layout
+    cannot run exactly is refused with the reason and the layouts that can."""
+    from hf_spin.cache.static_forward import check_static_support
+
+    target = tiny_model(arch)
+    inputs, reference = greedy_case(target, 4, PROMPT_LENGTH, 16)
+    options = StaticOptions(compile=True, backend="eager", query_slots=DRAFT_TOKENS + 1)
+    pool = spin_pool(["prompt_lookup"], cache="static", compile=options)
+    try:
+        check_static_support(target)
+    except ValueError as e:
+        assert "cache" in str(e) and arch in str(e), e
+        with pytest.raises(ValueError, match=arch):
+            target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, reference), f"\n{out}\n{reference}"
+    assert_speculated(pool.last_stats)
+    eager = [str(w.message) for w in caught if "cannot trace" in str(w.message)]
+    assert bool(eager) == (arch in UNTRACEABLE), eager
 
 
 def test_a_step_that_drafts_nothing_is_the_one_token_decode(monkeypatch):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,12 @@ def check_static_support(model, role: str = "model") -> None:
         )
     if "position_ids" not in inspect.signature(model.forward).parameters:
         raise ValueError(f"the static cache passes explicit position_ids; {name} takes none. Use another cache.")
+    fixed = [n for n, b in model.named_buffers() if b.dtype == torch.bool and b.dim() == 4]
+    if fixed:  # GPT-Neo: `bias[:, :, key_length - query_length : key_length, :key_length]`
+        raise ValueError(
+            f"the static cache's keys span its capacity, not the positions so far; {name} cuts its own causal mask "
+            f"buffer ({fixed[0]!r}) by the key length. Use the rectangular or packed cache."
+        )
 
 
 def run_static(model, cache: StaticRowCache, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -62,6 +70,10 @@ def run_static_draft(model, cache: StaticRowCache, input_ids: torch.Tensor, dtyp
     limit (past which fullgraph=True raises) and counted on its own."""
     return run_static(model, cache, input_ids, dtype)
 
+
+# Models dynamo cannot trace whole (a graph break fullgraph=True refuses, as CTRL's positional encoding in torch
+# 2.13): their static forwards run eagerly, said once per model (`forward_static`).
+_UNTRACEABLE: weakref.WeakSet = weakref.WeakSet()
 
 # Graphs one compiled static forward may hold: one per (row-slot bucket, query width, capacity bucket, model),
 # so a server whose batch grows to 64 rows meets 7 row buckets x 2 widths; past dynamo's default (8)
@@ -118,10 +130,21 @@ def forward_static(
     for slot, chunk in zip(cache.slot_of, chunks):
         ids[slot][: len(chunk)] = chunk
     input_ids = to_device(ids, model.device, torch.long)
-    if not all(layer.is_initialized for layer in cache.layers) or not cache.layers:
+    if not all(layer.is_initialized for layer in cache.layers) or not cache.layers or model in _UNTRACEABLE:
         forward = run_static  # the first forward allocates the storage: never inside a compiled region
     with _attention(model):
-        logits = forward(model, cache, input_ids, model.dtype)  # [R, T, V]
+        try:
+            logits = forward(model, cache, input_ids, model.dtype)  # [R, T, V]
+        except torch._dynamo.exc.Unsupported as e:  # raised while tracing, before anything ran
+            if forward in (run_static, run_static_draft):
+                raise
+            _UNTRACEABLE.add(model)
+            warnings.warn(
+                f"hf_spin: torch.compile cannot trace {model.config.model_type!r} ({type(model).__name__}) whole: its "
+                f"static-layout forwards run eagerly ({str(e).splitlines()[0]})",
+                stacklevel=2,
+            )
+            logits = run_static(model, cache, input_ids, model.dtype)
     cache.advance(counts)
     rows = to_device(cache.slot_of, logits.device, torch.long)  # [B]
     return logits[rows, :longest]  # a copy: a CUDA graph's output buffer is reused by its next replay
