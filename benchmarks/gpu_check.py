@@ -65,6 +65,7 @@ from hf_spin.kernels import pack_tree_masks, varlen_attention, varlen_attention_
 from hf_spin.planning import machine  # noqa: E402
 from hf_spin.policies import FixedLength  # noqa: E402
 from hf_spin.stats import DrafterStats  # noqa: E402
+from hf_spin.step.rows import Request  # noqa: E402
 from hf_spin.verify.token_tree import TokenTree  # noqa: E402
 
 # Real shapes (Qwen2.5 configs), random weights. The vocabulary is the real one: the lm_head's cost
@@ -729,6 +730,7 @@ CHAIN_ALPHA, CHAIN_SPEEDUP = 0.8, 2.0  # a chain of k = 4 at batch 1, x generate
 DRAFT_COST = 0.4  # a 0.5B-shape draft token (compiled, its own static cache) / the 1.5B's compiled plain step
 WARMUP_RATIO = 1.5  # hf_spin's compilation warm-up / transformers' static-cache warm-up
 TREE_ALPHA, TREE_DRAWS, TREE_GAIN = 0.6, 2, 1.2  # trees of 2 oracle drafts at alpha 0.6: x chains, same batch
+CONTINUOUS_EVERY = 4  # continuous batching: steps between the groups of rows that join (`continuous`)
 
 
 def unique_graphs() -> int:
@@ -834,6 +836,7 @@ def compiled(check: Check) -> dict:
         "trees": f"alpha {TREE_ALPHA}: {TREE_DRAWS} independent oracle drafts merged into a tree, compiled",
         "configs": [],
         "runs": [],
+        "continuous": [],  # per model, at its largest batch: rows joining and leaving (`continuous`)
     }
     check.report["compiled"] = report  # saved after each (model, batch): a run cut short keeps what it did
     print(f"  compiled: chains of k = {cfg['k']}, {report['dtype']}, backend {report['backend']}; {report['trees']}")
@@ -1026,7 +1029,55 @@ def compiled_config(check: Check, report: dict, label: str, model, batch: int):
     spin_run(True, TREE_ALPHA, "off", warm=True, draws=TREE_DRAWS)  # its warm call compiles the tree's width
     if model is check.models.get(("target", cfg["dtype"])):  # the drafter shares the 1.5B's vocabulary
         spin_run(True, None, "off", first=True)  # its first call compiles the drafter's graphs (widths 1, 2)
+    if batch == max(cfg["compiled_batches"]) and check.left() > 0.03 * budget:
+        report["continuous"].append({**where, **continuous(check, model, ids, mask, refs)})
+        print(f"  compiled {label:>4} b={batch:<2} continuous: {report['continuous'][-1]}")
     return lambda: [spin_run(False, alpha, profile, warm=profile == "auto") for alpha, profile in variants]
+
+
+def continuous(check: Check, model, ids, mask, refs: list[list[int]]) -> dict:
+    """Continuous batching on the static layout, compiled: the batch's prompts join an engine in three groups
+    (a quarter at step 0, half at step CONTINUOUS_EVERY, the rest at 3 CONTINUOUS_EVERY, into slots rows left:
+    the row slots grow once, to the batch's bucket, whose graphs the batch's runs compiled), each row for its
+    own number of tokens (so rows leave at different steps), the oracle at CHAIN_ALPHA drafting chains of k.
+    The schedule runs twice: the first pass compiles what it meets, the second must compile nothing. Returns
+    its steps, the graphs each pass compiled, and the rows equal to plain `generate`'s."""
+    cfg, k, B = check.cfg, check.cfg["k"], len(refs)
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+    tokens = cfg["e2e_tokens"]
+    lengths = [max(2, tokens - (7 * i) % (tokens // 2)) for i in range(B)]
+    first, second = max(1, B // 4), max(1, B // 4) + B // 2
+    joins = {0: range(first), CONTINUOUS_EVERY: range(first, second), 3 * CONTINUOUS_EVERY: range(second, B)}
+    options = StaticOptions(True, backend=compile_backend(check), query_slots=k + 1)
+    passes = {}
+    for name in ("warm", "counted"):
+        oracle = Oracle(refs, CHAIN_ALPHA, model.config.vocab_size, seed=0)
+        pool = hf_spin.AssistantPool(
+            [oracle],
+            draft_length=FixedLength(k, min_confidence=0.0),
+            profile="off",
+            tree=False,
+            cache="static",
+            compile=options,
+        )
+        engine = hf_spin.SpinEngine(model, pool)
+        g, rows, step = unique_graphs(), {}, 0
+        while engine.has_work or step <= 3 * CONTINUOUS_EVERY:
+            for i in joins.get(step, ()):
+                rows[i] = engine.add(Request(prompt=prompts[i], max_new_tokens=lengths[i]))
+            if engine.has_work:
+                engine.step()
+            step += 1
+        engine.close()
+        passes[name] = (step, unique_graphs() - g)
+    same = sum(rows[i].generated == refs[i][len(p) : len(p) + n] for i, (p, n) in enumerate(zip(prompts, lengths)))
+    return {
+        "steps": passes["counted"][0],
+        "graphs_warm": passes["warm"][1],
+        "graphs_compiled": passes["counted"][1],
+        "identical_rows": same,
+        "rows": B,
+    }
 
 
 def generate_plain(model, ids, mask, tokens: int) -> torch.Tensor:
@@ -1091,6 +1142,11 @@ def compiled_goals(report: dict) -> dict:
         "no_recompilation": goal(
             "no graph compiled by a run after its warm-up (timed and sync-counted runs)",
             {f"{at(r)} {run_name(r)}": r["graphs_compiled"] for r in runs},
+            lambda v: v == 0,
+        ),
+        "continuous": goal(
+            "no graph compiled by a second pass of rows joining and leaving (compiled, chains)",
+            {at(r): r["graphs_compiled"] for r in report["continuous"]},
             lambda v: v == 0,
         ),
         "warmup": goal(

@@ -162,6 +162,17 @@ def test_compiled_section_runs_every_method_and_records_every_field(compiled_rep
             assert r["theoretical_accepted_per_step"] is not None
             assert (r["accepted_per_step"] == 0) if r["alpha"] == 0 else (r["accepted_per_step"] > 0), r
     goals = report["goals"]
-    assert set(goals) == {"never_slower", "chain_speedup", "trees", "draft_cost", "no_recompilation", "warmup"}
+    assert set(goals) == {
+        "never_slower",
+        "chain_speedup",
+        "trees",
+        "draft_cost",
+        "no_recompilation",
+        "continuous",
+        "warmup",
+    }
+    for c in report["continuous"]:  # one per model, at batch 4: rows joining and leaving, compiled
+        assert c["batch"] == 4 and c["identical_rows"] == c["rows"] == 4 and c["graphs_compiled"] == 0, c
+    assert [c["model"] for c in report["continuous"]] == ["1.5B", "7B"]
     assert all(g["verdict"] in ("PASS", "FAIL") and g["values"] for g in goals.values()), goals
     assert goals["no_recompilation"]["verdict"] == "PASS" and report["graphs_compiled"] >= 8
