@@ -189,18 +189,42 @@ def test_an_idle_catch_up_on_padded_rows_is_priced_over_every_row_it_pads():
     assert planner.worth_catching_up([0], 0, [113], [31]) == [True]  # one row's own forward: the budget buys it
 
 
+def avx2_fp32(n: float) -> float:
+    """A 1.5B model in float32 under the AVX2 emulation (AMD EPYC, 2 threads; seconds): one token a GEMV, 2-16
+    a GEMM of about one cost (0.84 / 0.80 / 0.82 / 0.86 s for 2 / 4 / 8 / 16), then 0.02 s a position."""
+    return 0.39 if n <= 1 else 0.8 if n <= 8 else 0.8 + 0.02 * (n - 8)
+
+
 def test_a_short_grid_brackets_the_draft_widths_instead_of_extrapolating():
     """A slow machine whose GEMV path makes one token cheap and any wider forward cost about two (an AMD
-    EPYC in float32: 431 / 913 / 935 / 897 ms for 1 / 2 / 4 / 8 tokens): the grid measures 1, 8 and 2
-    even past its budget, so 8 tokens read at about 2 plain steps (not 8.8 from extrapolating 1 and 2) and
-    a one-token probe (N = 2) at about 2 too (not 1.2 from interpolating 1 and 8)."""
+    EPYC in float32: 431 / 913 / 935 / 897 ms for 1 / 2 / 4 / 8 tokens): the grid measures 1, 8, 2 and 32
+    even past its budget (and 32, past 2 and 8 that cost the same), so 8 tokens read at about 2 plain steps
+    (not 8.8 from extrapolating 1 and 2) and a one-token probe (N = 2) at about 2 too (not 1.2 from
+    interpolating 1 and 8)."""
     model = tiny_model("llama", seed=0)
     clock = CostClock()
     clock.hook(model, table(lambda n: 0.43 if n == 1 else 0.9))
     cost = measure(model, budget=3.0, clock=clock)
-    assert cost.knots == [1, 2, 8]
+    assert cost.knots == [1, 2, 8, 32]
     assert cost.predict(8) / cost.predict(1) == pytest.approx(0.9 / 0.43)
     assert cost.predict(2) / cost.predict(1) == pytest.approx(0.9 / 0.43)
+
+
+def test_a_short_grid_reaches_the_positions_a_batch_of_four_verifies():
+    """Where 2 to 8 positions cost about the same (the knots falling from 2 to 8, so the curve past 8 would
+    read flat), the grid measures 32 past its budget: 4 rows of 5 tokens (20 positions) are priced from the
+    line to 32, within 5% of their cost, not at the cost of 8 (a third too cheap, which had the default pool
+    draft at batch 4 under the AVX2 emulation for 0.91x plain). A rising grid stops at its budget."""
+    model = tiny_model("llama", seed=0)
+    clock = CostClock()
+    clock.hook(model, table(avx2_fp32))
+    cost = measure(model, budget=3.0, clock=clock)
+    assert cost.knots == [1, 2, 8, 32]
+    assert cost.predict(20) == pytest.approx(avx2_fp32(20), rel=0.05)
+    assert cost.verify(20, 4) >= 0.95 * avx2_fp32(20)  # no wider knot read as cheaper
+    rising = tiny_model("llama", seed=0)
+    clock.hook(rising, table(lambda n: 0.39 * n))
+    assert measure(rising, budget=3.0, clock=clock).knots == [1, 2, 8]  # the line beyond 8 is the slope's
 
 
 def test_profile_is_cached_per_model_and_threads(tmp_path, monkeypatch):

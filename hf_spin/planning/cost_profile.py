@@ -45,11 +45,12 @@ MAX_LOG_RESIDUAL = 1.0
 # Context (prompt tokens) the grid is measured at: a short chat prompt.
 GRID_CONTEXT = 128
 # Forward positions of the grid, in the order measured: the budget may stop it after any of them but the
-# first GRID_MIN_POINTS. 1, 8 (a draft's usual verify width) and 2 come first, so a slow machine's short grid
-# brackets the widths drafting uses and resolves the step from one token to two. Extrapolating 1 and 2 read an
-# AMD EPYC in float32 (M = 1 a GEMV, M >= 2 a GEMM: 431 / 913 / 935 / 897 ms for 1 / 2 / 4 / 8 tokens) as 8
-# tokens at 8.8 plain steps, 2.1 in truth; 1 and 8 alone read a one-token probe (N = 2) at 1.2 steps, 2.1 in truth.
-GRID_TOKENS = (1, 8, 2, 4, 16, 32, 64)
+# first GRID_MIN_POINTS, and (eager) but a point past a grid whose last knots fall. 1, 8 (a draft's usual
+# verify width) and 2 come first, so a slow machine's short grid brackets the widths drafting uses and resolves
+# the step from one token to two; 32 next, what a batch of 4 verifies. Extrapolating 1 and 2 read an AMD EPYC
+# in float32 (M = 1 a GEMV, M >= 2 a GEMM: 431 / 913 / 935 / 897 ms for 1 / 2 / 4 / 8 tokens) as 8 tokens at
+# 8.8 plain steps, 2.1 in truth; 1 and 8 alone read a one-token probe (N = 2) at 1.2 steps, 2.1 in truth.
+GRID_TOKENS = (1, 8, 2, 32, 4, 16, 64)
 GRID_MIN_POINTS = 3
 # A verification at a width the grid did not measure is priced at its interpolation times this when it is
 # weighed against a measured wider knot (`ForwardCost.width`): the unmeasured width's true cost is a guess.
@@ -314,8 +315,9 @@ def measure(
     """Measure a model's `ForwardCost` on the grid: forwards over N new tokens (in GRID_TOKENS' order:
     1, 8, then the widths between and beyond) after a context of GRID_CONTEXT positions (the cache
     cropped back after each), each timed twice and the faster kept (the first run pays allocations),
-    until the next point would overrun `budget` seconds (a warm-up forward first, outside the budget;
-    the first GRID_MIN_POINTS always run); then GRID_ROWS rows of one token for the per-row overhead.
+    skipping a point that would overrun `budget` seconds (a warm-up forward first, outside the budget;
+    the first GRID_MIN_POINTS always run, and on the eager path a point past knots that fall: the curve would
+    read flat there, a guess; `_past_a_fall`); then GRID_ROWS rows of one token for the per-row overhead.
     static: None (the eager path on a dynamic cache), or on the static layout (the forward, the query slots)
         the engine runs chunks of N tokens a row through (`static(N)`, compiled or not; None: an N the engine
         never runs, not measured): each point then goes through `forward_static` after an untimed run that
@@ -348,9 +350,10 @@ def measure(
         if static is not None and static(n) is None:
             continue
         if len(table) >= GRID_MIN_POINTS:
-            guess = ForwardCost.from_table(dict(sorted(table.items()))).predict(n)  # what is measured, read at N
-            if clock() - started + 2 * guess > budget:  # two runs
-                break
+            fit = ForwardCost.from_table(dict(sorted(table.items())))  # what is measured
+            forced = static is None and _past_a_fall(fit, n)  # compiled, a point costs a graph first
+            if clock() - started + 2 * fit.predict(n) > budget and not forced:  # two runs; a cheaper one may fit
+                continue
         table[n] = timed(1, n)
     cost = ForwardCost.from_table(dict(sorted(table.items())))
     # always, whatever the budget: every batch > 1 decision reads it
@@ -358,6 +361,14 @@ def measure(
     if getattr(model.config, "is_encoder_decoder", False):
         cost.encoder = _encoder_seconds(model, generator, clock)
     return cost
+
+
+def _past_a_fall(fit: ForwardCost, n_tokens: int) -> bool:
+    """Whether N lies past the last knot of a grid whose last knots fall, where `predict` reads the curve flat:
+    a guess, measured even past the budget. 1, 8 and 2 read a 1.5B in float32 under the AVX2 emulation (AMD
+    EPYC: 387 / 842 / 815 ms) flat beyond 8, so 4 rows of 5 tokens at 0.77 s, where they cost 1.23 s (32
+    tokens: 1191 ms), and the default pool drafted at batch 4 for 0.91x plain."""
+    return n_tokens > fit.knots[-1] and len(fit.knots) > 1 and fit.seconds[-1] <= fit.seconds[-2]
 
 
 def _encoder_seconds(model, generator: torch.Generator, clock: Callable[[], float]) -> float:

@@ -479,6 +479,15 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "grid_stops_before_batch_widths",
+        "a slow machine's grid stops at its budget after 1, 8 and 2 tokens though the knots fall from 2 to 8: the "
+        "curve reads flat beyond, and a batch of 4 verifying 20 positions is priced a third too cheap",
+        "hf_spin/planning/cost_profile.py",
+        "            forced = static is None and _past_a_fall(fit, n)",
+        "            forced = False",
+        ("tests/test_planning.py::test_a_short_grid_reaches_the_positions_a_batch_of_four_verifies",),
+    ),
+    Mutant(
         "idle_catch_up_priced_per_row",
         "an idle catch-up on a rectangular drafter cache is priced at the row's own lag, though its forward runs over "
         "every row of the batch padded to it: the budget buys catch-ups that cost the batch size times their price",
