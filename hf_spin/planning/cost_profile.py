@@ -52,6 +52,9 @@ GRID_CONTEXT = 128
 # 8.8 plain steps, 2.1 in truth; 1 and 8 alone read a one-token probe (N = 2) at 1.2 steps, 2.1 in truth.
 GRID_TOKENS = (1, 8, 2, 32, 4, 16, 64)
 GRID_MIN_POINTS = 3
+# What the grid measures, in the profile cache's key: raise it when `measure` changes, so a cost measured the
+# old way is measured again (2: the point past knots that fall).
+GRID_VERSION = 2
 # A verification at a width the grid did not measure is priced at its interpolation times this when it is
 # weighed against a measured wider knot (`ForwardCost.width`): the unmeasured width's true cost is a guess.
 UNMEASURED_PREMIUM = 1.05

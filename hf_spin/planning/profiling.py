@@ -26,7 +26,7 @@ from ..cache.static import query_bucket
 from ..cache.static_forward import StaticOptions, check_static_support, run_static, run_static_draft
 from ..drafters.model import COMPILED_CHUNK
 from ..version import __version__
-from .cost_profile import GRID_BUDGET, CostProfile, ForwardCost, measure
+from .cost_profile import GRID_BUDGET, GRID_VERSION, CostProfile, ForwardCost, measure
 from .machine import describe
 
 
@@ -84,6 +84,7 @@ def model_key(model, dtype: torch.dtype | None = None, forward: str = "eager") -
         "threads": torch.get_num_threads(),
         "versions": [torch.__version__, transformers.__version__, __version__],
         "forward": forward,
+        "grid": GRID_VERSION,
     }
 
 
