@@ -633,3 +633,19 @@ def test_trees_cost_what_the_planner_lets_a_chain_cost(costs, monkeypatch):
     else:
         assert any(len(t.children(n)) >= 2 for t in seen for n in range(-1, len(t))), "no tree branched"
         assert stats.mean_accepted_length > 1.5
+
+
+def test_the_step_log_records_each_idle_catch_up_and_what_paid_it(tmp_path, monkeypatch):
+    """`HF_SPIN_STEP_LOG`: an idle catch-up the planner buys is a line of its own (the step's record does not
+    show it), naming the row, the drafter, its lag, the seconds priced and what paid; one it refuses, none."""
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("HF_SPIN_STEP_LOG", str(log))
+    profile = profile_of(table(lambda n: 0.1), [table(lambda n: 0.001 * n), None], ["draft-model", "prompt_lookup"])
+    planner = Planner(profile)
+    assert planner.worth_catching_up([7], 0, [40], [100]) == [True]  # within the advance of one plain step
+    assert planner.worth_catching_up([8], 0, [4000], [100]) == [False]  # 4 s: beyond it, and no evidence
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [{k: e[k] for k in ("event", "row", "drafter", "lag", "paid_by")} for e in events] == [
+        {"event": "idle_catch_up", "row": 7, "drafter": "draft-model", "lag": 40, "paid_by": "budget"}
+    ]
+    assert 0.03 < events[0]["seconds"] <= 0.1  # priced: about 40 draft positions, within the advance

@@ -4,8 +4,8 @@
 policy's caps, the sizes one sd up (`optimistic`) and those the evidence alone pays for (`exploit`),
 what was sized within the exploration budget (`sized`, `probe_seconds` charged, `budget_left`), the
 drafts' lengths and what `trim` kept, the seconds the plan was expected to take against a plain
-step's, and the step's measured seconds and accepted tokens. It is how a losing run is taken apart
-(docs/planning.md, "Exploration").
+step's, and the step's measured seconds and accepted tokens; and one line per idle catch-up it buys
+(`event`). It is how a losing run is taken apart (docs/planning.md, "Exploration").
 """
 
 from __future__ import annotations
@@ -32,6 +32,13 @@ class StepJournal:
 
     def note(self, row_ids: list[int], **fields) -> None:
         self.pending.setdefault(tuple(row_ids), {"rows": list(row_ids)}).update(fields)
+
+    def event(self, kind: str, **fields) -> None:
+        """A record outside a step's plan, written at once: an idle catch-up the planner bought (`kind`
+        "idle_catch_up": the row, the drafter, its lag, the seconds priced, and what paid: "evidence" or
+        "budget")."""
+        with self.path.open("a") as f:
+            f.write(json.dumps({"event": kind, **fields}) + "\n")
 
     def close(self, row_ids: list[int], **fields) -> None:
         record = self.pending.pop(tuple(row_ids), {"rows": list(row_ids)})

@@ -390,6 +390,10 @@ class Planner:
                 spread = self._spread(seconds, self.lengths.left(r, room), curve)
                 pays = self._best([curve], [(drafter,)], False, [spread])[0] > 0
                 out.append(pays or self.budget.spend(seconds))
+                if out[-1] and self.journal is not None:
+                    paid_by = "evidence" if pays else "budget"
+                    name = self.profile.names[drafter]
+                    self.journal.event("idle_catch_up", row=r, drafter=name, lag=lag, seconds=seconds, paid_by=paid_by)
             return out
 
     def _catch_up_seconds(self, lags: dict[int, int], unencoded: Collection[int] = (), rows: int = 1) -> float:
