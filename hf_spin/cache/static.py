@@ -77,6 +77,14 @@ class _StaticLayer:
         self.values[:r, :, :c] = old_values[:r, :, :c]
 
 
+def _chain_layout(rows: int, width: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """A chain's query layout for `rows` slots of `width` query slots: depths `[R, T]` (query t at depth t) and
+    which new slots each query sees `[R, T, T]` bool (u <= t)."""
+    depths = torch.arange(width, device=device).repeat(rows, 1)
+    visible = torch.ones(width, width, dtype=torch.bool, device=device).tril().repeat(rows, 1, 1)
+    return depths, visible
+
+
 def _mark_static(*tensors: torch.Tensor) -> None:
     """Tell dynamo these tensors keep their address (in-place updates only), so CUDA graphs need not copy
     them into graph-owned buffers at every replay; a no-op while tracing."""
@@ -182,15 +190,12 @@ class StaticRowCache(Cache):
         visible `[n, n]` bool, n <= width), a token tree's (`TokenTree.ancestor_mask`); the slots past a
         tree's n keep a chain's. Writes the device buffers only when a tree is written or cleared."""
         if width not in self._layouts:
-            depths = torch.arange(width, device=self._device).repeat(self.num_slots, 1)  # [R, T]
-            visible = torch.ones(width, width, dtype=torch.bool, device=self._device).tril()  # [T, T]
-            visible = visible.repeat(self.num_slots, 1, 1)  # [R, T, T]
+            depths, visible = _chain_layout(self.num_slots, width, self._device)
             _mark_static(depths, visible)
             self._layouts[width] = [depths, visible, False]
         layout = self._layouts[width]
         if trees or layout[2]:
-            depths = torch.arange(width).repeat(self.num_slots, 1)  # [R, T] host
-            visible = torch.ones(width, width, dtype=torch.bool).tril().repeat(self.num_slots, 1, 1)  # [R, T, T]
+            depths, visible = _chain_layout(self.num_slots, width)  # on the host, the trees written in
             for slot, (depth, mask) in (trees or {}).items():
                 n = len(depth)
                 depths[slot, :n] = torch.tensor(depth)
