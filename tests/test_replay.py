@@ -195,3 +195,19 @@ def test_costs_replay_the_recorded_acceptance_on_injected_cost_structures(trace)
     shares = records[0]["shares"]
     assert shares["llama"] == pytest.approx(1.0) and 0 < shares["llama#2"] < 1  # the target's twin, a 1-layer one
     assert shortfalls(records, FLOOR) == []
+
+
+def test_pools_replay_on_the_static_layout_and_a_budget_skips_what_starts_late(trace_file, trace, tmp_path):
+    """`--cache static`: every pool verifies on the static layout (named `..._static`) and still commits the
+    recorded continuations; `--budget-s`: methods that would start past the budget are listed as skipped, and the
+    files are written after each record (a run stopped from outside keeps what it did)."""
+    argv = ["run", str(trace_file), "--batch-sizes", "1", "4", "--trees", "both", "--cache", "static"]
+    assert main(argv + ["--threads", "1", "--out", str(tmp_path / "static")]) == 0
+    (md,) = (tmp_path / "static").glob("replay-*.md")
+    text, n = md.read_text(), len(trace.requests)
+    for method in ("hf_spin_all_static", "hf_spin_all_chains_static"):
+        assert f"| w | 1 | {method} |" in text and f"| w | 4 | {method} |" in text
+    assert text.count(f"{n}/{n} |") == 2 + 4 + 1  # generate twice, the pool's two variants twice, lookup once
+    assert main(["run", str(trace_file), "--budget-s", "1e-9", "--threads", "1", "--out", str(tmp_path / "b")]) == 0
+    (md,) = (tmp_path / "b").glob("replay-*.md")
+    assert "skipped (time budget): w b1 generate, w b1 transformers_lookup, w b1 hf_spin_all, w b4" in md.read_text()

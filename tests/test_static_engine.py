@@ -5,7 +5,6 @@ and models the layout cannot run are refused.
 """
 
 import functools
-import inspect
 import os
 import warnings
 
@@ -286,15 +285,20 @@ def test_generate_honours_cache_implementation_static(monkeypatch):
         )
 
 
-@pytest.mark.skipif(
-    "recompile_limit" not in inspect.signature(torch.compile).parameters,
-    reason="torch.compile takes no recompile_limit",
-)
-def test_a_compiled_static_forward_holds_more_graphs_than_dynamos_default(fresh_dynamo):
+@pytest.mark.parametrize("per_call", [True, False], ids=["per-call limit", "process-wide limit"])
+def test_a_compiled_static_forward_holds_more_graphs_than_dynamos_default(fresh_dynamo, monkeypatch, per_call):
     """A graph per (row-slot bucket, width): a growing server batch passes dynamo's default of 8, which
-    fullgraph=True would turn into an error."""
+    fullgraph=True would turn into an error. A torch.compile with no per-call limit (2.11) gets the
+    process-wide one raised."""
+    from hf_spin.cache import static_forward
     from hf_spin.cache.static_forward import RECOMPILE_LIMIT, compile_static
 
+    if per_call and not static_forward._PER_CALL_LIMIT:
+        pytest.skip("torch.compile takes no recompile_limit")
+    if not per_call and not hasattr(torch._dynamo.config, "recompile_limit"):
+        pytest.skip("this torch has no process-wide recompile_limit (torch.compile takes one per call)")
+    monkeypatch.setattr(static_forward, "_PER_CALL_LIMIT", per_call)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # dynamo's default, restored afterwards
     double = compile_static(lambda x: x * 2, backend="eager")
     for n in range(1, 13):
         torch.testing.assert_close(double(torch.ones(n)), torch.full((n,), 2.0))

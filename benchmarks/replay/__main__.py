@@ -12,7 +12,7 @@ from benchmarks.workloads import WORKLOADS
 
 from .checks import DEFAULT_CHECKS
 from .costs import FLOOR
-from .run import TARGET_SHAPES, TREE_VARIANTS
+from .run import CACHES, TARGET_SHAPES, TREE_VARIANTS
 
 
 def parser() -> argparse.ArgumentParser:
@@ -61,6 +61,10 @@ def parser() -> argparse.ArgumentParser:
         help="the static-cache generate's torch.compile backend (e.g. eager: dynamo alone, so it runs on CPU too); "
         "default: transformers' own, on CUDA only",
     )
+    run.add_argument(
+        "--cache", choices=CACHES, default="auto", help="the pools' KV cache layout; auto: static (compiled) on CUDA"
+    )
+    run.add_argument("--budget-s", type=float, help="seconds; methods that would start later are skipped")
     run.add_argument("--threads", type=int, default=2)
     run.add_argument("--out", type=Path, default=Path("benchmarks/results/replay"))
     costs = sub.add_parser(

@@ -29,7 +29,9 @@ from .checks import CheckConfig, compare, generated, left_pad, run_check
 from .forced import build_model, force, replay_drafters
 from .trace import Trace, load, merge
 
-WARMUP_TOKENS = 4  # a first call per method and batch size, untimed: allocations, kernels, compilations
+# A first call per method and batch shape, untimed, as long as the timed ones: allocations, kernels, and the
+# compilations of every query width the drafts reach (the static layout's width only grows; a timed call that
+# meets a wider one compiles it, which the record's "graphs" counts).
 # Target shapes a replay can stand in for the recorded one (`--target-shape`): config fields over the recorded
 # target's (same vocabulary, tokens and acceptance: the recorded pair's, said so in the output).
 TARGET_SHAPES = {
@@ -46,6 +48,9 @@ TARGET_SHAPES = {
 # Which token-tree setting each recorded pool runs with (`--trees`): the pool's default ("auto": trees where
 # the drafters grow them and the target can verify them), chains only, or both side by side.
 TREE_VARIANTS = {"auto": ("auto",), "chains": (False,), "both": ("auto", False)}
+# The pools' KV cache layout (`--cache`): "auto" is the static layout, compiled, on CUDA (what beats transformers'
+# compiled decode there) and the default rectangular layout elsewhere.
+CACHES = ("auto", "rectangular", "static")
 
 
 def check(trace: Trace, target, drafters: list) -> dict[str, list[str]]:
@@ -76,6 +81,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _graphs() -> int:
+    """Graphs torch.compile has built in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def methods(
     trace: Trace,
     target,
@@ -86,6 +96,7 @@ def methods(
     profile=None,
     trees: tuple = ("auto",),
     caches: dict | None = None,
+    layout: str = "rectangular",
 ) -> dict:
     """method name -> fn(ids, mask, max_new_tokens) -> (output ids, hf_spin's stats or None), for this batch size.
 
@@ -95,7 +106,8 @@ def methods(
     and the static method on CUDA only. profile: fn(pool entries) -> the pool's `CostProfile` (injected costs),
     or None: each pool measures its own ("auto"). trees: the pools' `tree` settings to run (a variant with
     chains only is named `..._chains`). caches: rows -> the static method's `StaticCache`, kept by the caller
-    across workloads (one compiled decoding step per batch size, as transformers reuses its own cache)."""
+    across workloads (one compiled decoding step per batch size, as transformers reuses its own cache). layout:
+    the pools' `cache=` (a static layout's pool is named `..._static`)."""
     names = [d.name for d in trace.drafters]
 
     def plain(ids, mask, n, **kwargs):
@@ -122,6 +134,7 @@ def methods(
             draft_length=trace.k_max,
             profile=profile(entries) if profile is not None else None,
             tree=tree,
+            cache=layout,
         )
 
         def spin(ids, mask, n, pool=pool):
@@ -136,7 +149,8 @@ def methods(
             )
             return out.sequences, out.stats
 
-        out[f"hf_spin_{pool_name}" + ("_chains" if tree is False and len(trees) > 1 else "")] = spin
+        chains = "_chains" if tree is False and len(trees) > 1 else ""
+        out[f"hf_spin_{pool_name}{chains}" + ("_static" if layout == "static" else "")] = spin
     return out
 
 
@@ -149,11 +163,16 @@ def bench(
     clock=None,
     profile=None,
     trees: tuple = ("auto",),
+    layout: str = "rectangular",
+    deadline: float | None = None,
+    on_record=None,
 ) -> list[dict]:
     """One record per (workload, batch size, method): tokens, seconds, forwards, per-drafter counts, identical.
 
     clock: a `CostClock` (benchmarks/injected_costs.py) to time calls by, installed as the engine's clock, with no
-    warm-up calls (they change nothing it reads); None: wall time. profile, trees: as `methods` takes them."""
+    warm-up calls (they change nothing it reads); None: wall time. profile, trees, layout: as `methods` takes
+    them. deadline: a `time.perf_counter()` past which each method left is recorded as skipped (a time budget);
+    on_record: called with the records so far after each one (a run stopped from outside keeps what it did)."""
     eos, pad = trace.target["eos_token_id"], trace.target["pad_token_id"]
     now = clock if clock is not None else lambda: _sync(target.device) or time.perf_counter()
     by_workload = defaultdict(list)
@@ -165,10 +184,13 @@ def bench(
     for bs in batch_sizes:
         for workload, requests in by_workload.items():
             batches = [requests[i : i + bs] for i in range(0, len(requests), bs)]
-            fns = methods(trace, target, drafters, bs, cache_len, compile_config, profile, trees, caches)
+            fns = methods(trace, target, drafters, bs, cache_len, compile_config, profile, trees, caches, layout)
             for name, fn in fns.items():
+                if deadline is not None and time.perf_counter() > deadline:
+                    records.append({"workload": workload, "batch": bs, "method": name, "skipped": "time budget"})
+                    continue
                 for chunk in {len(c): c for c in batches}.values() if clock is None else ():  # untimed, per shape
-                    fn(*left_pad([r.prompt for r in chunk], pad, target.device), WARMUP_TOKENS)
+                    fn(*left_pad([r.prompt for r in chunk], pad, target.device), trace.max_new_tokens)
                 rec = {
                     "workload": workload,
                     "batch": bs,
@@ -179,7 +201,9 @@ def bench(
                     "requests": 0,
                     "forwards": 0,
                     "drafters": defaultdict(lambda: [0, 0]),
+                    "graphs": 0,  # graphs torch.compile built during the timed calls (0: warm-ups built them all)
                 }
+                graphs = _graphs()
                 for chunk in tqdm(batches, desc=f"{workload} b{bs} {name}", leave=False):
                     ids, mask = left_pad([r.prompt for r in chunk], pad, target.device)
                     with clock.installed() if clock is not None else nullcontext():
@@ -196,19 +220,24 @@ def bench(
                             rec["drafters"][d][0] += s.drafted
                             rec["drafters"][d][1] += s.accepted
                 rec["drafters"] = dict(rec["drafters"])
+                rec["graphs"] = _graphs() - graphs
                 records.append(rec)
+                if on_record is not None:
+                    on_record(records)
     return records
 
 
 def table(records: list[dict]) -> str:
     """Markdown: one line per (workload, batch, method), and per cost structure where records name one
     (`costs`: benchmarks/replay/costs.py; seconds are then the structure's, not this machine's)."""
+    skipped = [r for r in records if "skipped" in r]
+    records = [r for r in records if "skipped" not in r]
     structured = any("costs" in r for r in records)
     lines = [
         ("| costs " if structured else "")
         + "| workload | batch | method | tok/s | x generate | x static | tokens / forward | acceptance per drafter "
-        "| identical |",
-        ("|---" if structured else "") + "|---|---|---|---|---|---|---|---|---|",
+        "| identical | graphs |",
+        ("|---" if structured else "") + "|---|---|---|---|---|---|---|---|---|---|",
     ]
     base, static = (
         {(r.get("costs"), r["workload"], r["batch"]): r["tokens"] / r["seconds"] for r in records if r["method"] == m}
@@ -224,7 +253,14 @@ def table(records: list[dict]) -> str:
         lines.append(
             (f"| {r['costs']} " if structured else "")
             + f"| {r['workload']} | {r['batch']} | {r['method']} | {rate:.1f} | {speedup:.2f} | {over_static} "
-            f"| {per_forward} | {accept} | {r['identical']}/{r['requests']} |"
+            f"| {per_forward} | {accept} | {r['identical']}/{r['requests']} | {r.get('graphs', '-')} |"
+        )
+    if skipped:
+        lines.append(
+            "\nskipped ("
+            + skipped[0]["skipped"]
+            + "): "
+            + ", ".join(f"{r['workload']} b{r['batch']} {r['method']}" for r in skipped)
         )
     return "\n".join(lines)
 
@@ -258,9 +294,7 @@ def main(args) -> int:
     if args.compile_backend:
         compile_config = CompileConfig(backend=args.compile_backend, mode=None)
         compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
-    records = bench(trace, target, drafters, args.batch_sizes, compile_config, trees=TREE_VARIANTS[args.trees])
-    md = stand_in + table(records)
-    print(md)
+    layout = args.cache if args.cache != "auto" else ("static" if device.type == "cuda" else "rectangular")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -271,7 +305,20 @@ def main(args) -> int:
         "trace": [str(path) for path in args.trace],
         "target_shape": args.target_shape,
         "recorded_on": trace.env,
+        "hf_spin_cache": layout,
+        "budget_s": args.budget_s,
     }
-    (out / f"replay-{stamp}.json").write_text(json.dumps({"env": env, "records": records}, indent=1))
-    (out / f"replay-{stamp}.md").write_text(md + "\n")
+
+    def write(records: list[dict]) -> str:
+        md = stand_in + table(records)
+        (out / f"replay-{stamp}.json").write_text(json.dumps({"env": env, "records": records}, indent=1))
+        (out / f"replay-{stamp}.md").write_text(md + "\n")
+        return md
+
+    deadline = time.perf_counter() + args.budget_s if args.budget_s else None
+    trees = TREE_VARIANTS[args.trees]
+    records = bench(
+        trace, target, drafters, args.batch_sizes, compile_config, None, None, trees, layout, deadline, write
+    )
+    print(write(records))
     return 0

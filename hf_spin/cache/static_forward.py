@@ -77,8 +77,8 @@ _UNTRACEABLE: weakref.WeakSet = weakref.WeakSet()
 
 # Graphs one compiled static forward may hold: one per (row-slot bucket, query width, capacity bucket, model),
 # so a server whose batch grows to 64 rows meets 7 row buckets x 2 widths; past dynamo's default (8)
-# fullgraph=True raises. A torch.compile that takes a per-call limit (2.13 does) gets this one; older ones
-# keep the global.
+# fullgraph=True raises. A torch.compile that takes a per-call limit (2.13 does) gets this one; on older ones
+# (2.11) the process-wide limit is raised to it (never lowered).
 RECOMPILE_LIMIT = 64
 _PER_CALL_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
@@ -87,6 +87,9 @@ def compile_static(forward=run_static, backend: str = "inductor", mode: str | No
     """`forward` compiled for fixed shapes with no graph break: one graph per (row slots, query slots,
     capacity, model) in dynamo's cache of the code object, up to RECOMPILE_LIMIT of them."""
     limit = dict(recompile_limit=RECOMPILE_LIMIT) if _PER_CALL_LIMIT else {}
+    if not _PER_CALL_LIMIT:
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(forward, fullgraph=True, dynamic=False, backend=backend, mode=mode, **limit)
 
 
