@@ -1209,6 +1209,14 @@ def main(argv=None) -> int:
         type=float,
         help="time budget of the whole run (default: 450 s on GPU, 600 s smoke, 900 s host-bound)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="every section's model dtype (default float32: identity without ties from rounding; bfloat16 "
+        "times the compiled section as users run it)",
+    )
+    parser.add_argument("--models", nargs="+", help="the compiled section's targets, of 1.5B 7B (default: both)")
+    parser.add_argument("--batches", nargs="+", type=int, help="the compiled section's batch sizes (default 1 16 4)")
     args = parser.parse_args(argv)
     if not (args.cpu_smoke or args.cpu_host_bound) and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --cpu-smoke or --cpu-host-bound on a machine without a GPU")
@@ -1218,6 +1226,15 @@ def main(argv=None) -> int:
     check = Check(args.cpu_smoke, args.out, args.sections, host_bound=args.cpu_host_bound)
     if args.budget_s:
         check.cfg = {**check.cfg, "budget_s": args.budget_s}
+    if args.dtype:
+        check.cfg = {**check.cfg, "dtype": getattr(torch, args.dtype)}
+    if args.models:
+        known = dict(check.cfg["compiled_targets"])
+        if unknown := sorted(set(args.models) - set(known)):
+            parser.error(f"--models {' '.join(unknown)}: give some of {' '.join(known)}")
+        check.cfg = {**check.cfg, "compiled_targets": tuple((m, known[m]) for m in args.models)}
+    if args.batches:
+        check.cfg = {**check.cfg, "compiled_batches": tuple(args.batches)}
     failed = False
     for name in args.sections:
         t = time.perf_counter()

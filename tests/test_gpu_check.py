@@ -176,3 +176,19 @@ def test_compiled_section_runs_every_method_and_records_every_field(compiled_rep
     assert [c["model"] for c in report["continuous"]] == ["1.5B", "7B"]
     assert all(g["verdict"] in ("PASS", "FAIL") and g["values"] for g in goals.values()), goals
     assert goals["no_recompilation"]["verdict"] == "PASS" and report["graphs_compiled"] >= 8
+
+
+def test_a_compiled_run_picks_its_models_batches_and_dtype(tmp_path):
+    """`--models`, `--batches`, `--dtype`: a GPU session with little time measures the configs the last one
+    skipped, in the dtype users run; an unknown model is refused with the known ones."""
+    args = [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--sections", "compiled", "--out", str(tmp_path)]
+    env = {**os.environ, "HF_SPIN_PROFILES": str(tmp_path / "profiles"), "OMP_NUM_THREADS": "1"}
+    picked = args + ["--models", "7B", "--batches", "4", "--dtype", "bfloat16"]
+    run = subprocess.run(picked, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())["compiled"]
+    assert report["dtype"] == "bfloat16"
+    assert [(c["model"], c["batch"]) for c in report["configs"]] == [("7B", 4)]
+    assert {(r["model"], r["batch"]) for r in report["runs"]} == {("7B", 4)}
+    run = subprocess.run(args + ["--models", "13B"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--models 13B: give some of 1.5B 7B" in run.stderr

@@ -199,7 +199,7 @@ def test_costs_replay_the_recorded_acceptance_on_injected_cost_structures(trace)
 
 def test_pools_replay_on_the_static_layout_and_a_budget_skips_what_starts_late(trace_file, trace, tmp_path):
     """`--cache static`: every pool verifies on the static layout (named `..._static`) and still commits the
-    recorded continuations; `--budget-s`: methods that would start past the budget are listed as skipped, and the
+    recorded continuations; `--budget-s`: methods that would end past the budget are listed as skipped, and the
     files are written after each record (a run stopped from outside keeps what it did)."""
     argv = ["run", str(trace_file), "--batch-sizes", "1", "4", "--trees", "both", "--cache", "static"]
     assert main(argv + ["--threads", "1", "--out", str(tmp_path / "static")]) == 0

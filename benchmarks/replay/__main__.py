@@ -64,7 +64,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--cache", choices=CACHES, default="auto", help="the pools' KV cache layout; auto: static (compiled) on CUDA"
     )
-    run.add_argument("--budget-s", type=float, help="seconds; methods that would start later are skipped")
+    run.add_argument(
+        "--budget-s", type=float, help="seconds; a method is skipped when less is left than the longest one so far took"
+    )
     run.add_argument("--threads", type=int, default=2)
     run.add_argument("--out", type=Path, default=Path("benchmarks/results/replay"))
     costs = sub.add_parser(
