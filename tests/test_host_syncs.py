@@ -14,6 +14,7 @@ import torch
 
 import hf_spin
 from hf_spin import host_syncs
+from hf_spin.drafters import ModelDrafter
 from hf_spin.host_syncs import count_syncs, to_device
 from hf_spin.step.rows import Request
 
@@ -74,6 +75,17 @@ def test_a_model_free_drafter_reads_the_device_once_a_step(models, cache):
         per_step, syncs, spin = generate_counted(models, batch, cache, entry="prompt_lookup", do_sample=False)
         assert_speculated(spin.last_stats)
         assert per_step <= 1, f"batch {batch}: {per_step:.2f} syncs a step; sites {syncs.step_sites.most_common(8)}"
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_a_model_drafter_on_the_static_layout_reads_its_draft_once(models, monkeypatch, batch):
+    """On an accelerator the static layout's draft loop keeps its tokens on the device (`read_each_draft_token`
+    None there; False here stands in on the CPU): a greedy step reads the draft once and the verdict once,
+    not once a draft token (the issue's "no host read between its tokens")."""
+    monkeypatch.setattr(ModelDrafter, "read_each_draft_token", False)
+    per_step, syncs, spin = generate_counted(models, batch, "static", do_sample=False)
+    assert_speculated(spin.last_stats)
+    assert per_step <= 2, f"batch {batch}: {per_step:.2f} syncs a step; sites {syncs.step_sites.most_common(8)}"
 
 
 @pytest.mark.parametrize("cache", ["rectangular", "packed", "static"])

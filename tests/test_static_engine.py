@@ -4,6 +4,7 @@ trees (trees across architectures: tests/test_token_trees.py); rows leave the ba
 and models the layout cannot run are refused.
 """
 
+import contextlib
 import functools
 import os
 import warnings
@@ -13,6 +14,8 @@ import torch
 
 import hf_spin
 from hf_spin.cache.static_forward import StaticOptions
+from hf_spin.drafters import ModelDrafter
+from hf_spin.policies.lengths import HeuristicLength, HeuristicLengthConfig
 from hf_spin.stats import DrafterStats
 from hf_spin.step.engine import SpinEngine
 
@@ -286,20 +289,49 @@ def test_generate_honours_cache_implementation_static(monkeypatch):
 
 
 @pytest.mark.parametrize("per_call", [True, False], ids=["per-call limit", "process-wide limit"])
-def test_a_compiled_static_forward_holds_more_graphs_than_dynamos_default(fresh_dynamo, monkeypatch, per_call):
+def test_a_compiled_static_forward_holds_more_graphs_than_dynamos_default(fresh_dynamo, per_call):
     """A graph per (row-slot bucket, width): a growing server batch passes dynamo's default of 8, which
     fullgraph=True would turn into an error. A torch.compile with no per-call limit (2.11) gets the
     process-wide one raised."""
     from hf_spin.cache import static_forward
     from hf_spin.cache.static_forward import RECOMPILE_LIMIT, compile_static
 
-    if per_call and not static_forward._PER_CALL_LIMIT:
-        pytest.skip("torch.compile takes no recompile_limit")
-    if not per_call and not hasattr(torch._dynamo.config, "recompile_limit"):
-        pytest.skip("this torch has no process-wide recompile_limit (torch.compile takes one per call)")
-    monkeypatch.setattr(static_forward, "_PER_CALL_LIMIT", per_call)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # dynamo's default, restored afterwards
-    double = compile_static(lambda x: x * 2, backend="eager")
-    for n in range(1, 13):
-        torch.testing.assert_close(double(torch.ones(n)), torch.full((n,), 2.0))
+    if per_call != static_forward._PER_CALL_LIMIT:  # each torch takes one of the two paths
+        pytest.skip(f"this torch's torch.compile {'takes no' if per_call else 'takes a'} per-call recompile_limit")
+    # the process-wide limit at dynamo's default, restored afterwards (its config's own patch)
+    with contextlib.nullcontext() if per_call else torch._dynamo.config.patch(recompile_limit=8):
+        double = compile_static(lambda x: x * 2, backend="eager")
+        for n in range(1, 13):
+            torch.testing.assert_close(double(torch.ones(n)), torch.full((n,), 2.0))
     assert fresh_dynamo["stats"]["unique_graphs"] == 12 < RECOMPILE_LIMIT
+
+
+CUT = 0.014  # a min_confidence a little over uniform (1 / 96): it cuts some of the perturbed drafters' drafts
+
+
+@pytest.mark.parametrize("compiled", (False, True), ids=("eager", "compiled"))
+@pytest.mark.parametrize("batch", (1, 4))
+@pytest.mark.parametrize("arch", ("llama", "gemma"))
+def test_the_draft_loop_on_the_device_proposes_what_the_host_loop_does(arch, batch, compiled, monkeypatch):
+    """`read_each_draft_token=False` (an accelerator's default): every row drafts the longest k on the device
+    and is cut after one read, at its own k and after its first token below min_confidence. Output equals
+    plain generate's, and each drafter drafts and gets accepted exactly what the host loop's early stops give,
+    with k per row (transformers' heuristic) and confidence stops that cut drafts."""
+    target, other = _models(arch)
+    inputs, reference = _case(arch, batch)
+    counts = {}
+    for reads, confidence in ((True, CUT), (False, CUT), (False, 0.0)):
+        monkeypatch.setattr(ModelDrafter, "read_each_draft_token", reads)
+        pool = spin_pool(
+            [other],
+            tree=False,
+            cache="static",
+            compile=StaticOptions(compiled, "eager"),
+            draft_length=HeuristicLength(HeuristicLengthConfig(min_confidence=confidence)),
+        )
+        out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+        assert torch.equal(out, reference), f"\n{out}\n{reference}"
+        counts[reads, confidence] = [(s.drafted, s.accepted) for s in pool.last_stats.drafters.values()]
+    assert_speculated(pool.last_stats)  # uncut: k per row from transformers' heuristic, up to 8 here
+    assert counts[True, CUT] == counts[False, CUT]
+    assert counts[False, CUT][0][0] < counts[False, 0.0][0][0], f"no draft cut by its confidence: {counts}"

@@ -132,7 +132,26 @@ def forward_static(
     ids = [[FILLER_TOKEN] * width for _ in range(cache.num_slots)]  # [R, T]
     for slot, chunk in zip(cache.slot_of, chunks):
         ids[slot][: len(chunk)] = chunk
-    input_ids = to_device(ids, model.device, torch.long)
+    return _run(model, cache, to_device(ids, model.device, torch.long), counts, forward)
+
+
+def forward_static_tokens(model, cache: StaticRowCache, tokens: torch.Tensor, fed: list[bool], forward=run_static):
+    """`forward_static` of one token per fed row, the tokens already on the device: a draft loop feeds each
+    drafted token back without reading it on the host. tokens: `[n]`, one per row where fed (`[B]`) is True,
+    in row order. Returns logits `[B, 1, V]` (a row not fed reads padding)."""
+    if len(fed) != len(cache.slot_of):
+        raise ValueError(f"{len(fed)} rows fed for a StaticRowCache of {len(cache.slot_of)} rows")
+    cache.reserve(1)
+    cache.use_layout(1, {})
+    slots = to_device([slot for slot, f in zip(cache.slot_of, fed) if f], tokens.device, torch.long)  # [n]
+    ids = torch.full((cache.num_slots, 1), FILLER_TOKEN, dtype=torch.long, device=tokens.device)  # [R, 1]
+    ids[slots, 0] = tokens
+    return _run(model, cache, ids, [int(f) for f in fed], forward)
+
+
+def _run(model, cache: StaticRowCache, input_ids: torch.Tensor, counts: list[int], forward) -> torch.Tensor:
+    """`forward` over input_ids `[R, T]` (eagerly where it cannot run compiled), then each row's length
+    advanced by its count; logits `[B, T', V]`, T' = the largest count, rows in the cache's row order."""
     if not all(layer.is_initialized for layer in cache.layers) or not cache.layers or model in _UNTRACEABLE:
         forward = run_static  # the first forward allocates the storage: never inside a compiled region
     with _attention(model):
@@ -150,7 +169,7 @@ def forward_static(
             logits = run_static(model, cache, input_ids, model.dtype)
     cache.advance(counts)
     rows = to_device(cache.slot_of, logits.device, torch.long)  # [B]
-    return logits[rows, :longest]  # a copy: a CUDA graph's output buffer is reused by its next replay
+    return logits[rows, : max(counts)]  # a copy: a CUDA graph's output buffer is reused by its next replay
 
 
 @dataclass(frozen=True)

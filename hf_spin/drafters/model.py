@@ -11,7 +11,8 @@ which only changes how sequences and drafts cross between the two vocabularies.
 On the static layout (`AssistantPool(cache="static")`) the drafter keeps its KV in its own `StaticRowCache`
 and runs every forward as the target verifies, `forward_static` (one query slot per draft token, so one
 graph for all of them; chunks bucketed), compiled when the pool's `compile` says so; rollback lowers
-the rows' lengths. Subclasses with their own forwards or caches (fuzzy.py, streaming.py) and models that
+the rows' lengths. There, on an accelerator, a greedy draft keeps its tokens on the device and reads
+them once (`_draft_on_device`; docs/design.md, "Host syncs"). Subclasses with their own forwards or caches (fuzzy.py, streaming.py) and models that
 `check_static_support` refuses keep the eager path on a dynamic cache, with no error (`_static_run`).
 
 Subclasses change the mechanism through three hooks, never by copying `draft`:
@@ -32,7 +33,14 @@ import torch
 
 from ..cache import PackedCache, RectangularCache, forward_ragged, needs_contiguous_slots, takes_4d_masks
 from ..cache.static import StaticRowCache, query_bucket
-from ..cache.static_forward import StaticOptions, check_static_support, forward_static, run_static, run_static_draft
+from ..cache.static_forward import (
+    StaticOptions,
+    check_static_support,
+    forward_static,
+    forward_static_tokens,
+    run_static,
+    run_static_draft,
+)
 from ..host_syncs import to_device
 from .base import Draft, Drafter, DraftRequest
 from .draft_vocabulary import draft_ids, widen, with_draft_vocabulary
@@ -68,6 +76,10 @@ class ModelDrafter(Drafter):
     gives_q = True
     cache_layout = "rectangular"  # set by AssistantPool(cache=...): "packed" is a PackedCache and varlen attention
     static: StaticOptions | None = None  # set by the engine on the static layout: forwards as `_static_run` says
+    # On the static layout, whether the draft loop reads each token on the host (to stop a row early) or keeps
+    # them on the device and reads once (`_draft_on_device`); None: each token on a CPU, where a read costs
+    # nothing and an early stop saves forwards, once on an accelerator, where each read idles the device.
+    read_each_draft_token: bool | None = None
 
     def __init__(
         self, model, name: str | None = None, tree_width: int = 3, draft_vocabulary: int | Sequence[int] | None = None
@@ -229,7 +241,6 @@ class ModelDrafter(Drafter):
 
     @torch.no_grad()
     def draft(self, request: DraftRequest) -> Draft:
-        B = len(self.cached)
         kmax = max(request.k, default=0)
         if kmax == 0:
             return Draft(tokens=[[] for _ in request.rows], q=[None] * len(request.rows))
@@ -239,12 +250,78 @@ class ModelDrafter(Drafter):
         if request.trees and self.grows_trees():
             return grow_trees(self, request, logits, draft_seqs)
         # 2. Draft up to kmax tokens, one forward per token after the first; a row stops at its k or
-        #    after a token less likely than min_confidence. Each position is drawn for every row at once
-        #    and crosses to the host in one transfer.
-        new_ids = {row: [] for row in request.rows}
-        q_rows = {row: [] for row in request.rows}
+        #    after a token less likely than min_confidence.
         limit = dict(zip(request.rows, request.k))
         sample = dict(zip(request.rows, request.sample or [request.do_sample] * len(request.rows)))
+        if self._drafts_on_device(request, sample):
+            new_ids, q_rows = self._draft_on_device(request, logits, limit), {}
+        else:
+            new_ids, q_rows = self._draft_on_host(request, logits, limit, sample)
+        # 3. Hand back the drafts in the target vocabulary.
+        tokens, qs = [], []
+        for row, k in zip(request.rows, request.k):
+            tokens.append(self.to_target_space(draft_seqs[row], new_ids[row], k))
+            qs.append(torch.stack(q_rows[row][: len(tokens[-1])]) if q_rows.get(row) and tokens[-1] else None)
+        return Draft(tokens=tokens, q=qs)
+
+    def _drafts_on_device(self, request: DraftRequest, sample: dict[int, bool]) -> bool:
+        """Whether this draft loop keeps its tokens on the device: the static layout's one-token forwards
+        (`read_each_draft_token`), greedy proposals, and no logits processor reading the drafted prefix."""
+        reads = self.read_each_draft_token
+        if reads is None:
+            reads = self.model.device.type == "cpu"
+        return (
+            self.static_run is not None
+            and not reads
+            and not (self.shares_vocab and (request.score is not None or any(sample.values())))
+        )
+
+    def _draft_on_device(self, request: DraftRequest, logits: torch.Tensor, limit: dict[int, int]) -> dict:
+        """The draft loop with one host read: every row drafts max(k) greedy tokens, each fed back on the
+        device (`forward_static_tokens`); then a row keeps its first k, up to and including its first token
+        less likely than min_confidence: the tokens the host loop's stops give, for a few forwards more
+        where a row stops early. Returns {row: draft-space ids}."""
+        B = len(self.cached)
+        active = [row for row in request.rows if limit[row] > 0]
+        new_ids = {row: [] for row in request.rows}
+        if not active:
+            return new_ids
+        kmax = max(limit[row] for row in active)
+        index = None if active == list(range(B)) else to_device(active, logits.device, torch.long)  # [n]
+        fed = [False] * B
+        for row in active:
+            fed[row] = True
+        picked, confidences = [], []  # kmax x [n] on the device
+        for j in range(kmax):
+            at = logits[:, -1] if index is None else logits[index, -1]  # [n, V_draft]
+            scores = self._scores(at, active, [], request) if self.shares_vocab else at.float()  # [n, V]
+            tokens = scores.argmax(dim=-1)  # [n]
+            picked.append(tokens)
+            if request.min_confidence > 0:
+                confidences.append(torch.softmax(scores, dim=-1).gather(1, tokens[:, None])[:, 0])
+            if j + 1 < kmax:
+                self.cache.reserve(1, self.target_static.capacity if self.target_static is not None else 0)
+                logits = forward_static_tokens(self.model, self.cache, tokens, fed, self.static_run)  # [B, 1, V]
+        # the one read: ids and their q (ids are exact in float64)
+        read = torch.stack([t.double() for t in picked + confidences]).tolist()  # [kmax (+ kmax), n]
+        ids, confidence = read[:kmax], read[kmax:]
+        for i, row in enumerate(active):
+            column = [int(ids[j][i]) for j in range(kmax)]
+            for j, token in enumerate(column):
+                new_ids[row].append(token)
+                if j + 1 >= limit[row] or (confidence and confidence[j][i] < request.min_confidence):
+                    break
+            self.cached[row] += column[:-1]  # every token but the last was fed
+        return new_ids
+
+    def _draft_on_host(
+        self, request: DraftRequest, logits: torch.Tensor, limit: dict[int, int], sample: dict[int, bool]
+    ) -> tuple[dict, dict]:
+        """The draft loop that reads each position on the host, drawn for every row at once and crossing in one
+        transfer, and stops each row as soon as it is done. Returns ({row: draft-space ids}, {row: [q]})."""
+        B = len(self.cached)
+        new_ids = {row: [] for row in request.rows}
+        q_rows = {row: [] for row in request.rows}
         active = [row for row in request.rows if limit[row] > 0]
         while active:
             at = (
@@ -286,9 +363,4 @@ class ModelDrafter(Drafter):
                 logits = self._forward(next_chunks, None)
                 for row in active:
                     self.cached[row].append(new_ids[row][-1])
-        # 3. Hand back the drafts in the target vocabulary.
-        tokens, qs = [], []
-        for row, k in zip(request.rows, request.k):
-            tokens.append(self.to_target_space(draft_seqs[row], new_ids[row], k))
-            qs.append(torch.stack(q_rows[row][: len(tokens[-1])]) if q_rows[row] and tokens[-1] else None)
-        return Draft(tokens=tokens, q=qs)
+        return new_ids, q_rows

@@ -496,4 +496,15 @@ MUTANTS = (
         "seconds += cost.bound(lag) - cost.predict(1)",
         ("tests/test_planning.py::test_an_idle_catch_up_on_padded_rows_is_priced_over_every_row_it_pads",),
     ),
+    Mutant(
+        "device_draft_loop_ignores_confidence",
+        "the static layout's draft loop on the device keeps every row's draft to its k, not cut after its first token "
+        "below min_confidence as the host loop stops it: longer drafts than the rule asks for",
+        "hf_spin/drafters/model.py",
+        "if j + 1 >= limit[row] or (confidence and confidence[j][i] < request.min_confidence):",
+        "if j + 1 >= limit[row]:",
+        (
+            "tests/test_static_engine.py::test_the_draft_loop_on_the_device_proposes_what_the_host_loop_does[llama-4-eager]",
+        ),
+    ),
 )
