@@ -31,13 +31,12 @@ Two ways of counting (`mode`):
         `masked_select`, boolean-mask indexing (`x[mask]`, `x[mask] = v`), `repeat_interleave`
         with tensor repeats and no `output_size`, `bincount`;
       - blocking host-to-device copies: `torch.tensor(data, device=d)` / `torch.as_tensor(data,
-        device=d)` (non-empty), `host.to(d)` / `.cuda()` without `non_blocking=True`, `copy_`
-        between the sides;
+        device=d)` (non-empty), indexing a device tensor with a Python list (`x[[0, 2]]`,
+        `x[:, list]`), `host.to(d)` / `.cuda()` without `non_blocking=True`, `copy_` between the sides;
       - an op mixing a host tensor of >= 1 dimension with device tensors (an implicit copy).
     Not counted, but reported in `async_copies`: `host.to(d, non_blocking=True)` (`to_device`).
     What it cannot see: ops inside C++ kernels (only what reaches Python's dispatch), syncs inside
-    custom Triton or CUDA kernels, `torch.cuda.synchronize` and stream or event waits, indexing a
-    device tensor with a Python list (the index tensor is made in C++: read as a device tensor),
+    custom Triton or CUDA kernels, `torch.cuda.synchronize` and stream or event waits,
     a torch.device built by hand that names the host (`torch.device("cpu")`: read as the device),
     and work on other threads than the one that entered the counter (the modes are per thread).
 
@@ -283,6 +282,9 @@ class _HostFunctions(TorchFunctionMode):
         if name in ("tolist", "numpy", "__array__"):
             if side == DEVICE:
                 self.counter.record(name.strip("_"))
+        elif name in ("__getitem__", "__setitem__"):
+            if side == DEVICE and len(args) > 1 and _list_index(args[1]):
+                self.counter.record("h2d")  # the list becomes an index tensor copied from pageable memory
         elif name == "cpu":
             if side == DEVICE:
                 self.counter.record("d2h")
@@ -303,6 +305,13 @@ class _HostFunctions(TorchFunctionMode):
                 self.counter.record("d2h")
                 return _moved(out, self_, HOST)
         return out
+
+
+def _list_index(index) -> bool:
+    """Whether an index holds a non-empty Python list (alone or in a tuple): on CUDA, indexing a device
+    tensor with one copies it to the device from pageable memory, which waits for the stream."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(part, list) and part for part in parts)
 
 
 class _DeviceOps(TorchDispatchMode):

@@ -146,9 +146,11 @@ def test_counter_tells_device_reads_from_host_reads():
             host.to(device_side.device)  # 6: the same
             moved = to_device([1, 2], device_side.device)  # not a sync: an asynchronous copy
             (moved + 1).tolist()  # 7: it is on the device now
-    assert syncs.count == 7 and syncs.phases["step"] == 7 and syncs.entries["step"] == 1
+            device_side[[0, 2]], device_side[:, [1]]  # 8, 9: a list index is copied from pageable memory
+            device_side[0], device_side[1:], device_side[moved]  # not syncs: an int, a slice, a device index
+    assert syncs.count == 9 and syncs.phases["step"] == 9 and syncs.entries["step"] == 1
     assert syncs.async_copies == 1
-    assert syncs.kinds == {"item": 1, "mask_index": 1, "nonzero": 1, "tolist": 2, "h2d": 2}
+    assert syncs.kinds == {"item": 1, "mask_index": 1, "nonzero": 1, "tolist": 2, "h2d": 4}
     assert all(site.startswith("test_host_syncs.py:") for site in syncs.callers), syncs.callers
 
 

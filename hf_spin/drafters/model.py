@@ -12,8 +12,9 @@ On the static layout (`AssistantPool(cache="static")`) the drafter keeps its KV 
 and runs every forward as the target verifies, `forward_static` (one query slot per draft token, so one
 graph for all of them; chunks bucketed), compiled when the pool's `compile` says so; rollback lowers
 the rows' lengths. There, on an accelerator, a greedy draft keeps its tokens on the device and reads
-them once (`_draft_on_device`; docs/design.md, "Host syncs"). Subclasses with their own forwards or caches (fuzzy.py, streaming.py) and models that
-`check_static_support` refuses keep the eager path on a dynamic cache, with no error (`_static_run`).
+them once (`_draft_on_device`; docs/design.md, "Host syncs"). Subclasses with their own forwards or
+caches (fuzzy.py, streaming.py) and models that `check_static_support` refuses keep the eager path on a
+dynamic cache, with no error (`_static_run`).
 
 Subclasses change the mechanism through three hooks, never by copying `draft`:
     _new_cache(B)          the cache a call starts with (a sparse one in streaming.py)

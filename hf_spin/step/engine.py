@@ -401,7 +401,7 @@ class SpinEngine:
             paths, next_tokens, tree_scores = verified
             accepted = [len(p) for p in paths]
             kept = [[t.tokens[n] for n in p] for t, p in zip(trees, paths)]  # [B] the accepted draft tokens
-            row_scores = [tree_step.path_scores(tree_scores[b], p) for b, p in enumerate(paths)]  # [B] [len + 1, V]
+            row_scores = tree_step.path_scores(tree_scores, paths)  # [B] [len + 1, V]
         else:
             chunks = [[r.sequence[-1]] + proposal.drafts[b] for b, r in enumerate(rows)]
             fed, positions = self._widened(chunks)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..cache import PackedCache, RowCache, forward_tree, needs_contiguous_slots, takes_4d_masks
+from ..host_syncs import to_device
 from ..verify.chains import gumbel_noise
 from ..verify.token_tree import TokenTree
 from ..verify.trees import decide, walk_greedy, walk_sampling
@@ -112,11 +113,18 @@ def _argmax(rows, trees: list[TokenTree], scores: torch.Tensor) -> torch.Tensor:
             noise = gumbel_noise(
                 row.request.seed, len(row.generated), max(depths) + 1, scores.shape[-1], scores.device
             )  # [D + 1, V]
-            perturbed = torch.log_softmax(scores[b, : len(depths)], dim=-1) + noise[depths]  # [n, V]
+            at = to_device(depths, noise.device, torch.long)  # [n] (a list index would wait on CUDA)
+            perturbed = torch.log_softmax(scores[b, : len(depths)], dim=-1) + noise.index_select(0, at)  # [n, V]
             best[b, : len(depths)] = perturbed.argmax(dim=-1)
     return best
 
 
-def path_scores(scores: torch.Tensor, path: list[int]) -> torch.Tensor:
-    """`[len(path) + 1, V]` a row's scores at the slots it committed from: the root, then each accepted node."""
-    return scores[[0] + [node + 1 for node in path]]
+def path_scores(scores: torch.Tensor, paths: list[list[int]]) -> list[torch.Tensor]:
+    """[B] each row's scores at the slots it committed from, `[len(path) + 1, V]`: the root, then each accepted
+    node, of scores `[B, T, V]`. A path down first children is a slice; the others' slots cross in one
+    asynchronous copy (a Python list as an index would be a blocking copy on CUDA, one a row)."""
+    slots = [[0] + [node + 1 for node in path] for path in paths]  # [B] [len + 1]
+    if all(s == list(range(len(s))) for s in slots):
+        return [scores[b, : len(s)] for b, s in enumerate(slots)]
+    flat = to_device([b * scores.shape[1] + i for b, s in enumerate(slots) for i in s], scores.device, torch.long)
+    return list(scores.flatten(0, 1).index_select(0, flat).split([len(s) for s in slots]))

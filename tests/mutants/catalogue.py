@@ -164,7 +164,7 @@ MUTANTS = (
         "tree_noise_by_slot",
         "a seeded row's Gumbel noise on a token tree follows the slot index instead of the slot's depth: its tokens change with what was drafted",
         "hf_spin/step/tree_step.py",
-        "+ noise[depths]  # [n, V]",
+        "+ noise.index_select(0, at)  # [n, V]",
         "+ gumbel_noise(row.request.seed, len(row.generated), len(depths), scores.shape[-1], scores.device)  # [n, V]",
         ("tests/test_token_trees.py::test_seeded_rows_give_the_same_tokens_with_trees_as_with_chains",),
     ),
@@ -506,5 +506,14 @@ MUTANTS = (
         (
             "tests/test_static_engine.py::test_the_draft_loop_on_the_device_proposes_what_the_host_loop_does[llama-4-eager]",
         ),
+    ),
+    Mutant(
+        "tree_path_scores_indexed_by_list",
+        "a tree step gathers each row's accepted path's scores with a Python list as the index: on CUDA a blocking "
+        "copy from pageable memory, one a row a step (the instrumented counter must see it)",
+        "hf_spin/step/tree_step.py",
+        "        return [scores[b, : len(s)] for b, s in enumerate(slots)]",
+        "        return [scores[b][s] for b, s in enumerate(slots)]",
+        ("tests/test_host_syncs.py::test_a_model_free_drafter_reads_the_device_once_a_step[static]",),
     ),
 )
