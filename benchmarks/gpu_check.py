@@ -1029,10 +1029,37 @@ def compiled_config(check: Check, report: dict, label: str, model, batch: int):
     spin_run(True, TREE_ALPHA, "off", warm=True, draws=TREE_DRAWS)  # its warm call compiles the tree's width
     if model is check.models.get(("target", cfg["dtype"])):  # the drafter shares the 1.5B's vocabulary
         spin_run(True, None, "off", first=True)  # its first call compiles the drafter's graphs (widths 1, 2)
+    if batch == cfg["compiled_batches"][0] and check.left() > 0.1 * budget:  # where a plain step's time goes
+        never = lambda: static_spin(check, model, ids, mask, tokens, Oracle(refs, 0.0, vocab), True, "auto", True)  # noqa: E731
+        report.setdefault("profiles", {})[f"{label} b={batch}"] = {
+            "generate_static": profiled(check, lambda: static_generate(check, model, ids, mask, tokens), tokens),
+            "hf_spin_compiled alpha 0 profile auto": profiled(check, never, tokens),
+        }
     if batch == max(cfg["compiled_batches"]) and check.left() > 0.03 * budget:
         report["continuous"].append({**where, **continuous(check, model, ids, mask, refs)})
         print(f"  compiled {label:>4} b={batch:<2} continuous: {report['continuous'][-1]}")
     return lambda: [spin_run(False, alpha, profile, warm=profile == "auto") for alpha, profile in variants]
+
+
+def profiled(check: Check, run, tokens: int, rows: int = 12) -> dict:
+    """`run` under torch.profiler (CPU, and CUDA on a GPU): per token, the host's time in hf_spin's and
+    transformers' Python and in each op, the device's in each kernel; the ops that take most of either,
+    as `key_averages` tables. What a compiled plain step pays beyond transformers' own, op by op."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if check.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        run()
+        if check.device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    out = {"wall_ms_per_token": 1e3 * (time.perf_counter() - start) / tokens}
+    out["cpu_top"] = events.table(sort_by="self_cpu_time_total", row_limit=rows)
+    if check.device.type == "cuda":
+        out["cuda_top"] = events.table(sort_by="self_device_time_total", row_limit=rows)
+        out["kernels_per_token"] = sum(e.count for e in events if e.self_device_time_total > 0) / tokens
+    return out
 
 
 def continuous(check: Check, model, ids, mask, refs: list[list[int]]) -> dict:

@@ -190,5 +190,8 @@ def test_a_compiled_run_picks_its_models_batches_and_dtype(tmp_path):
     assert report["dtype"] == "bfloat16"
     assert [(c["model"], c["batch"]) for c in report["configs"]] == [("7B", 4)]
     assert {(r["model"], r["batch"]) for r in report["runs"]} == {("7B", 4)}
+    profiles = report["profiles"]["7B b=4"]  # where a plain step's time goes, transformers' and ours
+    assert set(profiles) == {"generate_static", "hf_spin_compiled alpha 0 profile auto"}
+    assert all("aten::" in p["cpu_top"] and p["wall_ms_per_token"] > 0 for p in profiles.values())
     run = subprocess.run(args + ["--models", "13B"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "--models 13B: give some of 1.5B 7B" in run.stderr
