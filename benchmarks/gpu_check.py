@@ -1030,7 +1030,10 @@ def compiled_config(check: Check, report: dict, label: str, model, batch: int):
     if model is check.models.get(("target", cfg["dtype"])):  # the drafter shares the 1.5B's vocabulary
         spin_run(True, None, "off", first=True)  # its first call compiles the drafter's graphs (widths 1, 2)
     if batch == cfg["compiled_batches"][0] and check.left() > 0.1 * budget:  # where a plain step's time goes
-        never = lambda: static_spin(check, model, ids, mask, tokens, Oracle(refs, 0.0, vocab), True, "auto", True)  # noqa: E731
+
+        def never():  # the default pool where nothing is accepted: hf_spin's compiled plain decode
+            return static_spin(check, model, ids, mask, tokens, Oracle(refs, 0.0, vocab), True, "auto", True)
+
         report.setdefault("profiles", {})[f"{label} b={batch}"] = {
             "generate_static": profiled(check, lambda: static_generate(check, model, ids, mask, tokens), tokens),
             "hf_spin_compiled alpha 0 profile auto": profiled(check, never, tokens),

@@ -29,9 +29,6 @@ from .checks import CheckConfig, compare, generated, left_pad, run_check
 from .forced import build_model, force, replay_drafters
 from .trace import Trace, load, merge
 
-# A first call per method and batch shape, untimed, as long as the timed ones: allocations, kernels, and the
-# compilations of every query width the drafts reach (the static layout's width only grows; a timed call that
-# meets a wider one compiles it, which the record's "graphs" counts).
 # Target shapes a replay can stand in for the recorded one (`--target-shape`): config fields over the recorded
 # target's (same vocabulary, tokens and acceptance: the recorded pair's, said so in the output).
 TARGET_SHAPES = {
@@ -192,7 +189,10 @@ def bench(
                 if deadline is not None and began + longest > deadline:
                     records.append({"workload": workload, "batch": bs, "method": name, "skipped": "time budget"})
                     continue
-                for chunk in {len(c): c for c in batches}.values() if clock is None else ():  # untimed, per shape
+                # a first call per batch shape, untimed, as long as the timed ones: allocations, kernels, and the
+                # graphs of every query width the drafts reach (a timed call that meets a wider one compiles it,
+                # which the record's "graphs" counts)
+                for chunk in {len(c): c for c in batches}.values() if clock is None else ():
                     fn(*left_pad([r.prompt for r in chunk], pad, target.device), trace.max_new_tokens)
                 rec = {
                     "workload": workload,

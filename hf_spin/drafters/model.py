@@ -175,11 +175,16 @@ class ModelDrafter(Drafter):
             return forward_ragged(self.model, self.cache, chunks, all_logits=False)
         longest = max(len(c) for c in chunks)
         width = query_bucket(longest)
-        self.cache.reserve(width, self.target_static.capacity if self.target_static is not None else 0)
+        self._reserve(width)
         run = self.static_run if longest <= COMPILED_CHUNK else run_static
         logits = forward_static(self.model, self.cache, chunks, run, width)  # [B, T, V_draft]
         last = to_device([max(len(c) - 1, 0) for c in chunks], logits.device, torch.long)  # [B] (empty: a hole)
         return logits[torch.arange(len(chunks), device=logits.device), last][:, None]  # [B, 1, V_draft]
+
+    def _reserve(self, width: int) -> None:
+        """Room in the static cache for a forward of `width` query slots, at least the target's capacity (so that
+        rows growing past a capacity bucket recompile none of our graphs)."""
+        self.cache.reserve(width, self.target_static.capacity if self.target_static is not None else 0)
 
     def synced(self, row: int) -> int | None:
         return len(self.cached[row]) if row < len(self.cached) else 0  # draft-space tokens: about the target's
@@ -301,7 +306,7 @@ class ModelDrafter(Drafter):
             if request.min_confidence > 0:
                 confidences.append(torch.softmax(scores, dim=-1).gather(1, tokens[:, None])[:, 0])
             if j + 1 < kmax:
-                self.cache.reserve(1, self.target_static.capacity if self.target_static is not None else 0)
+                self._reserve(1)
                 logits = forward_static_tokens(self.model, self.cache, tokens, fed, self.static_run)  # [B, 1, V]
         # the one read: ids and their q (ids are exact in float64)
         read = torch.stack([t.double() for t in picked + confidences]).tolist()  # [kmax (+ kmax), n]
