@@ -146,6 +146,8 @@ def test_a_catch_up_past_the_grid_grows_at_least_by_the_grids_mean_slope():
     assert cost.predict(700) == pytest.approx(0.32)  # what interpolation alone says
     assert cost.bound(700) == pytest.approx(0.32 + (0.32 - 0.15) / 7 * 692)
     assert cost.bound(4) == pytest.approx(cost.predict(4))  # inside the grid, the grid
+    rising = ForwardCost.from_table({1: 0.1, 8: 0.2, 64: 1.0})
+    assert rising.bound(4) == pytest.approx(rising.predict(4))  # not the last knot's cost
     planner = Planner(profile_of(table(flat), [cost], ["drafter"]))
     assert planner._catch_up_seconds({0: 700}) == pytest.approx(cost.bound(700) - 0.15)
 

@@ -12,7 +12,9 @@
 Which request a row is comes from the row's own tokens, never from a counter: a prefill (an empty cache) matches
 each row's prompt against the trace's; later forwards keep the rows' order until the batch shrinks (hf_spin
 retires finished rows, in order), when the rows left are matched to the earlier ones by their first token and its
-position (the last committed token: on the recorded sequence) and by which rows could have finished. Past an
+position (the last committed token: on the recorded sequence) and by which rows could have finished. Prefills back
+to back are one batch prefilled in groups (docs/planning.md, "Prefill groups"), its rows put back in row order
+before the next forward: each row's first token after its prompt tells whose it is. Past an
 EOS the lookup reads the recorded tail (what the real target predicted there). Rows joining
 a running batch (the server's continuous batching) are not supported: a prefill starts a new batch.
 """
@@ -63,6 +65,7 @@ class ForcedTarget:
         # the latest forward's rows: its (ids, positions, packed metadata or None) on the device, or after a
         # prefill [B] (last prompt token, its position, 1) on the host
         self.last: tuple | list = []
+        self.prefills: list[tuple[list[int], list]] = []  # (requests, last) of each prefill back to back so far
         self.buffered: list[int] = []  # what module.replay_rows holds
         self.handles = (
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
@@ -112,12 +115,15 @@ class ForcedTarget:
         if cache is None or int(cache.get_seq_length()) == 0:
             self._prefill(ids, positions, meta)
         else:
-            if len(first_ids) > len(self.requests):  # rows that no prefill showed (a cost-profile probe)
+            if len(first_ids) > len(self.requests) and self._grouped(len(first_ids)):  # now in row order
+                self._regroup(list(zip(first_ids.tolist(), first_positions.tolist())))
+            elif len(first_ids) > len(self.requests):  # rows that no prefill showed (a cost-profile probe)
                 self.requests = [UNKNOWN] * len(first_ids)
             elif len(first_ids) < len(self.requests):
                 now = list(zip(first_ids.tolist(), first_positions.tolist()))
                 self.requests = match(self._before(), now, self.requests, self.sequences)
             self.last = (ids, positions, meta)
+            self.prefills = []
         rows = [r if r != UNKNOWN else len(self.sequences) for r in self.requests]
         if rows != self.buffered:
             module.replay_rows = torch.tensor(rows, device=module.replay_rows.device)
@@ -136,8 +142,42 @@ class ForcedTarget:
             rows, last = ids.tolist(), positions[:, -1]
         prompts = [row[len(row) - n - 1 :] for row, n in zip(rows, last.tolist())]
         # a prompt, or a prompt and drafts (transformers' assisted decoding has no separate prefill)
-        self.requests = [UNKNOWN if (r := self.trace.request_of(p)) is None else r for p in prompts]
-        self.last = [(p[-1] if p else 0, len(p) - 1, 1) for p in prompts]  # the next forward starts after these
+        requests = [UNKNOWN if (r := self.trace.request_of(p)) is None else r for p in prompts]
+        last = [(p[-1] if p else 0, len(p) - 1, 1) for p in prompts]  # the next forward starts after these
+        self.requests, self.last = requests, last
+        self.prefills.append((requests, last))
+
+    def _grouped(self, rows: int) -> bool:
+        """Whether the latest prefills back to back hold `rows` rows together (one batch prefilled in groups: then
+        `requests` and `last` hold theirs, in the groups' order) rather than the latest alone."""
+        taken, total = [], 0
+        for group in reversed(self.prefills):
+            if total >= rows:
+                break
+            taken.insert(0, group)
+            total += len(group[0])
+        if len(taken) < 2 or total != rows:
+            return False
+        self.requests = [r for requests, _ in taken for r in requests]
+        self.last = [x for _, last in taken for x in last]
+        return True
+
+    def _regroup(self, now: list[tuple[int, int]]) -> None:
+        """Put rows prefilled in groups (`requests` in the groups' order) in the order of the forward after them:
+        `now` [B] each row's first token and its position, its first committed one, which the recording of the
+        row's request holds right after its prompt. Rows that retired at once are dropped."""
+        left, order = list(range(len(self.requests))), []
+        for token, pos in now:
+
+            def fits(i: int, token=token, pos=pos) -> bool:
+                r = self.requests[i]
+                return r != UNKNOWN and self.last[i][1] + 1 == pos and pos < len(self.sequences[r])
+
+            i = next((i for i in left if fits(i) and self.sequences[self.requests[i]][pos] == token), None)
+            i = i if i is not None else next((i for i in left if self.requests[i] == UNKNOWN), left[0])
+            left.remove(i)
+            order.append(i)
+        self.requests, self.last = [self.requests[i] for i in order], [self.last[i] for i in order]
 
     def _before(self) -> list[tuple[int, int, int]]:
         """[B] (first token, its position, reach) of each row in the latest forward (read when rows leave). reach:

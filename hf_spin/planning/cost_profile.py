@@ -170,9 +170,11 @@ class ForwardCost:
         price a 700-token catch-up at one forward; its 0.5B drafter's catch-ups of four RAG prompts then cost
         tens of seconds where the planner expected one, and the default pool ran 0.86x plain at batch 4."""
         first, last = self.knots[0], self.knots[-1]
+        if n_tokens <= last:  # inside the grid, the grid
+            return self.predict(n_tokens)
         values = self.values()
         mean_slope = (values[-1] - values[0]) / (last - first) if last > first else values[0] / first
-        return max(self.predict(n_tokens), self.predict(last) + mean_slope * max(n_tokens - last, 0.0))
+        return max(self.predict(n_tokens), self.predict(last) + mean_slope * (n_tokens - last))
 
     def observe(self, n_tokens: float, rows: int, seconds: float) -> None:
         """A timed forward: moves the correction of the knots around N toward it (clipped residual).

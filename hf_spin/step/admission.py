@@ -1,7 +1,9 @@
 """Admission: the target's prefill of rows joining the running batch, and their first token.
 
 A whole `generate` batch is prefilled exactly as `generate` prefills it (its own input tensors and
-model kwargs); rows joining a running batch (the server) are left-padded into one block. On packed
+model kwargs), or, where the cost profile prices it cheaper, in groups of rows of similar prompt lengths
+(`planning/prefill.py`), each left-padded into a block of its own and the blocks' caches joined as one
+padded block would hold them; rows joining a running batch (the server) likewise. On packed
 rows (`cache="packed"`) only the new rows' tokens are fed. An encoder-decoder target's rows feed their
 decoder prompts (of one length in a `generate` batch, as `generate` feeds them) beside their encoder
 outputs, whose cross-attention K/V that forward computes once. Either way the new rows' KV is appended
@@ -37,11 +39,20 @@ def prefill_kwargs(model, attention_mask: torch.Tensor) -> dict:
 
 
 def prefill(
-    model, cache, running: int, rows: list[Row], batch: GenerateBatch | None, packed: bool, static: bool = False
+    model,
+    cache,
+    running: int,
+    rows: list[Row],
+    batch: GenerateBatch | None,
+    packed: bool,
+    static: bool = False,
+    groups: list[list[int]] | None = None,
 ):
     """Target forward over the joining rows' prompts, their KV appended after the `running` rows of
     `cache` (None: a new batch). Returns (the batch's cache, logits [n, V] float32 at each new row's
-    last token). static: the batch's cache is a `StaticRowCache`, filled from this eager prefill."""
+    last token). static: the batch's cache is a `StaticRowCache`, filled from this eager prefill.
+    groups: indices into `rows` of the rows to prefill together, one forward a group (`can_group` must
+    hold; `planning/prefill.py` picks them); None: all in one."""
     if packed:  # a forward over the new rows' tokens only
         if cache is None:
             cache = PackedCache(0, device=model.device)
@@ -65,12 +76,44 @@ def prefill(
             cache.append_rows(fresh)
             return cache, logits
         return fresh, logits
+    if groups is not None and len(groups) > 1:
+        fresh, logits = _prefill_groups(model, rows, groups)
+    else:
+        fresh, logits = _prefill_block(model, rows, batch)
+    if static:  # copied into free row slots, capacity for the rows' length limit
+        cache = cache if running and cache is not None else StaticRowCache(model.device)
+        cache.append_rows(fresh, min_capacity=max(r.request.max_length for r in rows))
+        return cache, logits
+    if running and cache is not None:
+        cache.append_rows(fresh)
+        return cache, logits
+    return fresh, logits
+
+
+def can_group(batch: GenerateBatch | None) -> bool:
+    """Whether rows of `batch` may be prefilled in groups of their own and give what its one forward gives:
+    left padding only, and positions counted from each row's first token (rows joining a running batch always
+    may)."""
+    if batch is None:
+        return True
+    mask = batch.model_kwargs.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(batch.input_ids)
+    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        return False
+    given = batch.model_kwargs.get("position_ids")
+    return given is None or bool((given == mask.long().cumsum(-1) - 1)[mask.bool()].all())
+
+
+def _prefill_block(model, rows: list[Row], batch: GenerateBatch | None) -> tuple[RectangularCache, torch.Tensor]:
+    """One forward over `rows`' prompts: `batch`'s own tensors and kwargs (exactly `generate`'s prefill), or
+    with no batch the prompts left-padded into one block. Returns (their cache, logits [n, V] float32)."""
     if batch is not None:  # exactly what `generate` prepared
         input_ids, kwargs = batch.input_ids, dict(batch.model_kwargs)
         attention_mask = kwargs.get("attention_mask")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-    else:  # rows joining: left-pad their prompts into one block
+    else:  # left-pad the prompts into one block
         width = max(len(r.sequence) for r in rows)
         input_ids = torch.full((len(rows), width), JOIN_PAD_TOKEN, dtype=torch.long)  # [n, P]
         attention_mask = torch.zeros(len(rows), width, dtype=torch.long)  # [n, P]
@@ -84,15 +127,20 @@ def prefill(
         kwargs.pop(name, None)
     kwargs[CACHE_ARG] = fresh
     inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **kwargs)
-    logits = model(**inputs, return_dict=True).logits[:, -1].to(dtype=torch.float32)  # [n, V]
-    if static:  # copied into free row slots, capacity for the rows' length limit
-        cache = cache if running and cache is not None else StaticRowCache(model.device)
-        cache.append_rows(fresh, min_capacity=max(r.request.max_length for r in rows))
-        return cache, logits
-    if running and cache is not None:
-        cache.append_rows(fresh)
-        return cache, logits
-    return fresh, logits
+    return fresh, model(**inputs, return_dict=True).logits[:, -1].to(dtype=torch.float32)  # [n, V]
+
+
+def _prefill_groups(model, rows: list[Row], groups: list[list[int]]) -> tuple[RectangularCache, torch.Tensor]:
+    """`_prefill_block` per group, the groups' caches joined (each left-padded with holes to the longest, as
+    one block would be) and put back in row order. Returns (their cache, logits [n, V] float32)."""
+    parts = [_prefill_block(model, [rows[i] for i in group], None) for group in groups]
+    fresh = parts[0][0]
+    for part, _ in parts[1:]:
+        fresh.append_rows(part)
+    back = torch.tensor([i for group in groups for i in group]).argsort()  # [n] row -> its place in the groups
+    fresh.select_rows(back)
+    logits = torch.cat([part_logits for _, part_logits in parts])  # [n, V] in the groups' order
+    return fresh, logits[back.to(logits.device)]
 
 
 def first_tokens(rows: list[Row], scores: torch.Tensor, run_isolated) -> list[int]:

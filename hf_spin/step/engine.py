@@ -43,6 +43,7 @@ from ..drafters import Drafter
 from ..drafters.model import ModelDrafter, common_prefix_length
 from ..planning.plan import BatchView, Plan, StepFeedback, shadow_lengths
 from ..planning.planner import plan_k
+from ..planning.prefill import prefill_groups
 from ..policies import Policy
 from ..pool import AssistantPool
 from ..stats import DrafterStats, GenerationStats
@@ -242,6 +243,9 @@ class SpinEngine:
             return
         start = perf_counter()
         batch = self._batch if self._batch is not None and [r.id for r in joining] == self._batch.order else None
+        groups = None  # rows prefilled together: all at once, unless the profile prices groups cheaper
+        if self.planner is not None and len(joining) > 1 and admission.can_group(batch):
+            groups = prefill_groups(self.planner.profile.target, [len(r.sequence) for r in joining])
         try:
             self.cache, logits = admission.prefill(  # logits: [n, V]
                 self.model,
@@ -251,6 +255,7 @@ class SpinEngine:
                 batch,
                 self.cache_layout == "packed",
                 self.static is not None,
+                groups,
             )
         except Exception as err:  # noqa: BLE001
             self.faults.prefill_failed(joining, err)

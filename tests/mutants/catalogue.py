@@ -516,4 +516,16 @@ MUTANTS = (
         "        return [scores[b][s] for b, s in enumerate(slots)]",
         ("tests/test_host_syncs.py::test_a_model_free_drafter_reads_the_device_once_a_step[static]",),
     ),
+    Mutant(
+        "prefill_groups_out_of_row_order",
+        "a ragged batch prefilled in groups keeps its cache in the groups' order while its first tokens come back in "
+        "row order: each row decodes on another row's prompt",
+        "hf_spin/step/admission.py",
+        "    fresh.select_rows(back)\n",
+        "",
+        (
+            "tests/test_prefill_groups.py::test_a_ragged_batch_prefills_in_the_groups_priced_and_commits_what_plain_"
+            "generate_does[linear-prefills0-rectangular]",
+        ),
+    ),
 )
