@@ -13,7 +13,7 @@ import hf_spin
 from benchmarks.injected_costs import CostClock, profile_of, table
 from hf_spin.planning.prefill import prefill_groups
 
-from .archs import EOS, PAD, VOCAB, tiny_model
+from .archs import ARCHS, EOS, PAD, VOCAB, tiny_model
 
 
 def linear(n: float) -> float:
@@ -76,3 +76,21 @@ def test_a_ragged_batch_prefills_in_the_groups_priced_and_commits_what_plain_gen
     assert spin_prefill <= cost.predict(4 * 36, 4) + 1e-9
     if costs is linear:
         assert spin_prefill < 0.7 * cost.predict(4 * 36, 4)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_every_architecture_prefilled_in_groups_decodes_as_plain_generate(arch):
+    """The same ragged batch on every tiny architecture (learned, rotary and ALiBi positions, sliding windows,
+    latent attention): prefilled in the two groups `linear` prices cheapest, greedy output plain `generate`'s."""
+    target = tiny_model(arch, seed=0)
+    ids, mask = ragged_prompts([3, 36, 4, 30])
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, eos_token_id=EOS)
+    plain = target.generate(ids, **kwargs)
+    cost, shapes = table(linear), []
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    pool = hf_spin.AssistantPool(["prompt_lookup"], profile=profile_of(cost, [None], ["prompt_lookup"]))
+    out = target.generate(ids, custom_generate=hf_spin.generate, assistant_pool=pool, **kwargs)
+    assert torch.equal(out, plain)
+    assert shapes[:2] == [(2, 4), (2, 36)], shapes
