@@ -115,10 +115,12 @@ class ForcedTarget:
         if cache is None or int(cache.get_seq_length()) == 0:
             self._prefill(ids, positions, meta)
         else:
-            if len(first_ids) > len(self.requests) and self._grouped(len(first_ids)):  # now in row order
-                self._regroup(list(zip(first_ids.tolist(), first_positions.tolist())))
-            elif len(first_ids) > len(self.requests):  # rows that no prefill showed (a cost-profile probe)
-                self.requests = [UNKNOWN] * len(first_ids)
+            if len(first_ids) > len(self.requests):
+                grouped = self._groups_holding(len(first_ids))
+                if grouped is not None:  # one batch prefilled in groups, now in row order
+                    self._regroup(*grouped, list(zip(first_ids.tolist(), first_positions.tolist())))
+                else:  # rows that no prefill showed (a cost-profile probe)
+                    self.requests = [UNKNOWN] * len(first_ids)
             elif len(first_ids) < len(self.requests):
                 now = list(zip(first_ids.tolist(), first_positions.tolist()))
                 self.requests = match(self._before(), now, self.requests, self.sequences)
@@ -147,9 +149,9 @@ class ForcedTarget:
         self.requests, self.last = requests, last
         self.prefills.append((requests, last))
 
-    def _grouped(self, rows: int) -> bool:
-        """Whether the latest prefills back to back hold `rows` rows together (one batch prefilled in groups: then
-        `requests` and `last` hold theirs, in the groups' order) rather than the latest alone."""
+    def _groups_holding(self, rows: int) -> tuple[list[int], list] | None:
+        """(requests, last) of the latest prefills back to back, in the groups' order, where two or more of them
+        hold `rows` rows together (one batch prefilled in groups); None where they do not."""
         taken, total = [], 0
         for group in reversed(self.prefills):
             if total >= rows:
@@ -157,27 +159,30 @@ class ForcedTarget:
             taken.insert(0, group)
             total += len(group[0])
         if len(taken) < 2 or total != rows:
-            return False
-        self.requests = [r for requests, _ in taken for r in requests]
-        self.last = [x for _, last in taken for x in last]
-        return True
+            return None
+        return [r for requests, _ in taken for r in requests], [x for _, last in taken for x in last]
 
-    def _regroup(self, now: list[tuple[int, int]]) -> None:
-        """Put rows prefilled in groups (`requests` in the groups' order) in the order of the forward after them:
-        `now` [B] each row's first token and its position, its first committed one, which the recording of the
-        row's request holds right after its prompt. Rows that retired at once are dropped."""
-        left, order = list(range(len(self.requests))), []
+    def _regroup(self, requests: list[int], last: list, now: list[tuple[int, int]]) -> None:
+        """Set `requests` and `last` from rows prefilled in groups (theirs, in the groups' order) in the order of the
+        forward after them: `now` [B] each row's first token and its position, its first committed one, which the
+        recording of the row's request holds right after its prompt."""
+        left, order = list(range(len(requests))), []
         for token, pos in now:
 
             def fits(i: int, token=token, pos=pos) -> bool:
-                r = self.requests[i]
-                return r != UNKNOWN and self.last[i][1] + 1 == pos and pos < len(self.sequences[r])
+                r = requests[i]
+                return (
+                    r != UNKNOWN
+                    and last[i][1] + 1 == pos
+                    and pos < len(self.sequences[r])
+                    and self.sequences[r][pos] == token
+                )
 
-            i = next((i for i in left if fits(i) and self.sequences[self.requests[i]][pos] == token), None)
-            i = i if i is not None else next((i for i in left if self.requests[i] == UNKNOWN), left[0])
+            i = next((i for i in left if fits(i)), None)
+            i = i if i is not None else next((i for i in left if requests[i] == UNKNOWN), left[0])
             left.remove(i)
             order.append(i)
-        self.requests, self.last = [self.requests[i] for i in order], [self.last[i] for i in order]
+        self.requests, self.last = [requests[i] for i in order], [last[i] for i in order]
 
     def _before(self) -> list[tuple[int, int, int]]:
         """[B] (first token, its position, reach) of each row in the latest forward (read when rows leave). reach:

@@ -90,19 +90,22 @@ def prefill(
     return fresh, logits
 
 
-def can_group(batch: GenerateBatch | None) -> bool:
-    """Whether rows of `batch` may be prefilled in groups of their own and give what its one forward gives:
-    left padding only, and positions counted from each row's first token (rows joining a running batch always
-    may)."""
+def can_group(rows: list[Row], batch: GenerateBatch | None, packed: bool) -> bool:
+    """Whether `prefill` takes `groups` for these rows and they give what one forward gives: not on packed rows
+    (no padding to save) nor for an encoder-decoder target (its own prefill); for a `generate` batch, left
+    padding only and positions counted from each row's first token (rows joining a running batch always may)."""
+    if packed or rows[0].request.encoder is not None:
+        return False
     if batch is None:
         return True
     mask = batch.model_kwargs.get("attention_mask")
     if mask is None:
         mask = torch.ones_like(batch.input_ids)
-    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
-        return False
+    ok = (mask[:, 1:] >= mask[:, :-1]).all()  # left padding only
     given = batch.model_kwargs.get("position_ids")
-    return given is None or bool((given == mask.long().cumsum(-1) - 1)[mask.bool()].all())
+    if given is not None:
+        ok = ok & (given == mask.long().cumsum(-1) - 1)[mask.bool()].all()
+    return bool(ok)  # one host read
 
 
 def _prefill_block(model, rows: list[Row], batch: GenerateBatch | None) -> tuple[RectangularCache, torch.Tensor]:

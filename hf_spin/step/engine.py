@@ -244,7 +244,8 @@ class SpinEngine:
         start = perf_counter()
         batch = self._batch if self._batch is not None and [r.id for r in joining] == self._batch.order else None
         groups = None  # rows prefilled together: all at once, unless the profile prices groups cheaper
-        if self.planner is not None and len(joining) > 1 and admission.can_group(batch):
+        packed = self.cache_layout == "packed"
+        if self.planner is not None and len(joining) > 1 and admission.can_group(joining, batch, packed):
             groups = prefill_groups(self.planner.profile.target, [len(r.sequence) for r in joining])
         try:
             self.cache, logits = admission.prefill(  # logits: [n, V]
@@ -253,7 +254,7 @@ class SpinEngine:
                 len(self.rows),
                 joining,
                 batch,
-                self.cache_layout == "packed",
+                packed,
                 self.static is not None,
                 groups,
             )
