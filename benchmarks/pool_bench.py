@@ -15,6 +15,9 @@ a fraction of the per-request oracle (the best single drafter, or plain decoding
 The pools are made once and keep what they learn across requests, as a server's would. They start
 cold: the first requests pay for learning which drafter serves what (`--policy-warmup N` first runs
 N held-out questions per task through them, unrecorded, to measure a pool that has served requests).
+`--repeats N` times every method N times per batch, alternating their order, each pool from the same
+learned state, and reports the median with the runs' spread: one request's time moves by ±5-10% on a
+shared CPU, so a single run cannot tell a 0.97x cell from noise.
 """
 
 from __future__ import annotations
@@ -111,6 +114,13 @@ def parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentPars
     )
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of every method on each batch, in alternating order, each pool from the same learned state; "
+        "a method's time is the median (odd N gives the middle run)",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     return ap
 
@@ -180,54 +190,90 @@ class Bench:
         for pool in self.pools.values():
             self.spin(batch, pool)
 
-    def run(self, questions: list[dict]) -> list[dict]:
-        """One record per question of this batch: each method's time, identity, and per-row stats."""
+    def methods(self, batch: dict) -> dict:
+        """method -> a thunk generating `batch` with it: plain `generate`, at batch 1 `transformers`' assisted
+        generation with each single drafter, and every hf_spin pool."""
+        thunks = {"plain": lambda: self.target.generate(**batch, **self.gen)}
+        if batch["input_ids"].shape[0] == 1 and not self.args.no_assisted:
+            for label, kwargs in self.assist.items():
+                thunks[f"assisted:{label}"] = lambda kwargs=kwargs: self.target.generate(**batch, **kwargs, **self.gen)
+        for method, pool in self.pools.items():
+            thunks[method] = lambda pool=pool: self.spin(batch, pool)
+        return thunks
+
+    def run(self, questions: list[dict], repeats: int = 1) -> list[dict]:
+        """One record per question of this batch: each method's time, identity, and per-row stats.
+
+        With `repeats` > 1 every method runs that many times, in the listed order and reversed by turns (a
+        drift of the machine falls on every method alike), each hf_spin pool from the learned state it had
+        before the batch (`AssistantPool.snapshot`): a method's time is its runs' median, its counts that run's."""
         batch = encode(self.tok, questions)
         P = batch["input_ids"].shape[1]
         pad = self.tok.pad_token_id
-        plain, t_plain = timed(lambda: self.target.generate(**batch, **self.gen))
-        ref = new_tokens(plain, P, pad)
+        thunks = self.methods(batch)
+        learned = {m: pool.snapshot() for m, pool in self.pools.items()}
+        runs = {m: [] for m in thunks}  # method -> [(seconds, new tokens per row, that call's stats)] per repeat
+        for repeat in range(repeats):
+            for method in list(thunks)[:: 1 if repeat % 2 == 0 else -1]:
+                if method in self.pools:
+                    self.pools[method].restore(learned[method])
+                try:  # a baseline that crashes is recorded as such, not allowed to end the run
+                    out, t = timed(thunks[method])
+                except Exception as err:  # noqa: BLE001
+                    if method in self.pools or method == "plain":
+                        raise
+                    runs[method] = repr(err)[:300]
+                    del thunks[method]
+                    continue
+                stats = self.pools[method].last_stats if method in self.pools else None
+                runs[method].append((t, new_tokens(out, P, pad), stats))
+        ref = runs["plain"][0][1]
         records = [
             {
                 "question_id": q["question_id"],
                 "task": q["group"],
                 "batch_size": len(questions),
                 "new_tokens": len(r),
-                "methods": {"plain": {"seconds": t_plain, "identical": True}},
+                "methods": {},
             }
             for q, r in zip(questions, ref)
         ]
-        if len(questions) == 1 and not self.args.no_assisted:
-            for label, kwargs in self.assist.items():
-                try:  # a baseline that crashes is recorded as such, not allowed to end the run
-                    out, t = timed(lambda: self.target.generate(**batch, **kwargs, **self.gen))
-                except Exception as err:  # noqa: BLE001
-                    records[0]["methods"][f"assisted:{label}"] = {"error": repr(err)[:300]}
-                    continue
-                records[0]["methods"][f"assisted:{label}"] = {
+        for method, measured in runs.items():
+            if isinstance(measured, str):
+                records[0]["methods"][method] = {"error": measured}
+                continue
+            seconds = [t for t, _, _ in measured]
+            t, _, stats = sorted(measured, key=lambda m: m[0])[(len(measured) - 1) // 2]  # the median run
+            for i, record in enumerate(records):
+                entry = {
                     "seconds": t,
-                    "identical": new_tokens(out, P, pad)[0] == ref[0],
+                    "runs": seconds,
+                    "identical": all(out[i] == ref[i] for _, out, _ in measured),
                 }
-        for method, pool in self.pools.items():
-            out, t = timed(lambda: self.spin(batch, pool))
-            stats = pool.last_stats
-            for i, (row, got) in enumerate(zip(stats.rows, new_tokens(out, P, pad))):
-                records[i]["methods"][method] = {
-                    "seconds": t,
-                    "row_seconds": row.wall_seconds,
-                    "identical": got == ref[i],
-                    "drafted": row.drafted,
-                    "accepted": row.accepted,
-                    "target_forwards": row.target_forwards,
-                    "chosen": dict(row.drafters),
-                    "failures": {name: d.failures for name, d in stats.drafters.items() if d.failures},
-                }
+                if stats is not None:
+                    row = stats.rows[i]
+                    entry |= {
+                        "row_seconds": row.wall_seconds,
+                        "drafted": row.drafted,
+                        "accepted": row.accepted,
+                        "target_forwards": row.target_forwards,
+                        "chosen": dict(row.drafters),
+                        "failures": {name: d.failures for name, d in stats.drafters.items() if d.failures},
+                    }
+                record["methods"][method] = entry
         return records
 
 
 def speed(r: dict, method: str) -> float:
     """Tokens per second of a request under a method (the whole call's time: rows of a batch share it)."""
     return r["new_tokens"] / r["methods"][method]["seconds"]
+
+
+def spread(entries: list[dict]) -> float | None:
+    """Repeated runs' spread, (slowest - fastest) / median, averaged over requests: the noise band of a
+    method's times (None: one run each)."""
+    bands = [(max(e["runs"]) - min(e["runs"])) / e["seconds"] for e in entries if len(e.get("runs", [])) > 1]
+    return statistics.mean(bands) if bands else None
 
 
 def row_goodput(r: dict, method: str) -> float:
@@ -289,6 +335,7 @@ def summarize(records: list[dict]) -> dict:
                     "mean_accepted_length": sum(r["new_tokens"] for r in group) / forwards if forwards else None,
                     "identical": f"{sum(x['identical'] for x in ms)}/{len(ms)}",
                     "chosen": {k: v / max(sum(chosen.values()), 1) for k, v in chosen.items()},
+                    "spread": spread(ms),
                 }
             table[task] = row
         out[bs] = table
@@ -303,6 +350,7 @@ def markdown(summary: dict, env: dict) -> str:
         f"Spec-Bench pool benchmark: greedy, {env['dtype']}, {env['max_new_tokens']} new tokens, "
         f"draft_length={env['draft_length']}, cache={env['cache']}, "
         f"pools warmed on {env.get('policy_warmup', 0)} held-out question(s) per task before each batch size; "
+        f"{env.get('repeats', 1)} run(s) of each method per batch, alternating, its median timed; "
         f"target {TARGET}; {env['machine']}, {env['processes']} process(es); "
         f"torch {env['torch']}, transformers {env['transformers']}, hf_spin {env['hf_spin']}.",
     ]
@@ -313,23 +361,24 @@ def markdown(summary: dict, env: dict) -> str:
         lines += [
             "| method | "
             + " | ".join(tasks)
-            + " | acceptance | mean accepted len | goodput tok/s | oracle fraction | identical | crashed |"
+            + " | acceptance | mean accepted len | goodput tok/s | oracle fraction | identical | run spread | crashed |"
         ]
-        lines += ["|---" * (len(tasks) + 7) + "|"]
+        lines += ["|---" * (len(tasks) + 8) + "|"]
         for m in methods:
             a = table["ALL"][m]
             if "speedup" not in a:
-                lines.append(f"| {m} | " + " | ".join("crashed" for _ in tasks) + f" | | | | | | {a['errors']} |")
+                lines.append(f"| {m} | " + " | ".join("crashed" for _ in tasks) + f" | | | | | | | {a['errors']} |")
                 continue
             speeds = [f"{table[t][m]['speedup']:.2f}" if "speedup" in table[t].get(m, {}) else "crashed" for t in tasks]
             lines.append(
                 f"| {m} | "
                 + " | ".join(speeds)
                 + f" | {fmt(a['acceptance_rate'], '.1%')} | {fmt(a['mean_accepted_length'], '.2f')} "
-                f"| {a['goodput']:.2f} | {a['oracle_fraction']:.2f} | {a['identical']} | {a['errors']} |"
+                f"| {a['goodput']:.2f} | {a['oracle_fraction']:.2f} | {a['identical']} "
+                f"| {fmt(a.get('spread'), '.1%')} | {a['errors']} |"
             )
         lines.append(
-            "| plain tok/s | " + " | ".join(f"{table[t]['plain_tok_s']:.2f}" for t in tasks) + " | | | | | | |"
+            "| plain tok/s | " + " | ".join(f"{table[t]['plain_tok_s']:.2f}" for t in tasks) + " | | | | | | | |"
         )
         lines += [
             "",
@@ -363,6 +412,7 @@ def report(args, records: list[dict], num_processes: int) -> None:
         "cache": args.cache,
         "draft_vocabulary": args.draft_vocabulary,
         "policy_warmup": args.policy_warmup,
+        "repeats": args.repeats,
     }
     summary = summarize(records)
     table = markdown(summary, env)
@@ -407,7 +457,7 @@ def main() -> None:
             for chunk in tqdm(learn, desc=f"policy warm-up, batch {bs}", disable=not (learn and state.is_main_process)):
                 bench.learn(chunk)
             for chunk in tqdm(chunks, desc=f"batch {bs}", disable=not state.is_main_process):
-                for record in bench.run(chunk):
+                for record in bench.run(chunk, args.repeats):
                     record["requested_batch_size"] = bs
                     records.append(record)
                     save_partial(partial, record)

@@ -12,6 +12,7 @@ outputs, kept across calls: `SuffixDrafter(...)` for its knobs); or any `Drafter
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import threading
@@ -309,6 +310,18 @@ class AssistantPool:
             self.planner = Planner(self.cost_profile)  # warns once if nothing can pay here
             self.policy.attach_profile(self.cost_profile)
             self._profiled = (id(target), static)
+
+    def snapshot(self) -> dict:
+        """A copy of what the pool has learned across calls: the policy's statistics, the planner's
+        acceptance estimates and exploration budget, the cost profile's refinements. `restore` puts it
+        back, e.g. to time several runs of one request from the same learned state. A drafter's own memory
+        of earlier outputs (the suffix drafter's index) is not in it: `reset` forgets that."""
+        return copy.deepcopy({"policy": self.policy, "planner": self.planner, "cost_profile": self.cost_profile})
+
+    def restore(self, snapshot: dict) -> None:
+        """Put back what `snapshot` copied (a copy of it: one snapshot restores any number of times)."""
+        state = copy.deepcopy(snapshot)
+        self.policy, self.planner, self.cost_profile = state["policy"], state["planner"], state["cost_profile"]
 
     def reset(self) -> None:
         """Forget what the drafters learned across calls (a suffix drafter's index of earlier outputs)."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hf_spin
-from benchmarks.injected_costs import CostClock, profile_of, table
+from benchmarks.injected_costs import STRUCTURES, CostClock, profile_of, table
 from hf_spin.drafters import Draft, Drafter
 from hf_spin.planning.cost_profile import UNMEASURED_PREMIUM, CostProfile, ForwardCost, measure
 from hf_spin.planning.estimates import acceptance_with_prior
@@ -651,3 +651,31 @@ def test_the_step_log_records_each_idle_catch_up_and_what_paid_it(tmp_path, monk
         {"event": "idle_catch_up", "row": 7, "drafter": "draft-model", "lag": 40, "paid_by": "budget"}
     ]
     assert 0.03 < events[0]["seconds"] <= 0.1  # priced: about 40 draft positions, within the advance
+
+
+def test_a_restored_snapshot_plans_as_the_pool_did_when_it_was_taken():
+    """`AssistantPool.snapshot` / `restore` (a benchmark's repeated runs start from one learned state): after a
+    restore the same request costs the same clock time and drafts the same tokens as the first run from that
+    state, though a run in between taught the pool more (and would plan otherwise)."""
+    target, prompts, plain, refs = case(batch=2)
+    clock = CostClock()
+    cost = table(STRUCTURES["avx512_bf16"])  # where what the pool learned moves its plans
+    clock.hook(target, cost)
+    drafter = Scripted(refs, [0.7, 0.2])
+    pool = hf_spin.AssistantPool([drafter], profile=profile_of(cost, [None], ["scripted"]))
+
+    def timed_run():
+        drafter.rng = random.Random(0)  # the drafter's own randomness, outside the pool's learned state
+        start = clock.now
+        out = run(target, prompts, pool, clock)
+        assert torch.equal(out, plain)
+        return round(clock.now - start, 9), [row.drafted for row in pool.last_stats.rows]
+
+    run(target, prompts, pool, clock)  # something learned before the snapshot
+    snapshot = pool.snapshot()
+    first = timed_run()
+    learned_more = timed_run()
+    pool.restore(snapshot)
+    assert timed_run() == first != learned_more
+    pool.restore(snapshot)  # one snapshot restores again
+    assert timed_run() == first

@@ -191,6 +191,12 @@ class Planner:
         self.lengths = RowLengths()  # how long rows run: a catch-up is spread over a row's expected steps left
         self.judge()
 
+    def __getstate__(self) -> dict:  # copied (AssistantPool.snapshot) without its lock
+        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, lock=threading.Lock())
+
     @property
     def can_win(self) -> bool:
         """Whether any drafter can pay on this machine (else every step is plain)."""
