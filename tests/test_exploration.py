@@ -71,7 +71,7 @@ def test_a_probe_is_one_token_beyond_what_pays_unless_verification_is_flat(struc
 
     def best(optimism: float, prior: tuple[float, float] = (PRIOR_ACCEPTANCE, PRIOR_WEIGHT)) -> int:
         curve = planner.acceptance.survival(0, 0, 8, optimism=optimism, prior=prior)
-        return planner._best([curve], [(0,)], True, [0.0])[0]
+        return planner._best([curve], [(0,)], True, [{}])[0]
 
     exploit, optimistic = best(0.0, EVIDENCE_ONLY), best(OPTIMISM)
     planner.budget.plain_seconds = 100 * cost.predict(1)  # a hundred plain steps so far: probes are affordable

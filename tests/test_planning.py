@@ -443,13 +443,40 @@ def test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay():
     assert size([52, 76, 57, 78], 31) == [0, 0, 0, 0]
     assert min(size([1, 1, 1, 1], 31)) > 0
     assert min(size([52, 76, 57, 78], 1000)) > 0
-    # batch 1, acceptance 0.6: a pool still learning the drafter probes it on a new prompt (what it
-    # learns serves later requests); one that knows it (10 observations) only where nothing is to read
-    for pooled, probes in (([0.0, 0.0], True), ([6.0, 4.0], False)):
+    # batch 1, a drafter the pool rates at 0.6 (10 observations) or has never seen: reading a 52-token prompt for
+    # a 31-token answer is not what the evidence pays for, so the row drafts where nothing is to read, and on the
+    # new prompt only as a probe, once the budget covers it with the whole catch-up (2.2 plain steps: 2% of 111
+    # steps' plain time), a never-seen drafter's first probe too (exploration.py)
+    for pooled, steps, probes in ((p, n, n == 120) for p in ([6.0, 4.0], [0.0, 0.0]) for n in (100, 120)):
         for lag, drafts in ((52, probes), (1, True)):
             planner = Planner(profile_of(target, [drafter], ["drafter"]))
             planner.acceptance.pooled[0] = list(pooled)
-            assert (planner.size([0], [{0: lag}], [31], [(0,)], [8], padded=True)[0] > 0) == drafts, (pooled, lag)
+            planner.budget.plain_seconds = steps * target.predict(1)
+            sized = planner.size([0], [{0: lag}], [31], [(0,)], [8], padded=True)
+            assert (sized[0] > 0) == drafts, (pooled, steps, lag)
+
+
+def test_batch_4_catch_ups_are_priced_as_the_forward_that_runs_them():
+    """On the CPU-like profile above, at batch 4. A padded drafter cache feeds a catch-up to every row at the
+    longest lag: one new 300-token prompt costs a forward over 1200 positions, which its 1000-token answer does not
+    repay, while packed rows read its 300 tokens alone, which it does. The rows that need no catch-up are ranked
+    before it too: packed, over a 50-token answer, they draft though the new row does not. A drafter the pool
+    has never seen is probed first on one row, the one with the shortest prompt: four prompts at once (a
+    forward over 240 positions) are beyond the budget of 100 plain steps."""
+    target = ForwardCost.from_table({1: 0.211, 2: 0.225, 4: 0.267, 8: 0.345})
+    drafter = ForwardCost.from_table({1: 0.091, 2: 0.091, 4: 0.107, 8: 0.136})
+
+    def size(pooled, lags, room, padded, steps=1):
+        planner = Planner(profile_of(target, [drafter], ["drafter"]))
+        planner.acceptance.pooled[0] = list(pooled)
+        planner.budget.plain_seconds = steps * target.predict(1)
+        return planner.size([0, 1, 2, 3], [{0: lag} for lag in lags], [room] * 4, [(0,)] * 4, [8] * 4, padded)
+
+    known, fresh = [86.0, 14.0], [0.0, 0.0]
+    assert size(known, [300, 1, 1, 1], 1000, padded=True)[0] == 0
+    assert size(known, [300, 1, 1, 1], 1000, padded=False)[0] > 0
+    assert size(known, [300, 1, 1, 1], 50, padded=False) == [0, 2, 1, 1]
+    assert size(fresh, [60, 8, 40, 30], 1000, padded=True, steps=100) == [0, 1, 0, 0]
 
 
 def test_a_catch_up_is_spread_over_the_steps_rows_are_expected_to_run():
@@ -568,8 +595,10 @@ def test_profile_argument_is_checked():
 
 @pytest.mark.parametrize("new_tokens, drafts", [(12, False), (150, True)])
 def test_a_drafter_reads_a_long_prompt_only_where_the_answer_pays_for_it(new_tokens, drafts):
-    """A draft model new to a 150-token prompt must read it first (15 plain steps' worth here). Over 12
-    new tokens that never pays back: plain decoding. Over 150 it does: the row drafts."""
+    """A draft model new to a 150-token prompt must read it first (15 plain steps' worth here). The pool has seen
+    it draft well on a short prompt (its catch-up bought by the exploration budget). Over 12 new tokens the long
+    catch-up never pays back: plain decoding. Over 150 it does: the row drafts. A fresh pool, which knows
+    nothing of the drafter, does not buy 15 plain steps to learn it."""
     target, drafter = tiny_model("llama", seed=0), perturbed("llama")
     prompts = torch.randint(3, VOCAB, (1, 150), generator=torch.Generator().manual_seed(0))
     clock = CostClock()
@@ -579,6 +608,13 @@ def test_a_drafter_reads_a_long_prompt_only_where_the_answer_pays_for_it(new_tok
     pool = hf_spin.AssistantPool(
         [drafter], draft_length=hf_spin.policies.FixedLength(4, min_confidence=0), profile=profile
     )
+    run(target, prompts[:, :8], pool, clock, new_tokens=150)  # (rows here run 150 tokens: row_lengths.py)
+    assert pool.last_stats.drafters[pool.names[0]].accepted > 0
+    fresh = hf_spin.AssistantPool(
+        [drafter], draft_length=hf_spin.policies.FixedLength(4, min_confidence=0), profile=profile
+    )
+    run(target, prompts, fresh, clock, new_tokens=new_tokens)
+    assert fresh.last_stats.drafters[fresh.names[0]].drafted == 0
     plain = target.generate(
         prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS
     )

@@ -232,21 +232,45 @@ class Planner:
         curves: list[list[float]],
         chosen: list[tuple[int, ...]],
         padded: bool,
-        catch_up: list[float] | None = None,
+        catch_up: list[dict[int, float]] | None = None,
     ) -> list[int]:
         """[B] draft lengths of the best prefix of the slots ranked by survival; all 0 when no prefix
-        beats a plain step by MIN_GAIN. `catch_up` ([B] seconds a step of the row's catch-up, spread
-        over its steps left): before drafting, the drafters' forwards and these are charged too."""
-        profile, B = self.profile, len(curves)
+        beats a plain step by MIN_GAIN. `catch_up` ([B] drafter -> seconds a step of the row's catch-up, spread
+        over its steps left): before drafting, the drafters' forwards and these are charged too. Where only some
+        rows must catch up, the slots are also ranked with those rows last, and the better prefix wins: at batch 4
+        one new 300-token prompt, its slots as likely as its neighbours', would otherwise come first and price
+        their drafts out with its catch-up."""
+        B = len(curves)
         slots = sorted(
             ((s, i + 1, b) for b, curve in enumerate(curves) for i, s in enumerate(curve)), key=lambda x: (-x[0], x[1])
         )
-        ks, value, total, longest, caught = [0] * B, float(B), 0, 0, 0.0
+        orders = [slots]
+        late = [any(v > 0 for v in c.values()) for c in catch_up] if catch_up is not None else []
+        if any(late) and not all(late):
+            orders.append(sorted(slots, key=lambda x: late[x[2]]))  # stable: by survival within each part
+        _, prefix = max((self._best_prefix(order, chosen, padded, catch_up) for order in orders), key=lambda r: r[0])
+        ks = [0] * B
+        for _, i, b in prefix:
+            ks[b] = max(ks[b], i)
+        return ks
+
+    def _best_prefix(
+        self,
+        slots: list[tuple[float, int, int]],
+        chosen: list[tuple[int, ...]],
+        padded: bool,
+        catch_up: list[dict[int, float]] | None,
+    ) -> tuple[float, list[tuple[float, int, int]]]:
+        """(rate, slots): the prefix of `slots` ([(survival, position, row)], each row's in position order) with
+        the most expected tokens per second, the empty one unless some prefix beats a plain step by MIN_GAIN."""
+        profile, B = self.profile, len(chosen)
+        ks, value, total, longest, caught = [0] * B, float(B), 0, 0, {}
         longest_of, served, draft_of = {}, {}, {}  # per drafter: its longest draft, rows served, predicted seconds
         best_rate, best_m = MIN_GAIN * B / profile.plain_seconds(B), 0
         for m, (s, i, b) in enumerate(slots, 1):
             if catch_up is not None:
-                caught += catch_up[b] if ks[b] == 0 else 0.0
+                if ks[b] == 0:
+                    self._add_catch_up(caught, catch_up[b], padded)
                 for d in chosen[b]:
                     served[d] = served.get(d, 0) + (ks[b] == 0)
                     longest_of[d] = max(longest_of.get(d, 0), i)
@@ -254,14 +278,13 @@ class Planner:
             total, longest, value = total + i - ks[b], max(longest, i), value + s
             ks[b] = i
             seconds = (
-                profile.verify_seconds(B, B * (1 + longest) if padded else B + total) + sum(draft_of.values()) + caught
+                profile.verify_seconds(B, B * (1 + longest) if padded else B + total)
+                + sum(draft_of.values())
+                + sum(caught.values())
             )
             if value / seconds > best_rate:
                 best_rate, best_m = value / seconds, m
-        ks = [0] * B
-        for s, i, b in slots[:best_m]:
-            ks[b] = max(ks[b], i)
-        return ks
+        return best_rate, slots[:best_m]
 
     def size(
         self,
@@ -283,10 +306,14 @@ class Planner:
                 self._curve(r, ds, k, None, OPTIMISM) if ds and k > 0 else [] for r, ds, k in zip(row_ids, chosen, caps)
             ]
             unencoded = unencoded or [set() for _ in lags]
-            seconds = [self._catch_up_seconds(lag, u) for lag, u in zip(lags, unencoded)]  # [B]
+            rows = len(row_ids) if padded else 1  # a padded catch-up forward runs every row at the longest lag
+            seconds = [
+                {d: self._catch_up_seconds({d: n}, u, rows) for d, n in lag.items()} for lag, u in zip(lags, unencoded)
+            ]  # [B] drafter -> seconds
             spread = [
-                self._spread(s, self.lengths.left(r, room), c) for r, s, room, c in zip(row_ids, seconds, rooms, curves)
-            ]  # [B] the least a catch-up is charged
+                {d: self._spread(t, self.lengths.left(r, room), c) for d, t in s.items()}
+                for r, s, room, c in zip(row_ids, seconds, rooms, curves)
+            ]  # [B] drafter -> the least a catch-up is charged a step
             ks = self._best(curves, chosen, padded, spread)  # [B] one sd up: what probes may reach
             return self._explore(row_ids, caps, ks, chosen, padded, spread, seconds)
 
@@ -297,24 +324,19 @@ class Planner:
         ks: list[int],
         chosen: list[tuple[int, ...]],
         padded: bool,
-        catch_up: list[float],
-        full: list[float],
+        catch_up: list[dict[int, float]],
+        full: list[dict[int, float]],
     ) -> list[int]:
         """[B] the optimistic sizes `ks` cut to what the exploration budget affords (exploration.py): the
         plan the evidence pays for (a pessimistic prior), and beyond it probes, shortest first.
-        catch_up: [B] seconds charged a step for each row's catch-up (`size`); full: [B] the whole of it."""
+        catch_up: [B] drafter -> seconds charged a step for the row's catch-up (`size`); full: the whole of it."""
         bounds = [
             self._curve(r, ds, k, None, 0.0, EVIDENCE_ONLY) if ds and k > 0 else []
             for r, ds, k in zip(row_ids, chosen, caps)
         ]
         exploit = self._best(bounds, chosen, padded, catch_up)  # [B]
-        # a failed probe wastes its row's catch-up, charged in full; but a drafter the pool has never seen
-        # is tried at the catch-up's spread cost (what its first probe learns serves every later request)
-        price = [
-            c if ds and all(self.acceptance.evidence(d) == 0 for d in ds) else f
-            for c, f, ds in zip(catch_up, full, chosen)
-        ]
-        sized, probe = self._probe(row_ids, exploit, ks, chosen, padded, price)
+        # a failed probe wastes its rows' catch-ups: charged in full, a drafter the pool has never seen too
+        sized, probe = self._probe(row_ids, exploit, ks, chosen, padded, full)
         B = len(ks)
         if self.journal is not None:
             self.journal.note(
@@ -337,35 +359,54 @@ class Planner:
         wanted: list[int],
         chosen: list[tuple[int, ...]],
         padded: bool,
-        catch_up: list[float] | None,
+        catch_up: list[dict[int, float]] | None,
     ) -> tuple[list[int], float]:
         """([B] sizes, seconds charged): `exploit` ([B], what the estimates expect to pay) and, beyond it
-        toward `wanted` ([B]), the longest probe the exploration budget affords (exploration.py)."""
+        toward `wanted` ([B]), the longest probe the exploration budget affords (exploration.py). The first
+        rung is one token on one row, the row where it costs least (at batch 4 a new drafter's first probe reads
+        the shortest prompt, not four); then a token beyond the plan on every row, two, ..."""
+
+        def added(trial: list[int]) -> tuple[list[int], float]:
+            return trial, self._seconds(trial, chosen, padded, catch_up) - base
+
         base = self._seconds(exploit, chosen, padded, catch_up)
-        probes = []  # [(ks, seconds added to the exploit plan)]: one token beyond it, two, ... up to wanted
+        wanting = [b for b, (k, e) in enumerate(zip(wanted, exploit)) if k > e]
+        probes = []  # [(ks, seconds added to the exploit plan)]
+        if len(wanting) > 1:
+            one = [[e + (b == w) for b, e in enumerate(exploit)] for w in wanting]
+            probes.append(min((added(trial) for trial in one), key=lambda p: p[1]))
         for extra in range(1, max((k - e for k, e in zip(wanted, exploit)), default=0) + 1):
-            trial = [max(e, min(k, e + extra)) for k, e in zip(wanted, exploit)]
-            probes.append((trial, self._seconds(trial, chosen, padded, catch_up) - base))
+            probes.append(added([max(e, min(k, e + extra)) for k, e in zip(wanted, exploit)]))
         return self.budget.afford(row_ids, exploit, probes, self.profile.plain_seconds(len(wanted)))
 
     def _seconds(
-        self, ks: list[int], chosen: list[tuple[int, ...]], padded: bool, catch_up: list[float] | None
+        self, ks: list[int], chosen: list[tuple[int, ...]], padded: bool, catch_up: list[dict[int, float]] | None
     ) -> float:
         """Predicted seconds of a step drafting ks ([B]): its verify forward and, before drafting (catch_up
-        given: [B] seconds), each drafter's longest draft over the rows it serves and the catch-ups of the
-        rows that draft; as `_best` prices it."""
+        given: [B] drafter -> seconds), each drafter's longest draft over the rows it serves and the catch-ups of
+        the rows that draft; as `_best` prices it."""
         if catch_up is None:
-            catch_up, chosen = [0.0] * len(ks), [()] * len(ks)
-        B, longest, served = len(ks), {}, {}
-        for k, ds in zip(ks, chosen):
+            catch_up, chosen = [{}] * len(ks), [()] * len(ks)
+        B, longest, served, caught = len(ks), {}, {}, {}
+        for k, ds, c in zip(ks, chosen, catch_up):
             for d in ds if k > 0 else ():
                 longest[d], served[d] = max(longest.get(d, 0), k), served.get(d, 0) + 1
+            if k > 0:
+                self._add_catch_up(caught, c, padded)
         tokens = B * (1 + max(ks, default=0)) if padded else B + sum(ks)
         return (
             self.profile.verify_seconds(B, tokens)
             + sum(self.profile.draft_seconds_for_rows(d, longest[d], served[d]) for d in longest)
-            + sum(c for c, k in zip(catch_up, ks) if k > 0)
+            + sum(caught.values())
         )
+
+    @staticmethod
+    def _add_catch_up(caught: dict[int, float], row: dict[int, float], padded: bool) -> None:
+        """Add a drafting row's catch-ups (drafter -> seconds) to the step's (drafter -> seconds). A drafter
+        catches up on all its rows in one forward: padded, every row at the longest lag, priced so per row
+        (`size`), so the step pays the dearest row's; packed, the rows' tokens, so their sum."""
+        for d, seconds in row.items():
+            caught[d] = max(caught.get(d, 0.0), seconds) if padded else caught.get(d, 0.0) + seconds
 
     def worth_catching_up(
         self,
@@ -394,7 +435,7 @@ class Planner:
                 seconds = self._catch_up_seconds({drafter: lag}, {drafter} if fresh else (), padded_rows)
                 curve = self._curve(r, (drafter,), min(room, self.profile.max_k), None, 0.0, EVIDENCE_ONLY)
                 spread = self._spread(seconds, self.lengths.left(r, room), curve)
-                pays = self._best([curve], [(drafter,)], False, [spread])[0] > 0
+                pays = self._best([curve], [(drafter,)], False, [{drafter: spread}])[0] > 0
                 out.append(pays or self.budget.spend(seconds))
                 if out[-1] and self.journal is not None:
                     paid_by = "evidence" if pays else "budget"
