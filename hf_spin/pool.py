@@ -313,7 +313,7 @@ class AssistantPool:
 
     def snapshot(self) -> dict:
         """A copy of what the pool has learned across calls: the policy's statistics, the planner's
-        acceptance estimates and exploration budget, the cost profile's refinements. `restore` puts it
+        acceptance estimates and row lengths, the cost profile's refinements. `restore` puts it
         back, e.g. to time several runs of one request from the same learned state. A drafter's own memory
         of earlier outputs (the suffix drafter's index) is not in it: `reset` forgets that."""
         return copy.deepcopy({"policy": self.policy, "planner": self.planner, "cost_profile": self.cost_profile})

@@ -184,7 +184,7 @@ def test_an_idle_catch_up_on_padded_rows_is_priced_over_every_row_it_pads():
     plain step); priced over the padded rows it does not (costs replay, schema requests, batch 4: 0.96x plain)."""
     linear = table(lambda n: 0.1 * (1 + 0.8 * (n - 1) / 7))  # AVX2 float32-like
     planner = Planner(profile_of(linear, [table(lambda n: 0.076 * (0.1 * (1 + 0.8 * (n - 1) / 7)))], ["drafter"]))
-    planner.budget.advance = 0.1
+    planner.budget.plain_seconds = 5.0  # the call's plain time so far: a budget of 0.1 s, one plain step
     assert planner._catch_up_seconds({0: 113}, (), 4) > 3.5 * planner._catch_up_seconds({0: 113})
     assert planner.worth_catching_up([0], 0, [113], [31], padded_rows=4) == [False]
     assert planner.budget.spent == 0.0
@@ -300,7 +300,7 @@ def test_long_drafts_when_verification_is_flat():
 def test_model_drafter_sized_by_its_cost():
     """A real draft model priced by the profile: flat verification, drafting at 5% of a step a token:
     drafts of several tokens, accepted and rejected, output unchanged."""
-    target, prompts, plain, _ = case(batch=2)
+    target, prompts, plain, _ = case(batch=2, new_tokens=60)  # a budget for the first probe's catch-up
     drafter = perturbed("llama")
     clock = CostClock()
     clock.hook(target, table(flat))
@@ -309,7 +309,7 @@ def test_model_drafter_sized_by_its_cost():
     pool = hf_spin.AssistantPool(
         [drafter], draft_length=hf_spin.policies.FixedLength(6, min_confidence=0), profile=profile
     )
-    out = run(target, prompts, pool, clock)
+    out = run(target, prompts, pool, clock, new_tokens=60)
     assert torch.equal(out, plain)
     d = pool.last_stats.drafters[pool.names[0]]
     assert d.longest_draft >= 2 and d.accepted > 0 and d.drafted > d.accepted
@@ -445,9 +445,9 @@ def test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay():
     assert min(size([52, 76, 57, 78], 1000)) > 0
     # batch 1, a drafter the pool rates at 0.6 (10 observations) or has never seen: reading a 52-token prompt for
     # a 31-token answer is not what the evidence pays for, so the row drafts where nothing is to read, and on the
-    # new prompt only as a probe, once the budget covers it with the whole catch-up (2.2 plain steps: 2% of 111
-    # steps' plain time), a never-seen drafter's first probe too (exploration.py)
-    for pooled, steps, probes in ((p, n, n == 120) for p in ([6.0, 4.0], [0.0, 0.0]) for n in (100, 120)):
+    # new prompt only as a probe, once the budget covers it with the whole catch-up (2.2 plain steps: 2% of the
+    # plain time of 111 steps, the call's so far and its 31 to come), a never-seen drafter's first probe too
+    for pooled, steps, probes in ((p, n, n == 90) for p in ([6.0, 4.0], [0.0, 0.0]) for n in (60, 90)):
         for lag, drafts in ((52, probes), (1, True)):
             planner = Planner(profile_of(target, [drafter], ["drafter"]))
             planner.acceptance.pooled[0] = list(pooled)
@@ -527,6 +527,7 @@ def test_trees_are_sized_node_by_node_by_estimated_acceptance():
     ks, values = flat_planner.trim([0], [tree.tokens], [(0,)], [{}], padded=False, trees=[tree])
     assert values[0] == pytest.approx(expected) and ks == [5]
     steep = Planner(profile_of(table(lambda n: 0.1 * (1 + 0.3 * (n - 1))), [None], ["lookup"]))
+    steep.budget.plain_seconds = 10.0  # a call's hundred plain steps: nothing seen yet, a node is a probe it affords
     ks, values = steep.trim([0], [tree.tokens], [(0,)], [{}], padded=False, trees=[tree])
     assert 1 <= ks[0] < 5
     kept = tree.pruned(2, by=values[0])
@@ -680,13 +681,14 @@ def test_the_step_log_records_each_idle_catch_up_and_what_paid_it(tmp_path, monk
     monkeypatch.setenv("HF_SPIN_STEP_LOG", str(log))
     profile = profile_of(table(lambda n: 0.1), [table(lambda n: 0.001 * n), None], ["draft-model", "prompt_lookup"])
     planner = Planner(profile)
-    assert planner.worth_catching_up([7], 0, [40], [100]) == [True]  # within the advance of one plain step
+    planner.budget.plain_seconds = 5.0  # the call's plain time so far: a budget of 0.1 s, one plain step
+    assert planner.worth_catching_up([7], 0, [40], [100]) == [True]  # within the budget
     assert planner.worth_catching_up([8], 0, [4000], [100]) == [False]  # 4 s: beyond it, and no evidence
     events = [json.loads(line) for line in log.read_text().splitlines()]
     assert [{k: e[k] for k in ("event", "row", "drafter", "lag", "paid_by")} for e in events] == [
         {"event": "idle_catch_up", "row": 7, "drafter": "draft-model", "lag": 40, "paid_by": "budget"}
     ]
-    assert 0.03 < events[0]["seconds"] <= 0.1  # priced: about 40 draft positions, within the advance
+    assert 0.03 < events[0]["seconds"] <= 0.1  # priced: about 40 draft positions, within the budget
 
 
 def test_a_restored_snapshot_plans_as_the_pool_did_when_it_was_taken():

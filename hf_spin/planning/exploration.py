@@ -9,11 +9,13 @@ plain decoding (docs/planning.md, "Exploration").
 What the estimates expect to pay is the plan at the mean read with a pessimistic prior (`exploit`:
 the usual prior's guess of 0.6 is no expectation; a pool that has seen a drafter right 22 times in
 25 expects about 0.8 of it, 4 of 4 0.67). Drafting beyond it is a probe, priced at its worst case:
-the seconds it adds to the step (its tokens all rejected, its catch-up wasted). A probe is bought only where the budget
-covers that, and the budget is a share (`SHARE`) of the plain time of the tokens committed so far,
-at least one plain step (an advance: a fresh pool may probe its first request). The tokens a probe
-gets accepted beyond the exploit plan are refunded at plain decoding's price, so a probe that
-pays funds the next. A probe is as short as what it must learn: one token tells whether the
+the seconds it adds to the step (its tokens all rejected, its catch-up wasted; a drafter's first probe too). A
+probe is bought only where the budget covers that, and the budget is a share (`SHARE`) of the plain time of the
+call's tokens: those committed so far and those its running rows are expected to commit still
+(row_lengths.py), so a request's probes may lose 2% of its own plain time from its first step, and
+no more: what earlier calls left unspent is not carried into one request. The tokens a probe gets
+accepted beyond the exploit plan are refunded at plain decoding's price, so a probe that pays funds
+the next. A probe is as short as what it must learn: one token tells whether the
 drafter's guesses hold on the request; it grows only while each extra token adds at most `FREE`
 of a plain step (flat verification: a GPU, an AMX CPU, where long probes cost nothing). An idle
 catch-up the evidence does not pay for is bought from the same budget (`spend`). The same rule on
@@ -29,19 +31,28 @@ FREE = 0.01
 
 
 class ExplorationBudget:
-    """Seconds the planner may still lose on probes, and what it has lost (charged at each probe's
+    """Seconds the planner may still lose on probes in a call, and what it has lost (charged at each probe's
     worst case, refunded by what it got accepted)."""
 
-    def __init__(self, advance: float, share: float = SHARE):
+    def __init__(self, share: float = SHARE):
         self.share = share
-        self.advance = advance  # seconds: a plain step's, what probes may lose before SHARE of the plain time is more
-        self.plain_seconds = 0.0  # what plain decoding would have taken for the tokens committed so far
+        self.begin()
+
+    def begin(self) -> None:
+        """A new call (`generate`, or a server's engine): nothing committed, expected or spent yet."""
+        self.plain_seconds = 0.0  # what plain decoding would have taken for the call's tokens committed so far
+        self.expected = 0.0  # ... and for the tokens its running rows are expected to commit still (`expect`)
         self.spent = 0.0  # probes' seconds, less their refunds
         self.open: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}  # row ids -> (exploit ks, probed ks)
 
     @property
     def left(self) -> float:
-        return max(self.advance, self.share * self.plain_seconds) - self.spent
+        return self.share * (self.plain_seconds + self.expected) - self.spent
+
+    def expect(self, tokens_left: list[int | None], plain_step: float) -> None:
+        """The running rows are expected to commit `tokens_left` ([B], None: unknown, none counted) more, in
+        steps of `plain_step` seconds each for the batch."""
+        self.expected = sum(n or 0 for n in tokens_left) / max(len(tokens_left), 1) * plain_step
 
     def afford(
         self, row_ids: list[int], exploit: list[int], probes: list[tuple[list[int], float]], plain_step: float

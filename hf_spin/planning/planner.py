@@ -186,7 +186,7 @@ class Planner:
         self.steps = 0
         self.drafted_last: set[int] = set()  # drafters that drafted in the last step learned from
         self.lock = threading.Lock()  # a pipeline sizes one micro-batch while another's step is learned from
-        self.budget = ExplorationBudget(profile.plain_seconds(1))  # what probes may lose (exploration.py)
+        self.budget = ExplorationBudget()  # what probes may lose in a call (exploration.py)
         self.journal = StepJournal.from_env()  # the step log, where $HF_SPIN_STEP_LOG names one (journal.py)
         self.lengths = RowLengths()  # how long rows run: a catch-up is spread over a row's expected steps left
         self.judge()
@@ -306,13 +306,14 @@ class Planner:
                 self._curve(r, ds, k, None, OPTIMISM) if ds and k > 0 else [] for r, ds, k in zip(row_ids, chosen, caps)
             ]
             unencoded = unencoded or [set() for _ in lags]
+            left = [self.lengths.left(r, room) for r, room in zip(row_ids, rooms)]  # [B] tokens each row may add
+            self.budget.expect(left, self.profile.plain_seconds(len(row_ids)))
             rows = len(row_ids) if padded else 1  # a padded catch-up forward runs every row at the longest lag
             seconds = [
                 {d: self._catch_up_seconds({d: n}, u, rows) for d, n in lag.items()} for lag, u in zip(lags, unencoded)
             ]  # [B] drafter -> seconds
             spread = [
-                {d: self._spread(t, self.lengths.left(r, room), c) for d, t in s.items()}
-                for r, s, room, c in zip(row_ids, seconds, rooms, curves)
+                {d: self._spread(t, n, c) for d, t in s.items()} for n, s, c in zip(left, seconds, curves)
             ]  # [B] drafter -> the least a catch-up is charged a step
             ks = self._best(curves, chosen, padded, spread)  # [B] one sd up: what probes may reach
             return self._explore(row_ids, caps, ks, chosen, padded, spread, seconds)

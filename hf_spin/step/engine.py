@@ -133,6 +133,8 @@ class SpinEngine:
         self.planner = (
             pool.planner if pool is not None else None
         )  # sizes drafts from measured costs; None: profile "off"
+        if self.planner is not None:
+            self.planner.budget.begin()  # probes may lose a share of this call's plain time (exploration.py)
         self.isolate_faults = isolate_faults
         self.faults = faults if faults is not None else Faults(isolate_faults)
         self.defer_idle_catch_up = defer_idle_catch_up

@@ -279,6 +279,17 @@ MUTANTS = (
         ("tests/test_planning.py::test_batch_4_catch_ups_are_priced_as_the_forward_that_runs_them",),
     ),
     Mutant(
+        "exploration_budget_carried_across_calls",
+        "the exploration budget carries what earlier calls left unspent into a call: one Spec-Bench request spent what the five before it had saved on probes (LBSS 0.94x plain on a math question, AVX2 float32)",
+        "hf_spin/step/engine.py",
+        "            self.planner.budget.begin()",
+        "            pass",
+        (
+            "tests/test_exploration.py::test_a_call_spends_only_its_own_budget[avx512_bf16]",
+            "tests/test_exploration.py::test_a_call_spends_only_its_own_budget[avx2_fp32]",
+        ),
+    ),
+    Mutant(
         "idle_catch_up_ignores_the_planner",
         "idle catch-ups run wherever a policy asks, not only where the evidence says they pay: on an AVX2 CPU the README demo spent 30 s of a 104 s prompt catching two draft models up for nothing",
         "hf_spin/step/engine.py",
@@ -413,8 +424,8 @@ MUTANTS = (
         "catch_up_spread_over_the_length_limit",
         "the planner spreads a catch-up over the row's length limit, not the steps rows are seen to run: with Whisper's 448-token limit a drafter's encoder and prompt look cheap on 20-token transcripts, and drafting loses",
         "hf_spin/planning/planner.py",
-        "self._spread(t, self.lengths.left(r, room), c)",
-        "self._spread(t, room, c)",
+        "left = [self.lengths.left(r, room) for r, room in zip(row_ids, rooms)]",
+        "left = list(rooms)",
         ("tests/test_planning.py::test_a_catch_up_is_spread_over_the_steps_rows_are_expected_to_run",),
     ),
     Mutant(
