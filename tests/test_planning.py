@@ -454,6 +454,15 @@ def test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay():
             planner.budget.plain_seconds = steps * target.predict(1)
             sized = planner.size([0], [{0: lag}], [31], [(0,)], [8], padded=True)
             assert (sized[0] > 0) == drafts, (pooled, steps, lag)
+    # ...unless the pool has never seen the drafter: its first probe may draw on the pool's account too (2% of every
+    # call's plain time so far: after 200 plain steps, 1.9 of the 2.2 its probe costs beyond the call's share)
+    for pooled, probes in (([6.0, 4.0], False), ([0.0, 0.0], True)):
+        planner = Planner(profile_of(target, [drafter], ["drafter"]))
+        planner.acceptance.pooled[0] = list(pooled)
+        planner.budget.plain_seconds = 60 * target.predict(1)
+        planner.budget.pool_plain_seconds = 200 * target.predict(1)
+        assert (planner.size([0], [{0: 52}], [31], [(0,)], [8], padded=True)[0] > 0) == probes, pooled
+        assert planner.budget.learning_spent > 0 if probes else planner.budget.learning_spent == 0
 
 
 def test_batch_4_catch_ups_are_priced_as_the_forward_that_runs_them():

@@ -13,9 +13,13 @@ the seconds it adds to the step (its tokens all rejected, its catch-up wasted; a
 probe is bought only where the budget covers that, and the budget is a share (`SHARE`) of the plain time of the
 call's tokens: those committed so far and those its running rows are expected to commit still
 (row_lengths.py), so a request's probes may lose 2% of its own plain time from its first step, and
-no more: what earlier calls left unspent is not carried into one request. The tokens a probe gets
-accepted beyond the exploit plan are refunded at plain decoding's price, so a probe that pays funds
-the next. A probe is as short as what it must learn: one token tells whether the
+no more: what earlier calls left unspent is not carried into one request. One exception, learning:
+a drafter the pool has no evidence of yet may also be probed from the pool's account, the same
+share of the plain time of every call so far, less what first probes have lost: a draft model whose
+first probe (its catch-up of a prompt) costs more than a short call's share is tried once the pool
+has decoded enough, and what it learns serves every later call. The tokens a probe gets accepted
+beyond the exploit plan are refunded at plain decoding's price (to the account it drew on first), so
+a probe that pays funds the next. A probe is as short as what it must learn: one token tells whether the
 drafter's guesses hold on the request; it grows only while each extra token adds at most `FREE`
 of a plain step (flat verification: a GPU, an AMX CPU, where long probes cost nothing). An idle
 catch-up the evidence does not pay for is bought from the same budget (`spend`). The same rule on
@@ -36,6 +40,8 @@ class ExplorationBudget:
 
     def __init__(self, share: float = SHARE):
         self.share = share
+        self.pool_plain_seconds = 0.0  # the plain time of every call's committed tokens (the learning account)
+        self.learning_spent = 0.0  # what first probes have drawn on it, less their refunds
         self.begin()
 
     def begin(self) -> None:
@@ -43,11 +49,18 @@ class ExplorationBudget:
         self.plain_seconds = 0.0  # what plain decoding would have taken for the call's tokens committed so far
         self.expected = 0.0  # ... and for the tokens its running rows are expected to commit still (`expect`)
         self.spent = 0.0  # probes' seconds, less their refunds
-        self.open: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}  # row ids -> (exploit ks, probed ks)
+        # row ids -> (exploit ks, probed ks, seconds drawn on the learning account)
+        self.open: dict[tuple[int, ...], tuple[list[int], list[int], float]] = {}
 
     @property
     def left(self) -> float:
+        """The call's account."""
         return self.share * (self.plain_seconds + self.expected) - self.spent
+
+    @property
+    def learning_left(self) -> float:
+        """The pool's account, for the first probes of a drafter it has no evidence of."""
+        return max(self.share * self.pool_plain_seconds - self.learning_spent, 0.0)
 
     def expect(self, tokens_left: list[int | None], plain_step: float) -> None:
         """The running rows are expected to commit `tokens_left` ([B], None: unknown, none counted) more, in
@@ -55,24 +68,34 @@ class ExplorationBudget:
         self.expected = sum(n or 0 for n in tokens_left) / max(len(tokens_left), 1) * plain_step
 
     def afford(
-        self, row_ids: list[int], exploit: list[int], probes: list[tuple[list[int], float]], plain_step: float
+        self,
+        row_ids: list[int],
+        exploit: list[int],
+        probes: list[tuple[list[int], float]],
+        plain_step: float,
+        learning: bool = False,
     ) -> tuple[list[int], float]:
         """(ks, seconds charged): of `probes` ([(ks, seconds it adds to the exploit plan)], a token a row
         beyond it, two, ...), the longest whose tokens past the first probe's add at most `FREE` of
         `plain_step` each, if the budget covers it; the exploit plan (charged nothing) where not even the
-        first probe is covered."""
+        first probe is covered. learning: a drafter the pool has no evidence of is probed, so the pool's account
+        adds to the call's, and is drawn on first."""
+        pool = self.learning_left if learning else 0.0
         chosen = (exploit, 0.0)
         for ks, seconds in probes:
             extra = sum(ks) - sum(probes[0][0])
-            if seconds > self.left or seconds > probes[0][1] + FREE * plain_step * extra:
+            if seconds > self.left + pool or seconds > probes[0][1] + FREE * plain_step * extra:
                 break
             chosen = (ks, seconds)
         if chosen[1] > 0:
-            self.spent += chosen[1]
-            before = self.open.get(tuple(row_ids), (exploit, exploit))  # bought before drafting, trimmed after
+            drawn = min(chosen[1], pool)
+            self.learning_spent += drawn
+            self.spent += chosen[1] - drawn
+            before = self.open.get(tuple(row_ids), (exploit, exploit, 0.0))  # bought before drafting, trimmed after
             self.open[tuple(row_ids)] = (
                 [min(a, b) for a, b in zip(before[0], exploit)],
                 [max(a, b) for a, b in zip(before[1], chosen[0])],
+                before[2] + drawn,
             )
         return chosen
 
@@ -86,14 +109,17 @@ class ExplorationBudget:
 
     def bought(self, row_ids: list[int]) -> list[int]:
         """[B] the sizes a probe bought for this step's rows (0 where none)."""
-        return self.open.get(tuple(row_ids), (None, [0] * len(row_ids)))[1]
+        return self.open.get(tuple(row_ids), (None, [0] * len(row_ids), 0.0))[1]
 
     def settle(self, row_ids: list[int], accepted: list[int], plain_step: float) -> None:
         """A step of `len(row_ids)` rows accepted `accepted` ([B]) draft tokens: earn its share of the plain
         time of what it committed, and refund a probe its tokens accepted beyond the exploit plan."""
         B = len(row_ids)
-        self.plain_seconds += (sum(accepted) + B) / B * plain_step
-        exploit, probed = self.open.pop(tuple(row_ids), (None, None))
+        earned = (sum(accepted) + B) / B * plain_step
+        self.plain_seconds += earned
+        self.pool_plain_seconds += earned
+        exploit, probed, drawn = self.open.pop(tuple(row_ids), (None, None, 0.0))
         if probed is not None:
-            gained = sum(max(0, min(a, p) - e) for a, p, e in zip(accepted, probed, exploit))
-            self.spent -= gained / B * plain_step
+            refund = sum(max(0, min(a, p) - e) for a, p, e in zip(accepted, probed, exploit)) / B * plain_step
+            self.learning_spent -= min(refund, drawn)
+            self.spent -= refund - min(refund, drawn)

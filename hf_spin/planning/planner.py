@@ -363,22 +363,24 @@ class Planner:
         catch_up: list[dict[int, float]] | None,
     ) -> tuple[list[int], float]:
         """([B] sizes, seconds charged): `exploit` ([B], what the estimates expect to pay) and, beyond it
-        toward `wanted` ([B]), the longest probe the exploration budget affords (exploration.py). The first
-        rung is one token on one row, the row where it costs least (at batch 4 a new drafter's first probe reads
-        the shortest prompt, not four); then a token beyond the plan on every row, two, ..."""
+        toward `wanted` ([B]), the longest probe the exploration budget affords (exploration.py; a drafter the pool
+        has no evidence of, from the pool's account too). The first rung is one token on one row, the row where it
+        costs least (at batch 4 a new drafter's first probe reads the shortest prompt, not four); then a token beyond
+        the plan on every row, two, ..."""
 
         def added(trial: list[int]) -> tuple[list[int], float]:
             return trial, self._seconds(trial, chosen, padded, catch_up) - base
 
         base = self._seconds(exploit, chosen, padded, catch_up)
         wanting = [b for b, (k, e) in enumerate(zip(wanted, exploit)) if k > e]
+        learning = any(self.acceptance.evidence(d) == 0 for b in wanting for d in chosen[b])  # a drafter's first probe
         probes = []  # [(ks, seconds added to the exploit plan)]
         if len(wanting) > 1:
             one = [[e + (b == w) for b, e in enumerate(exploit)] for w in wanting]
             probes.append(min((added(trial) for trial in one), key=lambda p: p[1]))
         for extra in range(1, max((k - e for k, e in zip(wanted, exploit)), default=0) + 1):
             probes.append(added([max(e, min(k, e + extra)) for k, e in zip(wanted, exploit)]))
-        return self.budget.afford(row_ids, exploit, probes, self.profile.plain_seconds(len(wanted)))
+        return self.budget.afford(row_ids, exploit, probes, self.profile.plain_seconds(len(wanted)), learning)
 
     def _seconds(
         self, ks: list[int], chosen: list[tuple[int, ...]], padded: bool, catch_up: list[dict[int, float]] | None
