@@ -121,5 +121,6 @@ class ExplorationBudget:
         exploit, probed, drawn = self.open.pop(tuple(row_ids), (None, None, 0.0))
         if probed is not None:
             refund = sum(max(0, min(a, p) - e) for a, p, e in zip(accepted, probed, exploit)) / B * plain_step
-            self.learning_spent -= min(refund, drawn)
-            self.spent -= refund - min(refund, drawn)
+            back = min(refund, drawn)  # to the learning account first, what it lent
+            self.learning_spent -= back
+            self.spent -= refund - back
