@@ -154,13 +154,14 @@ def test_compiled_section_runs_every_method_and_records_every_field(compiled_rep
         assert isinstance(r["speedup_vs_static"], float), r
     for r in (r for r in runs if r["method"].startswith("hf_spin")):
         assert all(r[field] is not None for field in SPIN_FIELDS), r
-        assert r["identical_rows"] == r["identical_rows_static"] == r["batch"], r  # float32: exact
+        assert r["identical_rows"] == r["identical_rows_static"] == r["batch"], r  # float32: exact, unforced
         assert 0 < r["host_syncs_per_step"] <= report["k"] + 2, r
         if r["drafter"] == "0.5B model":
             assert r["draft_ms_per_token"] > 0 and r["draft_token_vs_static_step"] > 0
         elif r["profile"] == "off":
             assert r["theoretical_accepted_per_step"] is not None
             assert (r["accepted_per_step"] == 0) if r["alpha"] == 0 else (r["accepted_per_step"] > 0), r
+    assert report["forced"] is False
     goals = report["goals"]
     assert set(goals) == {
         "never_slower",
@@ -187,7 +188,10 @@ def test_a_compiled_run_picks_its_models_batches_and_dtype(tmp_path):
     run = subprocess.run(picked, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())["compiled"]
-    assert report["dtype"] == "bfloat16"
+    assert report["dtype"] == "bfloat16" and report["forced"]  # reduced precision: the target follows refs
+    spin = [r for r in report["runs"] if r["method"].startswith("hf_spin") and r["drafter"] == "oracle"]
+    assert spin and all(r["identical_rows"] == r["identical_rows_static"] == 4 for r in spin), spin
+    assert all(r["accepted_per_step"] > 0 for r in spin if r["alpha"]), spin  # the oracle's truth is the target's
     assert [(c["model"], c["batch"]) for c in report["configs"]] == [("7B", 4)]
     assert {(r["model"], r["batch"]) for r in report["runs"]} == {("7B", 4)}
     profiles = report["profiles"]["7B b=4"]  # where a plain step's time goes, transformers' and ours

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import CompileConfig
+from transformers import CompileConfig, DynamicCache
 
 from benchmarks.replay.__main__ import main
 from benchmarks.replay.checks import CheckConfig, generated, left_pad
@@ -15,6 +15,7 @@ from benchmarks.replay.forced import force, match, replay_drafters
 from benchmarks.replay.record import continuation, record
 from benchmarks.replay.run import TARGET_SHAPES, check
 from benchmarks.replay.trace import Request, Trace, load, merge
+from hf_spin.planning.cost_profile import _context_cache
 
 from .archs import VOCAB, tiny_model
 from .speculation import perturbed
@@ -149,6 +150,24 @@ def test_rows_matched_after_some_retire():
     assert match(before, [(12, 12)], [0, 1, 2], sequences) == [1]  # row 2 stopped early (a smaller max_new_tokens)
     with pytest.raises(RuntimeError, match="lost its rows"):  # no row holds 99 at 12
         match(before, [(99, 12)], [0, 1, 2], sequences)
+
+
+def test_a_probe_on_a_cache_of_its_own_reads_unknown_rows(trace):
+    """A cost-profile probe after a batch (fewer rows over a random context in a cache of its own, as the static
+    layout's profile measures within a run) is forced to the unknown row's token 0; fewer rows that fit no
+    recorded sequence on the batch's own cache still fail."""
+    model = tiny_model("llama", seed=5)
+    force(model, trace)
+    ids, mask = left_pad([r.prompt for r in trace.requests[:3]], trace.target["pad_token_id"], "cpu")
+    cache = DynamicCache(config=model.config)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [3, L]
+    model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)  # rows 0, 1, 2 tracked
+    with pytest.raises(RuntimeError, match="lost its rows"):  # the batch's cache: a lost row is a fault
+        model(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[10_000]]), past_key_values=cache)
+    probe = _context_cache(model, 1, torch.Generator().manual_seed(0))
+    at = torch.tensor([[probe.get_seq_length()]])
+    logits = model(input_ids=torch.tensor([[7]]), position_ids=at, past_key_values=probe).logits  # [1, 1, V]
+    assert logits[0, -1].argmax() == 0
 
 
 def test_command_line_runs_the_benchmark_and_the_check(trace_file, trace, tmp_path):

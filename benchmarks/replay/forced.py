@@ -12,7 +12,8 @@
 Which request a row is comes from the row's own tokens, never from a counter: a prefill (an empty cache) matches
 each row's prompt against the trace's; later forwards keep the rows' order until the batch shrinks (hf_spin
 retires finished rows, in order), when the rows left are matched to the earlier ones by their first token and its
-position (the last committed token: on the recorded sequence) and by which rows could have finished. Prefills back
+position (the last committed token: on the recorded sequence) and by which rows could have finished; rows that fit
+none on a cache other than the batch's (a cost-profile probe's random context) are unknown. Prefills back
 to back are one batch prefilled in groups (docs/planning.md, "Prefill groups"), its rows put back in row order
 before the next forward: each row's first token after its prompt tells whose it is. Past an
 EOS the lookup reads the recorded tail (what the real target predicted there). Rows joining
@@ -20,6 +21,8 @@ a running batch (the server's continuous batching) are not supported: a prefill 
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
@@ -67,6 +70,7 @@ class ForcedTarget:
         self.last: tuple | list = []
         self.prefills: list[tuple[list[int], list]] = []  # (requests, last) of each prefill back to back so far
         self.buffered: list[int] = []  # what module.replay_rows holds
+        self.cache = lambda: None  # a weak reference to the latest forward's cache
         self.handles = (
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
@@ -93,6 +97,8 @@ class ForcedTarget:
             slot = torch.arange(ids.shape[1], device=ids.device)
             rows = rows[torch.searchsorted(meta.cu_seqlens_q[1:].long(), slot, right=True)][None]  # [1, total]
         else:
+            if rows.shape[0] != ids.shape[0]:  # rows no pre-hook tracked (a cost-profile probe, compiled): unknown
+                rows = torch.full_like(ids[:, 0], len(self.sequences))  # [B]
             rows = rows[:, None].expand_as(ids)  # [B, T]
         keep = kwargs.get("logits_to_keep", 0)
         if isinstance(keep, int):
@@ -123,9 +129,15 @@ class ForcedTarget:
                     self.requests = [UNKNOWN] * len(first_ids)
             elif len(first_ids) < len(self.requests):
                 now = list(zip(first_ids.tolist(), first_positions.tolist()))
-                self.requests = match(self._before(), now, self.requests, self.sequences)
+                try:
+                    self.requests = match(self._before(), now, self.requests, self.sequences)
+                except RuntimeError:
+                    if self.cache() is cache:
+                        raise
+                    self.requests = [UNKNOWN] * len(first_ids)  # a cache the rows never ran on (a profile probe)
             self.last = (ids, positions, meta)
             self.prefills = []
+        self.cache = weakref.ref(cache) if cache is not None else lambda: None
         rows = [r if r != UNKNOWN else len(self.sequences) for r in self.requests]
         if rows != self.buffered:
             module.replay_rows = torch.tensor(rows, device=module.replay_rows.device)
