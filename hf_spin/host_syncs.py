@@ -386,3 +386,24 @@ def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     if device.type == "cuda":
         host = host.contiguous().pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def read_later(values: torch.Tensor):
+    """A read of `values` on the host, begun now and finished by the returned call, which gives their
+    `tolist()`: on CUDA an asynchronous copy into pinned memory, queued before whatever the host launches
+    next, and an event that the call waits on (one sync, counted as one); elsewhere the values, read by
+    the call. So work launched between the two (the next step's forward, engine.py) does not delay the read."""
+    if values.device.type != "cuda":
+        return values.tolist
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> list:
+        if _active:
+            _active[-1].record("event")
+        copied.synchronize()
+        return host.tolist()
+
+    return read

@@ -184,21 +184,32 @@ class StaticOptions:
     query_slots: query slots of every verification from the first on (k + 1 for a draft length cap k);
         None: the longest chunk so far, bucketed, so a longer draft than any before compiles a wider
         forward (once per bucket).
+    run_ahead: a step that drafts nothing launches the next one-token forward before the host reads its
+        tokens (docs/design.md, "Run-ahead"): True, False, or "auto" (where the forwards compile on CUDA,
+        the only place the host's work then overlaps the device's).
     """
 
     compile: bool | str = False
     backend: str = "inductor"
     query_slots: int | None = None
+    run_ahead: bool | str = "auto"
 
     def __post_init__(self):
         if self.compile not in (False, True, "auto"):
             raise ValueError(f"compile={self.compile!r} is not supported; give False, True or 'auto' (CUDA only)")
         if self.query_slots is not None and not (type(self.query_slots) is int and self.query_slots >= 1):
             raise ValueError(f"query_slots={self.query_slots!r} is not supported; give a positive int or None")
+        if self.run_ahead not in (False, True, "auto"):
+            raise ValueError(f"run_ahead={self.run_ahead!r} is not supported; give False, True or 'auto'")
 
     def compiles(self, model) -> bool:
         """Whether forwards of `model` run compiled under these options ("auto": on CUDA only)."""
         return self.compile is True or (self.compile == "auto" and model.device.type == "cuda")
+
+    def runs_ahead(self, model) -> bool:
+        """Whether plain steps of `model` run ahead under these options ("auto": compiled on CUDA)."""
+        on_cuda = self.compiles(model) and model.device.type == "cuda"
+        return self.run_ahead is True or (self.run_ahead == "auto" and on_cuda)
 
     def forward_for(self, model, forward=run_static):
         """`forward` (`run_static` or `run_static_draft`) compiled for `model` as these options say, or as

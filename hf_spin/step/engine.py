@@ -38,9 +38,10 @@ import torch
 from .. import host_syncs
 from ..cache import PackedCache, RectangularCache, RowCache, forward_ragged
 from ..cache.encoder_rows import EncoderRows
-from ..cache.static_forward import StaticOptions, StaticTarget
+from ..cache.static_forward import StaticOptions, StaticTarget, forward_static_tokens
 from ..drafters import Drafter
 from ..drafters.model import ModelDrafter, common_prefix_length
+from ..host_syncs import to_device
 from ..planning.plan import BatchView, Plan, StepFeedback, shadow_lengths
 from ..planning.planner import plan_k
 from ..planning.prefill import prefill_groups
@@ -93,6 +94,9 @@ class SpinEngine:
     static: verify (and draft with model drafters) on the static layout with these options whatever the
         pool's layout says (`generate`'s `cache_implementation="static"` with a rectangular pool); None: the
         pool's.
+    run_ahead: let a step that drafts nothing launch the next one-token forward before its tokens are read,
+        where the static options say so (`StaticOptions.run_ahead`; docs/design.md, "Run-ahead"); a
+        pipeline's lanes, whose steps two threads share, pass False.
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class SpinEngine:
         defer_idle_catch_up: bool = False,
         faults: Faults | None = None,
         static: StaticOptions | None = None,
+        run_ahead: bool = True,
     ):
         self.model = model
         self.pool = pool
@@ -124,6 +129,10 @@ class SpinEngine:
             self.drafters, self.policy, self.names = [], None, []
         # the target's verification forward on the static layout; None: rectangular or packed
         self.static = StaticTarget(model, static) if static is not None else None
+        self.run_ahead = run_ahead and static is not None and static.runs_ahead(model)
+        # [B, 1, V] float32: the logits of a one-token forward a plain step ran ahead (`_launch_ahead`), its
+        # token already in the target's cache; None: the cache holds every committed token but the last
+        self._ahead: torch.Tensor | None = None
         for drafter in self.drafters:  # model drafters decode on the same layout, through caches of their own
             if isinstance(drafter, ModelDrafter):
                 drafter.static = static
@@ -216,6 +225,7 @@ class SpinEngine:
         with host_syncs.phase("retire"):  # phases: what host_syncs.count_syncs counts syncs under
             self.retire()
         if self.pending and not (self._admitted_last and self.rows):
+            self._drop_ahead()  # joining rows' slots have no forward ahead
             with host_syncs.phase("admit"):
                 self.admit()
             self._admitted_last = True
@@ -230,6 +240,7 @@ class SpinEngine:
             if not row.done:
                 row.finish_reason = CANCELLED
         self.retire()
+        self._ahead = None
         for d in self.drafters:
             d.finish()
 
@@ -320,13 +331,15 @@ class SpinEngine:
         kept = [b for b, r in enumerate(self.rows) if not r.done]
         self.rows = [self.rows[b] for b in kept]
         if not kept:  # an empty batch starts afresh: caches dropped, drafters restarted by the next admission
-            self.cache = None
+            self.cache, self._ahead = None, None
             for d in self.drafters:
                 d.finish()
             self.drafters_started = False
             return
         index = torch.tensor(kept)  # on the host: each cache sends its device a copy
         self.cache.select_rows(index)
+        if self._ahead is not None:
+            self._ahead = self._ahead[to_device(kept, self._ahead.device, torch.long)]
         for d_idx, d in enumerate(self.drafters):
             if self.usable[d_idx]:
                 self._call_drafter(d_idx, lambda: d.select_rows(index), [])
@@ -397,7 +410,12 @@ class SpinEngine:
     @torch.no_grad()
     def verify(self, proposal: Proposal) -> None:
         rows = self.rows
-        # 5. Verify: one target forward over [last committed token] + drafts (a chain, or a vote's tree) for every row.
+        plain = proposal.trees is None and not any(proposal.drafts)
+        if proposal.trees is not None:
+            self._drop_ahead()  # a tree's root is fed with its nodes
+        ahead, self._ahead = self._ahead, None
+        # 5. Verify: one target forward over [last committed token] + drafts (a chain, or a vote's tree) for every row;
+        #    after a run-ahead, the drafts alone, the last committed token's logits already there (`_ahead`).
         start = perf_counter()
         if proposal.trees is not None:
             trees = [t if t is not None else TokenTree.chain(d) for t, d in zip(proposal.trees, proposal.drafts)]
@@ -411,13 +429,22 @@ class SpinEngine:
             kept = [[t.tokens[n] for n in p] for t, p in zip(trees, paths)]  # [B] the accepted draft tokens
             row_scores = tree_step.path_scores(tree_scores, paths)  # [B] [len + 1, V]
         else:
-            chunks = [[r.sequence[-1]] + proposal.drafts[b] for b, r in enumerate(rows)]
-            fed, positions = self._widened(chunks)
+            if ahead is None:
+                chunks = [[r.sequence[-1]] + proposal.drafts[b] for b, r in enumerate(rows)]
+                fed, positions = self._widened(chunks)
+            else:
+                chunks = fed = [list(d) for d in proposal.drafts]  # the last committed token is in the cache
+                positions = len(rows) * (1 + max(map(len, chunks)))
             # [B, K + 1, V] (fillers' slots cut off), or None when every row failed
-            target_logits = self.faults.target_forward(self.cache, rows, self._forward_target, fed)
-            if target_logits is None:
-                return
-            target_logits = target_logits[:, : max(len(c) for c in chunks)]
+            if plain and ahead is not None:
+                target_logits = ahead
+            else:
+                target_logits = self.faults.target_forward(self.cache, rows, self._forward_target, fed)
+                if target_logits is None:
+                    return
+                target_logits = target_logits[:, : max(len(c) for c in chunks)]
+                if ahead is not None:
+                    target_logits = torch.cat([ahead, target_logits], dim=1)
             scores = target_scores(
                 rows, self._running_batch(), target_logits, proposal.drafts, self.faults.row
             )  # [B, K + 1, V]
@@ -425,9 +452,10 @@ class SpinEngine:
             verdict = self.faults.verdict(
                 rows, lambda idx: verify_rows(idx, sampling, scores, proposal.drafts, proposal.qs), scores.device
             )
-            accepted, next_tokens = torch.stack(
-                [verdict.accepted, verdict.next_token]
-            ).tolist()  # the step's one read of the device
+            read = host_syncs.read_later(torch.stack([verdict.accepted, verdict.next_token]))
+            if plain and self._may_run_ahead(rows):
+                self._ahead = self._launch_ahead(verdict.next_token)
+            accepted, next_tokens = read()  # the step's one read of the device
             kept = [d[:a] for d, a in zip(proposal.drafts, accepted)]
             row_scores = list(scores)
         verify_seconds = perf_counter() - start  # after that read: the forward and the verdict have run, on any device
@@ -457,9 +485,10 @@ class SpinEngine:
         for d_idx in sorted({d for prop in proposal.proposals for d in prop}):
             self.drafter_stats[self.names[d_idx]].steps += 1
         if any(proposal.drafts) or any(r.finish_reason == ERROR for r in rows):
+            self._drop_ahead()
             self.cache.rollback(
                 [len(r.sequence) - 1 for r in rows]
-            )  # else each row committed the one token it fed: nothing to drop
+            )  # else each row committed the one token it fed (and one more ran ahead): nothing to drop
 
         # 7. Fast switching: idle drafters named by the plan catch up on rows they may serve next; the
         #    policy hears what the step did.
@@ -497,6 +526,31 @@ class SpinEngine:
             if self.planner is not None:
                 self.planner.update(feedback)
         self.steps += 1
+
+    # -- run-ahead: a plain step's next forward launched before its tokens are read ------------------------
+    def _may_run_ahead(self, rows: list[Row]) -> bool:
+        """Whether this plain step may feed its tokens, unread, to the next forward: on the static layout where
+        the options say so, every row alive with room for a token after this step's (so no forward runs past a
+        row's length limit, nor past the cache's capacity)."""
+        return self.run_ahead and all(not r.done and r.draft_room >= 1 for r in rows)
+
+    def _launch_ahead(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The one-token forward of every row over `tokens` ([B] on the device, this step's verdict), queued
+        behind the verdict's read: logits [B, 1, V] float32, or None where the (guarded) forward failed."""
+        forward = self.static.forward
+
+        def run(chunks: list[list[int]]) -> torch.Tensor:  # placeholders: the tokens are not on the host yet
+            fed = [bool(c) for c in chunks]  # all, unless isolating faults retries part of the rows
+            part = tokens if all(fed) else tokens[to_device([b for b, f in enumerate(fed) if f], tokens.device)]
+            return forward_static_tokens(self.model, self.cache, part, fed, forward).to(dtype=torch.float32)
+
+        return self.faults.target_forward(self.cache, self.rows, run, [[0]] * len(self.rows))
+
+    def _drop_ahead(self) -> None:
+        """Undo a forward run ahead: each row's cache back to its committed tokens but the last."""
+        if self._ahead is not None:
+            self._ahead = None
+            self.cache.rollback([len(r.sequence) - 1 for r in self.rows])
 
     @property
     def _padded(self) -> bool:

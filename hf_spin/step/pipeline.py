@@ -294,6 +294,7 @@ class Pipeline:
             drafters=drafters,
             policy=self.policy,
             defer_idle_catch_up=True,
+            run_ahead=False,
             faults=_LaneFaults(self.isolate_faults, self.streams),
         )
         return lane

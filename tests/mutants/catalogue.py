@@ -24,6 +24,7 @@ class Mutant:
 EQ = "tests/test_equivalence.py::"
 SAMPLING = "tests/test_sampling.py::"
 WIDTHS = "tests/test_widths.py::test_a_widened_verification_commits_what_plain_generate_does_and_pays"
+RUN_AHEAD = "tests/test_run_ahead.py::"
 STATIC_DRAFTER = "tests/test_static_drafter.py::test_static_drafter_is_lossless_and_drafts_as_on_its_dynamic_cache"
 
 MUTANTS = (
@@ -427,6 +428,24 @@ MUTANTS = (
         "width = 1 if longest == 1 else cache.query_width(",
         "width = cache.query_width(",
         ("tests/test_static_engine.py::test_a_step_that_drafts_nothing_is_the_one_token_decode",),
+    ),
+    Mutant(
+        "run_ahead_rows_not_cut_with_the_batch",
+        "a forward run ahead keeps the rows that stopped: the next step verifies each row against another row's "
+        "logits (wrong tokens wherever a row of a batch stops before the others)",
+        "hf_spin/step/engine.py",
+        "            self._ahead = self._ahead[to_device(kept, self._ahead.device, torch.long)]",
+        "            self._ahead = self._ahead[: len(kept)]",
+        (RUN_AHEAD + "test_a_row_stopping_while_a_forward_runs_ahead_leaves_the_others_exact",),
+    ),
+    Mutant(
+        "run_ahead_dropped_without_rollback",
+        "a forward run ahead is dropped (rows joining) but its token stays in the target's cache: the next step "
+        "feeds that token again, after itself (wrong tokens)",
+        "hf_spin/step/engine.py",
+        "            self._ahead = None\n            self.cache.rollback([len(r.sequence) - 1 for r in self.rows])",
+        "            self._ahead = None",
+        (RUN_AHEAD + "test_rows_joining_drop_the_forward_run_ahead_and_stay_exact",),
     ),
     Mutant(
         "catch_up_spread_over_the_length_limit",
