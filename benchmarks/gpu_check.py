@@ -932,6 +932,7 @@ def compiled_config(check: Check, report: dict, label: str, model, batch: int):
 
     def record(r: dict) -> None:
         runs.append(r)
+        check.save()  # a run cut short by a timeout keeps every run before it
         head = f"  compiled {label:>4} b={batch:<2} {r['method']:<16}"
         if "skipped" in r or "error" in r:
             print(f"{head} {r.get('skipped') or 'ERROR ' + r['error']}")
