@@ -185,14 +185,15 @@ class StaticOptions:
         None: the longest chunk so far, bucketed, so a longer draft than any before compiles a wider
         forward (once per bucket).
     run_ahead: a step that drafts nothing launches the next one-token forward before the host reads its
-        tokens (docs/design.md, "Run-ahead"): True, False, or "auto" (where the forwards compile on CUDA,
-        the only place the host's work then overlaps the device's).
+        tokens (docs/design.md, "Run-ahead"): True, "auto" (where the forwards compile on CUDA, the only
+        place the host's work then overlaps the device's), or False (the default: on an H100 it ran the
+        compiled plain decode 3x slower, for a reason not yet found).
     """
 
     compile: bool | str = False
     backend: str = "inductor"
     query_slots: int | None = None
-    run_ahead: bool | str = "auto"
+    run_ahead: bool | str = False
 
     def __post_init__(self):
         if self.compile not in (False, True, "auto"):
