@@ -35,6 +35,7 @@ docs/benchmarks.md says how to read it; tests/test_gpu_check.py runs the CPU smo
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import inspect
 import itertools
@@ -747,6 +748,38 @@ def cudagraph_skips() -> int:
     return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
 
 
+@contextlib.contextmanager
+def cudagraph_events():
+    """Counts, over the block, of inductor's CUDA graph trees at work: "record_function" (a graph recorded;
+    after a warm-up, a re-record), "run_eager" (a warm-up run), "past_rerecord_limit" (calls that ran their
+    kernels one launch at a time, past the re-record limit), "skips" (graphs run without CUDA graphs)."""
+    from torch._inductor import cudagraph_trees
+
+    seen, manager, start = collections.Counter(), cudagraph_trees.CUDAGraphTreeManager, cudagraph_skips()
+    names = ("record_function", "run_eager", "exceed_rerecord_limit")
+    originals = {n: getattr(manager, n) for n in names if hasattr(manager, n)}  # as this torch has them
+
+    def counting(name, fn):
+        def wrapper(self, *args, **kwargs):
+            out = fn(self, *args, **kwargs)
+            if name != "exceed_rerecord_limit":
+                seen[name] += 1
+            elif out:
+                seen["past_rerecord_limit"] += 1
+            return out
+
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(manager, name, counting(name, fn))
+    try:
+        yield seen
+    finally:
+        for name, fn in originals.items():
+            setattr(manager, name, fn)
+        seen["skips"] = cudagraph_skips() - start
+
+
 def compile_backend(check: Check) -> str:
     """inductor on CUDA (CUDA graphs); on CPU dynamo alone ("eager": no graph break and no recompilation
     are checked the same, without code generation, so the smoke takes seconds)."""
@@ -953,6 +986,7 @@ def compiled_config(check: Check, report: dict, label: str, model, batch: int):
                 f"({r['identical_rows_static']}/{batch} vs static),"
             )
         draft = f", draft token {r['draft_ms_per_token']:.2f} ms" if "draft_ms_per_token" in r else ""
+        draft += f", CUDA graph trees: {r['cudagraph_events']}" if r.get("cudagraph_events") else ""
         print(
             f"{head}{spin} {r['ms_per_token']:.2f} ms/token, {r['speedup_vs_static']:.2f}x static generate, "
             f"graphs {r['graphs_compiled']}{warm}{draft}"
@@ -1033,7 +1067,9 @@ def compiled_config(check: Check, report: dict, label: str, model, batch: int):
                 first_s, _ = wall(check, run if compiled else lambda: run(4))
                 first_graphs, first_skips = unique_graphs() - g, cudagraph_skips() - skips
             g = unique_graphs()
-            (out, stats), s = timed(check, run)
+            with cudagraph_events() as events:
+                (out, stats), s = timed(check, run)
+            r["cudagraph_events"] = {k: v for k, v in events.items() if v}  # in the timed run; {}: replays alone
             # the run again, counted (eager: over fewer tokens; compiled: the same, a shorter run could need
             # another capacity, another graph); on CPU the instrumented count's dispatch modes and dynamo do
             # not mix: there the static layout's forward runs eagerly (the host's side of a step is the same)

@@ -122,6 +122,7 @@ SPIN_FIELDS = (
     "graphs_compiled",
     "ms_per_step",
     "steps",
+    "cudagraph_events",  # {} on a CPU: no CUDA graph trees
 )
 
 
