@@ -79,7 +79,8 @@ def test_a_probe_is_one_token_beyond_what_pays_unless_verification_is_flat(struc
     free = cost.width(exploit + 2) - 1  # drafts a one-token probe's verification holds at no extra cost (widths)
     assert ks == ([optimistic] if structure == "flat" else [min(optimistic, free)]), (exploit, optimistic, ks)
     assert exploit + 1 < optimistic or structure == "flat"  # the case tells a k-token probe from a 1-token one
-    planner.budget.spent = planner.budget.left + planner.budget.spent  # nothing left
+    planner.end_rows([0], [None])  # the request leaves; the next finds the call's budget spent
+    planner.budget.spent = SHARE * (planner.budget.plain_seconds + 64 * cost.predict(1))  # its 64 tokens' share too
     assert planner.size([1], [{}], [64], [(0,)], [8], padded=True) == [exploit]
 
 
@@ -143,3 +144,18 @@ def test_a_call_spends_only_its_own_budget(structure):
     spin = clock.now - start
     plain_seconds = plain_clock(target, prompts, clock, new_tokens)
     assert spin <= (1 + SHARE) * plain_seconds + 1e-9, f"{structure}: {spin:.2f}s against plain {plain_seconds:.2f}s"
+
+
+def test_the_expected_tokens_of_every_lane_count_in_the_calls_budget():
+    """A pipeline's lanes size their own rows on one planner: the call's budget counts what every lane's rows are
+    expected to commit (each row a share of its batch's plain step), and nothing for a row that left."""
+    from hf_spin.planning.exploration import ExplorationBudget
+
+    budget = ExplorationBudget()
+    budget.expect([1, 2], [10, 30], plain_step=0.2)  # lane A: two rows, 0.1 s of each step a row
+    budget.expect([3], [40], plain_step=0.15)  # lane B: one row
+    assert budget.expected == pytest.approx(1.0 + 3.0 + 6.0)
+    budget.expect([1, 2], [9, None], plain_step=0.2)  # lane A again: its rows' own, row 2's length unknown
+    assert budget.expected == pytest.approx(0.9 + 0.0 + 6.0)
+    budget.end_rows([3])
+    assert budget.expected == pytest.approx(0.9) and budget.left == pytest.approx(SHARE * 0.9)

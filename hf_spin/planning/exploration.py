@@ -47,10 +47,17 @@ class ExplorationBudget:
     def begin(self) -> None:
         """A new call (`generate`, or a server's engine): nothing committed, expected or spent yet."""
         self.plain_seconds = 0.0  # what plain decoding would have taken for the call's tokens committed so far
-        self.expected = 0.0  # ... and for the tokens its running rows are expected to commit still (`expect`)
+        # ... and, per running row, for the tokens it is expected to commit still (`expect`; a pipeline's lanes
+        # each set their own rows')
+        self.expected_rows: dict[int, float] = {}
         self.spent = 0.0  # probes' seconds, less their refunds
         # row ids -> (exploit ks, probed ks, seconds drawn on the learning account)
         self.open: dict[tuple[int, ...], tuple[list[int], list[int], float]] = {}
+
+    @property
+    def expected(self) -> float:
+        """The plain time of the tokens the running rows are expected to commit still."""
+        return sum(self.expected_rows.values())
 
     @property
     def left(self) -> float:
@@ -62,10 +69,16 @@ class ExplorationBudget:
         """The pool's account, for the first probes of a drafter it has no evidence of."""
         return max(self.share * self.pool_plain_seconds - self.learning_spent, 0.0)
 
-    def expect(self, tokens_left: list[int | None], plain_step: float) -> None:
-        """The running rows are expected to commit `tokens_left` ([B], None: unknown, none counted) more, in
-        steps of `plain_step` seconds each for the batch."""
-        self.expected = sum(n or 0 for n in tokens_left) / max(len(tokens_left), 1) * plain_step
+    def expect(self, row_ids: list[int], tokens_left: list[int | None], plain_step: float) -> None:
+        """Rows `row_ids` (a step's batch) are expected to commit `tokens_left` ([B], None: unknown, none counted)
+        more, in steps of `plain_step` seconds each for the batch: a row's share of a step each."""
+        for r, n in zip(row_ids, tokens_left):
+            self.expected_rows[r] = (n or 0) * plain_step / max(len(row_ids), 1)
+
+    def end_rows(self, row_ids: list[int]) -> None:
+        """These rows left: nothing more is expected of them."""
+        for r in row_ids:
+            self.expected_rows.pop(r, None)
 
     def afford(
         self,

@@ -307,7 +307,7 @@ class Planner:
             ]
             unencoded = unencoded or [set() for _ in lags]
             left = [self.lengths.left(r, room) for r, room in zip(row_ids, rooms)]  # [B] tokens each row may add
-            self.budget.expect(left, self.profile.plain_seconds(len(row_ids)))
+            self.budget.expect(row_ids, left, self.profile.plain_seconds(len(row_ids)))
             rows = len(row_ids) if padded else 1  # a padded catch-up forward runs every row at the longest lag
             seconds = [
                 {d: self._catch_up_seconds({d: n}, u, rows) for d, n in lag.items()} for lag, u in zip(lags, unencoded)
@@ -546,6 +546,7 @@ class Planner:
         rows run here."""
         with self.lock:
             self.lengths.end(row_ids, lengths)
+            self.budget.end_rows(row_ids)
 
     def _learn(self, feedback: StepFeedback) -> None:
         profile, acceptance = self.profile, self.acceptance

@@ -430,6 +430,15 @@ MUTANTS = (
         ("tests/test_static_engine.py::test_a_step_that_drafts_nothing_is_the_one_token_decode",),
     ),
     Mutant(
+        "a_lanes_expectations_overwrite_the_others",
+        "each pipeline lane's sizing replaces what the call expects its rows to commit with its own rows' alone: "
+        "the call's exploration budget follows whichever lane planned last",
+        "hf_spin/planning/exploration.py",
+        "        for r, n in zip(row_ids, tokens_left):\n            self.expected_rows[r]",
+        "        self.expected_rows = {}\n        for r, n in zip(row_ids, tokens_left):\n            self.expected_rows[r]",
+        ("tests/test_exploration.py::test_the_expected_tokens_of_every_lane_count_in_the_calls_budget",),
+    ),
+    Mutant(
         "run_ahead_rows_not_cut_with_the_batch",
         "a forward run ahead keeps the rows that stopped: the next step verifies each row against another row's "
         "logits (wrong tokens wherever a row of a batch stops before the others)",
