@@ -326,13 +326,15 @@ def measure(
     static: None (the eager path on a dynamic cache), or on the static layout (the forward, the query slots)
         the engine runs chunks of N tokens a row through (`static(N)`, compiled or not; None: an N the engine
         never runs, not measured): each point then goes through `forward_static` after an untimed run that
-        compiles its graph (within the budget: compiling is what a point costs first).
+        compiles its graph (within the budget: compiling is what a point costs first). The per-row overhead
+        is read from eager forwards there: a row bucket's graph would cost a compilation (half a minute for a
+        1.5B model on a GPU) that a call at batch 1 never uses.
     `progress`: called with each point's description (a progress bar's update)."""
     device = model.device
     generator = torch.Generator().manual_seed(0)
 
-    def timed(rows: int, tokens: int) -> float:
-        if static is None:
+    def timed(rows: int, tokens: int, eager: bool = False) -> float:
+        if static is None or eager:
             reset, forward = _eager_point(model, rows, tokens, generator)
         else:
             reset, forward = _static_point(model, *static(tokens), rows, tokens, generator)
@@ -361,8 +363,12 @@ def measure(
                 continue
         table[n] = timed(1, n)
     cost = ForwardCost.from_table(dict(sorted(table.items())))
-    # always, whatever the budget: every batch > 1 decision reads it
-    cost.per_row = max(timed(GRID_ROWS, 1) - cost.predict(GRID_ROWS), 0.0) / (GRID_ROWS - 1)
+    # always, whatever the budget: every batch > 1 decision reads it (on the static layout from eager forwards)
+    if static is None:
+        spread = timed(GRID_ROWS, 1) - cost.predict(GRID_ROWS)
+    else:
+        spread = timed(GRID_ROWS, 1, eager=True) - timed(1, GRID_ROWS, eager=True)
+    cost.per_row = max(spread, 0.0) / (GRID_ROWS - 1)
     if getattr(model.config, "is_encoder_decoder", False):
         cost.encoder = _encoder_seconds(model, generator, clock)
     return cost
