@@ -163,6 +163,9 @@ def test_compiled_section_runs_every_method_and_records_every_field(compiled_rep
             assert r["theoretical_accepted_per_step"] is not None
             assert (r["accepted_per_step"] == 0) if r["alpha"] == 0 else (r["accepted_per_step"] > 0), r
     assert report["forced"] is False
+    repeats = report["never_slower_repeats"]  # the default pool against static generate, alternating, per config
+    assert {(r["model"], r["batch"]) for r in repeats} == {(c["model"], c["batch"]) for c in report["configs"]}
+    assert all(len(r["speedups"]) == 2 and r["speedup_median"] > 0 for r in repeats), repeats
     goals = report["goals"]
     assert set(goals) == {
         "never_slower",
