@@ -433,7 +433,7 @@ class SpinEngine:
                 chunks = [[r.sequence[-1]] + proposal.drafts[b] for b, r in enumerate(rows)]
                 fed, positions = self._widened(chunks)
             else:
-                chunks = fed = [list(d) for d in proposal.drafts]  # the last committed token is in the cache
+                chunks = fed = proposal.drafts  # the last committed token is in the cache
                 positions = len(rows) * (1 + max(map(len, chunks)))
             # [B, K + 1, V] (fillers' slots cut off), or None when every row failed
             if plain and ahead is not None:
@@ -485,7 +485,7 @@ class SpinEngine:
         for d_idx in sorted({d for prop in proposal.proposals for d in prop}):
             self.drafter_stats[self.names[d_idx]].steps += 1
         if any(proposal.drafts) or any(r.finish_reason == ERROR for r in rows):
-            self._drop_ahead()
+            self._ahead = None  # a forward run ahead goes with the rollback
             self.cache.rollback(
                 [len(r.sequence) - 1 for r in rows]
             )  # else each row committed the one token it fed (and one more ran ahead): nothing to drop
