@@ -463,6 +463,14 @@ def test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay():
         planner.budget.pool_plain_seconds = 200 * target.predict(1)
         assert (planner.size([0], [{0: 52}], [31], [(0,)], [8], padded=True)[0] > 0) == probes, pooled
         assert planner.budget.learning_spent > 0 if probes else planner.budget.learning_spent == 0
+    # the account lends a call at most the call's own share: however much it holds, a call of 31 tokens to come (a
+    # share of 0.62 plain steps, 1.24 with the loan) cannot try the 2.2-step probe; after 60 steps of its own it can
+    for steps, probes in ((0, False), (60, True)):
+        planner = Planner(profile_of(target, [drafter], ["drafter"]))
+        planner.budget.plain_seconds = steps * target.predict(1)
+        planner.budget.pool_plain_seconds = 10_000 * target.predict(1)
+        assert (planner.size([0], [{0: 52}], [31], [(0,)], [8], padded=True)[0] > 0) == probes, steps
+        assert planner.budget.lent == planner.budget.learning_spent
 
 
 def test_batch_4_catch_ups_are_priced_as_the_forward_that_runs_them():

@@ -17,7 +17,9 @@ no more: what earlier calls left unspent is not carried into one request. One ex
 a drafter the pool has no evidence of yet may also be probed from the pool's account, the same
 share of the plain time of every call so far, less what first probes have lost: a draft model whose
 first probe (its catch-up of a prompt) costs more than a short call's share is tried once the pool
-has decoded enough, and what it learns serves every later call. The tokens a probe gets accepted
+has decoded enough, and what it learns serves every later call. The account lends a call at most the
+call's own share, so no call loses more than twice its share: a first probe that costs 10% of a
+32-token request on a CPU waits for a request long enough to afford it. The tokens a probe gets accepted
 beyond the exploit plan are refunded at plain decoding's price (to the account it drew on first), so
 a probe that pays funds the next. A probe is as short as what it must learn: one token tells whether the
 drafter's guesses hold on the request; it grows only while each extra token adds at most `FREE`
@@ -51,6 +53,7 @@ class ExplorationBudget:
         # each set their own rows')
         self.expected_rows: dict[int, float] = {}
         self.spent = 0.0  # probes' seconds, less their refunds
+        self.lent = 0.0  # what the learning account has lent this call's first probes, less their refunds
         # row ids -> (exploit ks, probed ks, seconds drawn on the learning account)
         self.open: dict[tuple[int, ...], tuple[list[int], list[int], float]] = {}
 
@@ -65,9 +68,11 @@ class ExplorationBudget:
         return self.share * (self.plain_seconds + self.expected) - self.spent
 
     @property
-    def learning_left(self) -> float:
-        """The pool's account, for the first probes of a drafter it has no evidence of."""
-        return max(self.share * self.pool_plain_seconds - self.learning_spent, 0.0)
+    def lendable(self) -> float:
+        """What the pool's account may still lend this call for the first probes of a drafter it has no evidence
+        of: its balance, and at most the call's own share."""
+        balance = self.share * self.pool_plain_seconds - self.learning_spent
+        return max(min(balance, self.share * (self.plain_seconds + self.expected) - self.lent), 0.0)
 
     def expect(self, row_ids: list[int], tokens_left: list[int | None], plain_step: float) -> None:
         """Rows `row_ids` (a step's batch) are expected to commit `tokens_left` ([B], None: unknown, none counted)
@@ -93,7 +98,7 @@ class ExplorationBudget:
         `plain_step` each, if the budget covers it; the exploit plan (charged nothing) where not even the
         first probe is covered. learning: a drafter the pool has no evidence of is probed, so the pool's account
         adds to the call's, and is drawn on first."""
-        pool = self.learning_left if learning else 0.0
+        pool = self.lendable if learning else 0.0
         chosen = (exploit, 0.0)
         for ks, seconds in probes:
             extra = sum(ks) - sum(probes[0][0])
@@ -103,6 +108,7 @@ class ExplorationBudget:
         if chosen[1] > 0:
             drawn = min(chosen[1], pool)
             self.learning_spent += drawn
+            self.lent += drawn
             self.spent += chosen[1] - drawn
             before = self.open.get(tuple(row_ids), (exploit, exploit, 0.0))  # bought before drafting, trimmed after
             self.open[tuple(row_ids)] = (
@@ -136,4 +142,5 @@ class ExplorationBudget:
             refund = sum(max(0, min(a, p) - e) for a, p, e in zip(accepted, probed, exploit)) / B * plain_step
             back = min(refund, drawn)  # to the learning account first, what it lent
             self.learning_spent -= back
+            self.lent -= back
             self.spent -= refund - back

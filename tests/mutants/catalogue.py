@@ -299,6 +299,14 @@ MUTANTS = (
         ("tests/test_planning.py::test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay",),
     ),
     Mutant(
+        "the_pool_account_lends_without_limit",
+        "a call's first probes may draw the pool's whole account: once the pool has served enough, one 32-token request on a CPU pays a 0.5B drafter's catch-up of its prompt, 10% of its plain time (Spec-Bench qa 0.90x plain, float32)",
+        "hf_spin/planning/exploration.py",
+        "return max(min(balance, self.share * (self.plain_seconds + self.expected) - self.lent), 0.0)",
+        "return max(balance, 0.0)",
+        ("tests/test_planning.py::test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay",),
+    ),
+    Mutant(
         "idle_catch_up_ignores_the_planner",
         "idle catch-ups run wherever a policy asks, not only where the evidence says they pay: on an AVX2 CPU the README demo spent 30 s of a 104 s prompt catching two draft models up for nothing",
         "hf_spin/step/engine.py",
