@@ -181,14 +181,20 @@ def test_a_drafters_own_encoder_is_measured_and_priced_with_its_first_catch_up()
 def test_an_idle_catch_up_on_padded_rows_is_priced_over_every_row_it_pads():
     """A rectangular drafter cache runs a catch-up over every row of the batch, padded to the longest chunk: one
     row's 113-token catch-up at batch 4 costs a forward over 452 positions. Priced per row it fit the budget (one
-    plain step); priced over the padded rows it does not (costs replay, schema requests, batch 4: 0.96x plain)."""
+    plain step); priced over the padded rows it does not (costs replay, schema requests, batch 4: 0.96x plain).
+    A catch-up the budget buys is a probe's first half: bought only where the budget covers the probe's first rung
+    after it too (one draft token verified: 0.019 s here), or it is spent for nothing."""
     linear = table(lambda n: 0.1 * (1 + 0.8 * (n - 1) / 7))  # AVX2 float32-like
     planner = Planner(profile_of(linear, [table(lambda n: 0.076 * (0.1 * (1 + 0.8 * (n - 1) / 7)))], ["drafter"]))
-    planner.budget.plain_seconds = 5.0  # the call's plain time so far: a budget of 0.1 s, one plain step
+    planner.budget.plain_seconds = 6.0  # the call's plain time so far: a budget of 0.12 s, 1.2 plain steps
     assert planner._catch_up_seconds({0: 113}, (), 4) > 3.5 * planner._catch_up_seconds({0: 113})
     assert planner.worth_catching_up([0], 0, [113], [31], padded_rows=4) == [False]
     assert planner.budget.spent == 0.0
     assert planner.worth_catching_up([0], 0, [113], [31]) == [True]  # one row's own forward: the budget buys it
+    planner = Planner(profile_of(linear, [table(lambda n: 0.076 * (0.1 * (1 + 0.8 * (n - 1) / 7)))], ["drafter"]))
+    planner.budget.plain_seconds = 5.0  # 0.1 s: the catch-up (0.097 s) fits, the probe after it does not
+    assert planner.worth_catching_up([0], 0, [113], [31]) == [False]
+    assert planner.budget.spent == 0.0
 
 
 def avx2_fp32(n: float) -> float:

@@ -423,13 +423,14 @@ class Planner:
         """[B] whether to run an idle catch-up (a policy's `Plan.catch_up`: feeding a drafter a row it does not
         draft now) on each row: where it pays for itself (drafting the row with `drafter` alone, at what the
         evidence says, the exploit plan's pessimistic prior, with this catch-up of `lags` ([B] tokens) spread
-        over the row's steps left (`rooms`, [B] tokens), beats a plain step), or else as a probe the
-        exploration budget affords at the catch-up's full price (with the drafter's encoder where `unencoded`,
-        [B]). Never for a drafter that cannot pay here.
+        over the row's steps left (`rooms`, [B] tokens), beats a plain step), or else as the first half of a probe:
+        bought from the exploration budget at the catch-up's full price (with the drafter's encoder where
+        `unencoded`, [B]) only if the budget covers the probe's first rung after it too (`_first_rung`), since a
+        catch-up alone learns nothing. Bought alone, SmolLM2's catch-up of a Spec-Bench prompt took a 32-token
+        request's whole share and left none for a probe: 2-3% of the request lost (AMD EPYC, float32, LBSS).
+        Never for a drafter that cannot pay here.
         padded_rows: the rows the drafter's catch-up forward runs over whichever it feeds (a rectangular cache pads
-        every row of the batch to the longest chunk): a row's catch-up is priced as that many rows of its lag. Priced
-        per row, a 135M drafter's catch-up of one 113-token schema prompt fit a budget of one plain step while the
-        forward over four padded rows cost four times that (the costs replay, batch 4: 0.96x plain)."""
+        every row of the batch to the longest chunk): a row's catch-up is priced as that many rows of its lag."""
         if not self.paying[drafter]:
             return [False] * len(row_ids)
         with self.lock:
@@ -439,12 +440,20 @@ class Planner:
                 curve = self._curve(r, (drafter,), min(room, self.profile.max_k), None, 0.0, EVIDENCE_ONLY)
                 spread = self._spread(seconds, self.lengths.left(r, room), curve)
                 pays = self._best([curve], [(drafter,)], False, [{drafter: spread}])[0] > 0
-                out.append(pays or self.budget.spend(seconds))
+                probe = seconds + self._first_rung(drafter, padded_rows)
+                out.append(pays or (probe <= self.budget.left and self.budget.spend(seconds)))
                 if out[-1] and self.journal is not None:
                     paid_by = "evidence" if pays else "budget"
                     name = self.profile.names[drafter]
                     self.journal.event("idle_catch_up", row=r, drafter=name, lag=lag, seconds=seconds, paid_by=paid_by)
             return out
+
+    def _first_rung(self, drafter: int, rows: int) -> float:
+        """Seconds a probe's first rung adds to a plain step of `rows` rows: one token drafted on one row and
+        verified beside the others' (padded, every row verifies two positions when rows > 1)."""
+        tokens = 2 * rows if rows > 1 else 2
+        added = self.profile.verify_seconds(rows, tokens) - self.profile.plain_seconds(rows)
+        return added + self.profile.draft_seconds_for_rows(drafter, 1, 1)
 
     def _catch_up_seconds(self, lags: dict[int, int], unencoded: Collection[int] = (), rows: int = 1) -> float:
         """Seconds a row's model drafters would spend catching up on the tokens they lack (the whole

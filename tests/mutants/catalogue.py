@@ -570,6 +570,14 @@ MUTANTS = (
         ("tests/test_planning.py::test_a_short_grid_reaches_the_positions_a_batch_of_four_verifies",),
     ),
     Mutant(
+        "an_idle_catch_up_leaves_no_room_for_its_probe",
+        "the exploration budget buys an idle catch-up that leaves it too little for the probe it is the first half of: SmolLM2's catch-up of a Spec-Bench prompt took a 32-token request's whole share and lost 2-3% of it for nothing (AMD EPYC, float32, LBSS)",
+        "hf_spin/planning/planner.py",
+        "probe = seconds + self._first_rung(drafter, padded_rows)",
+        "probe = seconds",
+        ("tests/test_planning.py::test_an_idle_catch_up_on_padded_rows_is_priced_over_every_row_it_pads",),
+    ),
+    Mutant(
         "idle_catch_up_priced_per_row",
         "an idle catch-up on a rectangular drafter cache is priced at the row's own lag, though its forward runs over "
         "every row of the batch padded to it: the budget buys catch-ups that cost the batch size times their price",
