@@ -450,9 +450,8 @@ class Planner:
 
     def _first_rung(self, drafter: int, rows: int) -> float:
         """Seconds a probe's first rung adds to a plain step of `rows` rows: one token drafted on one row and
-        verified beside the others' (padded, every row verifies two positions when rows > 1)."""
-        tokens = 2 * rows if rows > 1 else 2
-        added = self.profile.verify_seconds(rows, tokens) - self.profile.plain_seconds(rows)
+        verified beside the others' (`rows` > 1: a padded forward, every row two positions)."""
+        added = self.profile.verify_seconds(rows, 2 * rows) - self.profile.plain_seconds(rows)
         return added + self.profile.draft_seconds_for_rows(drafter, 1, 1)
 
     def _catch_up_seconds(self, lags: dict[int, int], unencoded: Collection[int] = (), rows: int = 1) -> float:
