@@ -63,16 +63,22 @@ class ExplorationBudget:
         return sum(self.expected_rows.values())
 
     @property
+    def call_share(self) -> float:
+        """The share of the plain time of the call's tokens (committed and expected): what it may lose to probes,
+        and what the pool's account may lend it besides."""
+        return self.share * (self.plain_seconds + self.expected)
+
+    @property
     def left(self) -> float:
         """The call's account."""
-        return self.share * (self.plain_seconds + self.expected) - self.spent
+        return self.call_share - self.spent
 
     @property
     def lendable(self) -> float:
         """What the pool's account may still lend this call for the first probes of a drafter it has no evidence
         of: its balance, and at most the call's own share."""
         balance = self.share * self.pool_plain_seconds - self.learning_spent
-        return max(min(balance, self.share * (self.plain_seconds + self.expected) - self.lent), 0.0)
+        return max(min(balance, self.call_share - self.lent), 0.0)
 
     def expect(self, row_ids: list[int], tokens_left: list[int | None], plain_step: float) -> None:
         """Rows `row_ids` (a step's batch) are expected to commit `tokens_left` ([B], None: unknown, none counted)
@@ -118,10 +124,10 @@ class ExplorationBudget:
             )
         return chosen
 
-    def spend(self, seconds: float) -> bool:
+    def spend(self, seconds: float, then: float = 0.0) -> bool:
         """Buy something whose worth is unknown (an idle catch-up the evidence does not pay for) at `seconds`,
-        if the budget covers it; nothing is refunded."""
-        if seconds > self.left:
+        if the budget covers it and `then` seconds more (the probe it is the first half of); nothing is refunded."""
+        if seconds + then > self.left:
             return False
         self.spent += seconds
         return True

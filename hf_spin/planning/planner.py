@@ -440,8 +440,7 @@ class Planner:
                 curve = self._curve(r, (drafter,), min(room, self.profile.max_k), None, 0.0, EVIDENCE_ONLY)
                 spread = self._spread(seconds, self.lengths.left(r, room), curve)
                 pays = self._best([curve], [(drafter,)], False, [{drafter: spread}])[0] > 0
-                probe = seconds + self._first_rung(drafter, padded_rows)
-                out.append(pays or (probe <= self.budget.left and self.budget.spend(seconds)))
+                out.append(pays or self.budget.spend(seconds, then=self._first_rung(drafter, padded_rows)))
                 if out[-1] and self.journal is not None:
                     paid_by = "evidence" if pays else "budget"
                     name = self.profile.names[drafter]
