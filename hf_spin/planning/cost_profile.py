@@ -13,11 +13,13 @@ f is piecewise linear between measured knots N = 1, 2, 4, 8, ... (linear beyond 
 last slope), r a per-row overhead (fitted from a batch-4 point). Measured on a small grid within a
 time budget (`measure`; on the static compiled layout through the compiled fixed-shape forward the
 engine runs, at its query widths), cached on disk (`profiling.py`), then refined online from every timed
-forward: per knot, a decayed mean of log(measured / predicted), each residual clipped to
-+-`MAX_LOG_RESIDUAL` so a stall (another process, a page fault) moves it by a bounded amount. The
-context is GRID_CONTEXT positions of random KV, not a grid axis (its cost is small next to the
-weights' at the lengths drafting sees, and a prefill per point would overrun the budget on a slow
-machine): its slow drift as rows grow is what the online correction follows.
+forward: log(measured / grid) as a shift shared by every knot plus each knot's own deviation from it,
+shrunk toward none by KNOT_WEIGHT pseudo-observations, each surprise clipped to +-`MAX_LOG_RESIDUAL` so
+a stall (another process, a page fault) moves it by a bounded amount. The context is GRID_CONTEXT
+positions of random KV, not a grid axis (its cost is small next to the weights' at the lengths drafting
+sees, and a prefill per point would overrun the budget on a slow machine): its drift as rows grow, and
+the engine's own cost around a forward, move every knot alike, and most steps are plain, so the shift
+carries what one knot learns to the others (docs/planning.md, "The cost profile").
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ CORRECTION_DECAY = 0.98
 # A residual is clipped to +-this in log seconds before it enters the correction: a 2.7x stall moves
 # the correction by at most 1/50 of that, while a real change of the cost is followed in ~20 forwards.
 MAX_LOG_RESIDUAL = 1.0
+# Pseudo-observations of the shared shift behind each knot's own correction: a knot observed a few times
+# keeps its own shape (2-3 tokens on a slow GEMM path), one never observed moves with the shift. Per knot
+# alone, the plain steps' knot followed a 700-token RAG prompt (AMD EPYC, bf16: 1 token 0.20 -> 0.26 s)
+# while 8 tokens stayed at the grid's 0.23 s, and an 8-token draft looked cheaper than a plain step.
+KNOT_WEIGHT = 4.0
 # Context (prompt tokens) the grid is measured at: a short chat prompt.
 GRID_CONTEXT = 128
 # Forward positions of the grid, in the order measured: the budget may stop it after any of them but the
@@ -83,7 +90,8 @@ class ForwardCost:
     encoder: float = 0.0
     observations: int = 0  # online observations so far
     widens: bool = True
-    corrections: list[DecayedMean] = field(default_factory=list)  # [K] log(measured / predicted)
+    shift: DecayedMean = field(default_factory=lambda: DecayedMean(CORRECTION_DECAY))  # log(measured / grid)
+    corrections: list[DecayedMean] = field(default_factory=list)  # [K] a knot's log(measured / grid) - shift
     _values: list[float] | None = field(
         default=None, repr=False, compare=False
     )  # `values()` until the next observation
@@ -103,12 +111,17 @@ class ForwardCost:
         return cls(knots, [float(table[n]) for n in knots], per_row)
 
     def values(self) -> list[float]:
-        """[K] f at each knot with its online correction, as measured: not made non-decreasing, since a
-        forward over more positions can cost less (one over 2-3 tokens runs a CPU's slow small-M GEMM, one
-        over 8 a packed one); `width` runs a verification at such a knot. Kept until the next observation:
-        the planner reads it for every draft slot."""
+        """[K] f at each knot with its online correction (the shared shift and the knot's own deviation, shrunk by
+        KNOT_WEIGHT), as measured: not made non-decreasing, since a forward over more positions can cost less (one
+        over 2-3 tokens runs a CPU's slow small-M GEMM, one over 8 a packed one); `width` runs a verification at such
+        a knot. Kept until the next observation: the planner reads it for every draft slot."""
         if self._values is None or len(self._values) != len(self.knots):
-            self._values = [s * math.exp(c.mean or 0.0) for s, c in zip(self.seconds, self.corrections)]
+            shift = self.shift.mean or 0.0
+            prior = KNOT_WEIGHT if self.shift.weight > 0 else 0.0  # no shift learned (a drafter's): the knot's own
+            self._values = [
+                s * math.exp(shift + (c.mean or 0.0) * c.weight / (c.weight + prior or 1.0))
+                for s, c in zip(self.seconds, self.corrections)
+            ]
         return self._values
 
     def _interpolate(self, values: list[float], n_tokens: float) -> float:
@@ -176,22 +189,33 @@ class ForwardCost:
         mean_slope = (values[-1] - values[0]) / (last - first) if last > first else values[0] / first
         return max(self.predict(n_tokens), self.predict(last) + mean_slope * (n_tokens - last))
 
-    def observe(self, n_tokens: float, rows: int, seconds: float) -> None:
-        """A timed forward: moves the correction of the knots around N toward it (clipped residual).
-        Far beyond the last knot (more than twice it), a knot is added there first, so what is learned
-        at large N does not bend the cost of the small N the grid measured."""
+    def observe(self, n_tokens: float, rows: int, seconds: float, shared: bool = True) -> None:
+        """A timed forward: its log(measured / grid), the surprise over the prediction clipped, moves the shared
+        shift (`shared`: a forward timed alone at the positions it ran) and the deviation of the knots around N.
+        Far beyond the last knot (more than twice it), a knot is added there first, and such a forward (a long
+        chunk's attention) moves only its own knot, so what is learned at large N does not bend the cost of the
+        small N the grid measured."""
         if seconds <= 0 or n_tokens <= 0:
             return
-        if n_tokens > 2 * self.knots[-1]:
+        far = n_tokens > 2 * self.knots[-1]
+        if far:
             n = 2 ** math.ceil(math.log2(n_tokens))
             self.corrections.append(
                 DecayedMean(CORRECTION_DECAY)
             )  # corrections, then seconds, then knots: a reader indexes by knots
             self.seconds.append(self._interpolate(self.seconds, n))
             self.knots.append(n)
-        residual = max(-MAX_LOG_RESIDUAL, min(MAX_LOG_RESIDUAL, math.log(seconds / self.predict(n_tokens, rows))))
+        extra = self.per_row * max(rows - 1, 0)
+        predicted = self.predict(n_tokens, rows)
+        surprise = max(-MAX_LOG_RESIDUAL, min(MAX_LOG_RESIDUAL, math.log(seconds / predicted)))
+        # log(measured / grid) of the forward's f(N), with the surprise clipped
+        grid = self._interpolate(self.seconds, n_tokens)
+        observed = math.log(max(predicted * math.exp(surprise) - extra, 1e-3 * grid) / grid)
+        if shared and not far:
+            self.shift.add(observed)
+        shift = self.shift.mean or 0.0
         for i, w in self._weights(n_tokens):
-            self.corrections[i].add((self.corrections[i].mean or 0.0) + residual, w)
+            self.corrections[i].add(observed - shift, w)
         self._values = None
         self.observations += 1
 
@@ -437,7 +461,9 @@ class CostProfile:
         return self.target.verify(n_tokens, rows)
 
     def plain_seconds(self, rows: int) -> float:
-        return self.target.predict(rows, rows)
+        """A plain step: one position a row, at the width the engine runs it (`ForwardCost.width`: on an AVX-512
+        bf16 CPU two positions cost less than one)."""
+        return self.target.verify(rows, rows)
 
     def draft_seconds_for_rows(self, drafter: int, forwards: float, rows: int) -> float:
         """`drafter` drafting for `rows` rows (not row tokens: `CostModel.draft_seconds` takes those) in
@@ -456,8 +482,8 @@ class CostProfile:
         cost = self.drafters[drafter]
         if cost is None:
             self.calls[drafter].add(seconds)
-        elif forwards > 0 and rows > 0:
-            cost.observe(rows, rows, seconds / forwards)
+        elif forwards > 0 and rows > 0:  # a call's own work and its first forward's catch-up inside: its knot alone
+            cost.observe(rows, rows, seconds / forwards, shared=False)
 
     # -- what it means -------------------------------------------------------------------------------
     def best_rate(self, drafter: int, acceptance: float, target: ForwardCost | None = None) -> tuple[float, int]:

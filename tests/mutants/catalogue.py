@@ -528,6 +528,25 @@ MUTANTS = (
         (WIDTHS + "[1-rectangular]", WIDTHS + "[4-packed]"),
     ),
     Mutant(
+        "a_plain_step_never_widens",
+        "a plain step runs at one position though two cost less (an AVX-512 bf16 CPU's GEMV against a small GEMM, "
+        "AMD EPYC, 1.5B: 192 / 172 ms): 10% of every plain step lost",
+        "hf_spin/step/engine.py",
+        "        if self.planner is None:\n            return chunks, positions",
+        "        if self.planner is None or all(len(c) == 1 for c in chunks):\n            return chunks, positions",
+        ("tests/test_widths.py::test_a_plain_step_runs_at_a_cheaper_width_too[rectangular]",),
+    ),
+    Mutant(
+        "the_knots_learn_apart",
+        "each knot of the target's cost learns only from forwards at its own width: the plain steps' knot follows a "
+        "long prompt's drift (AMD EPYC, bf16, RAG: 0.20 -> 0.26 s) while 8 tokens stay at the grid's 0.23 s, and an "
+        "8-token draft looks cheaper than a plain step",
+        "hf_spin/planning/cost_profile.py",
+        "        if shared and not far:\n            self.shift.add(observed)",
+        "        if False:\n            self.shift.add(observed)",
+        ("tests/test_planning.py::test_a_drift_seen_on_plain_steps_moves_every_knot_and_a_knot_keeps_its_own_shape",),
+    ),
+    Mutant(
         "fillers_before_the_drafts",
         "a widened verification puts its filler tokens before a row's real ones: the target scores drafts after "
         "tokens the row never had",
