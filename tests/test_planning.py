@@ -21,7 +21,7 @@ from benchmarks.injected_costs import STRUCTURES, CostClock, profile_of, table
 from hf_spin.drafters import Draft, Drafter
 from hf_spin.planning.cost_profile import UNMEASURED_PREMIUM, CostProfile, ForwardCost, measure
 from hf_spin.planning.estimates import acceptance_with_prior
-from hf_spin.planning.planner import LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance, Planner, plan_k
+from hf_spin.planning.planner import EVIDENCE_ONLY, LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance, Planner, plan_k
 from hf_spin.planning.profiling import build_profile, complete
 from hf_spin.planning.row_lengths import RowLengths
 from hf_spin.verify.token_tree import TokenTree
@@ -555,18 +555,18 @@ def test_row_lengths_expect_the_mean_of_rows_that_ended():
 
 
 def test_trees_are_sized_node_by_node_by_estimated_acceptance():
-    """A node's value is the draft's survival at its depth scaled by its weight over its depth's heaviest,
-    siblings together never above their parent's; trim keeps the likeliest nodes while the next one pays: all of
-    them when verification is flat, fewer when it grows, and the kept nodes are the likeliest (a heavy chain
-    before its lighter siblings)."""
+    """A node's heaviest child is worth its parent times the chain's conditional acceptance at its depth; its
+    other children share, by weight, its parent's value where that child fails times the learned acceptance of
+    such siblings; trim keeps the likeliest nodes while the next one pays: all of them when verification is flat,
+    fewer when it grows, and the kept nodes are the likeliest (a heavy chain before its lighter siblings)."""
     tree = TokenTree()
     a = tree.add(-1, 10, weight=1.0)
     b = tree.add(-1, 11, weight=0.25)
     tree.add(a, 12, weight=0.8)
     tree.add(a, 13, weight=0.1)
-    tree.add(b, 14, weight=0.25)  # as heavy as its parent: capped at its parent's value
-    s1, s2 = PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE**2  # no evidence yet: the prior at each position
-    expected = [s1, s1 * 0.25, s2, s2 * 0.1 / 0.8, min(s2 * 0.25 / 0.8, s1 * 0.25)]
+    tree.add(b, 14, weight=0.25)
+    c = rho = PRIOR_ACCEPTANCE  # no evidence yet: the prior at each position, and for siblings
+    expected = [c, (1 - c) * rho, c * c, c * (1 - c) * rho, (1 - c) * rho * c]
     flat_planner = Planner(profile_of(table(flat), [None], ["lookup"]))
     ks, values = flat_planner.trim([0], [tree.tokens], [(0,)], [{}], padded=False, trees=[tree])
     assert values[0] == pytest.approx(expected) and ks == [5]
@@ -578,13 +578,20 @@ def test_trees_are_sized_node_by_node_by_estimated_acceptance():
     assert kept.tokens == [10, 12] and kept.parents == [-1, 0]
     with pytest.raises(ValueError, match="node scores that do not grow from parent to child"):
         tree.pruned(2, by=[0.1, 0.2, 0.9, 0.0, 0.0])
-    # siblings add up to at most their parent's value (one of them, at most, is accepted): three root
-    # children drafted at 0.4 / 0.35 / 0.25 would be worth 1.5 x S(1) together; scaled to 1
+    # one of siblings at most is accepted: four equal continuations (prompt lookup's of a one-token match) are not
+    # each as likely as the chain, and together never above their parent's value
     wide = TokenTree()
-    for token, w in ((20, 0.4), (21, 0.35), (22, 0.25)):
-        wide.add(-1, token, weight=w)
+    for token in (20, 21, 22, 23):
+        wide.add(-1, token, weight=1.0)
     _, values = flat_planner.trim([0], [wide.tokens], [(0,)], [{}], padded=False, trees=[wide])
-    assert values[0] == pytest.approx([0.4, 0.35, 0.25]) and sum(values[0]) <= 1.0
+    assert values[0] == pytest.approx([c] + [(1 - c) * rho / 3] * 3) and sum(values[0]) <= 1.0
+    # siblings seen failing where the chain failed lose their value; the chain's is what its own evidence says
+    for _ in range(20):
+        flat_planner.acceptance.observe_alternatives(0, accepted=False)
+    _, learned = flat_planner.trim([0], [wide.tokens], [(0,)], [{}], padded=False, trees=[wide])
+    assert learned[0][0] == pytest.approx(c) and max(learned[0][1:]) < 0.01
+    evidence_only = flat_planner._node_values(0, (0,), wide, {}, EVIDENCE_ONLY)
+    assert max(evidence_only[1:]) == 0.0  # nothing yet says a sibling is right
 
 
 class Varying(hf_spin.policies.DraftLength):
@@ -716,6 +723,9 @@ def test_trees_cost_what_the_planner_lets_a_chain_cost(costs, monkeypatch):
     else:
         assert any(len(t.children(n)) >= 2 for t in seen for n in range(-1, len(t))), "no tree branched"
         assert stats.mean_accepted_length > 1.5
+        # the true continuation is a sibling wherever the chain fails: its siblings are learned right every time
+        accepted, rejected = pool.planner.acceptance.alternatives[0]
+        assert accepted > 1 and rejected == 0
 
 
 def test_the_step_log_records_each_idle_catch_up_and_what_paid_it(tmp_path, monkeypatch):

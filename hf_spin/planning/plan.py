@@ -107,6 +107,9 @@ class StepFeedback:
     match_lengths: list[dict[int, int]] = field(
         default_factory=list
     )  # [B] drafter -> the match its draft (served or shadow) continued, where it reports one (`Draft.match_lengths`)
+    alternatives: list[bool | None] = field(
+        default_factory=list
+    )  # [B] a token tree's siblings of its heaviest path where that path failed: accepted or not, None if none
 
     @property
     def batch_size(self) -> int:

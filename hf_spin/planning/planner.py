@@ -93,6 +93,8 @@ class Acceptance:
             tuple[int, int | None, int], list[float]
         ] = {}  # (drafter, match bucket or None, position) -> [accepted, rejected]
         self.rows: dict[tuple[int, int], list[float]] = {}  # (drafter, row id) -> [accepted, rejected]
+        # [accepted, rejected] per drafter: a token tree's siblings of its heaviest path where that path failed
+        self.alternatives = [[0.0, 0.0] for _ in range(num_drafters)]
 
     @staticmethod
     def bucket(match: int | None) -> int | None:
@@ -117,8 +119,16 @@ class Acceptance:
         for m in {None, self.bucket(match)}:
             self.counts.setdefault((drafter, m, position), [0.0, 0.0])[outcome] += 1
 
+    def observe_alternatives(self, drafter: int, accepted: bool) -> None:
+        """Where the drafter's token tree offered siblings beside its heaviest path's failed node: was one accepted."""
+        self.alternatives[drafter][0 if accepted else 1] += 1
+
+    def alternative(self, drafter: int, prior: tuple[float, float] = (PRIOR_ACCEPTANCE, PRIOR_WEIGHT)) -> float:
+        """P(one of a node's other children is accepted | its heaviest child was rejected)."""
+        return acceptance_with_prior(*self.alternatives[drafter], *prior)
+
     def decay(self) -> None:
-        for c in self.pooled:
+        for c in self.pooled + self.alternatives:
             c[0] *= SURVIVAL_DECAY
             c[1] *= SURVIVAL_DECAY
         for c in list(self.counts.values()) + list(self.rows.values()):
@@ -520,26 +530,31 @@ class Planner:
         match: dict[int, int] | None,
         prior: tuple[float, float] = (PRIOR_ACCEPTANCE, PRIOR_WEIGHT),
     ) -> list[float]:
-        """[N] the probability that each node of a row's token tree is accepted: the survival S(d) of the
-        drafters' draft at the node's depth d (what the heaviest path has shown), scaled by the node's
-        weight over the heaviest weight at its depth (a sibling drafted as less likely is accepted less
-        often). At most one child of a node is accepted, and only after the node: siblings' values
-        are scaled down to add up to at most their parent's (1 for the root's children)."""
+        """[N] the probability that each node of a row's token tree is accepted. A node's heaviest child (the chain
+        the drafters' evidence is about) is accepted after it with the chain's conditional acceptance at its depth
+        (S(d) / S(d - 1)); its other children only where that child is not, with the drafters' learned acceptance of
+        such siblings (`Acceptance.alternative`), shared by weight. Prompt lookup's four continuations of a one-token
+        match are equal siblings: valued each as its chain, a RAG row expected one token a step from them, verified
+        eight nodes a step and got none (AMD EPYC, bf16). A child is never worth more than its parent."""
         depths = tree.depths()
-        chain = self._curve(row, drafters, max(depths, default=0), match, 0.0, prior)  # [D]
+        chain = self._curve(row, drafters, max(depths, default=0), match, 0.0, prior)  # [D] S(d)
         if not chain:
             return [0.0] * len(tree)
-        top: dict[int, float] = {}
-        for d, w in zip(depths, tree.weights):
-            top[d] = max(top.get(d, 0.0), w)
-        raw = [chain[d - 1] * w / top[d] if top[d] > 0 else 0.0 for d, w in zip(depths, tree.weights)]  # [N]
-        siblings: dict[int, float] = {}  # parent -> its children's raw values, summed
-        for p, v in zip(tree.parents, raw):
-            siblings[p] = siblings.get(p, 0.0) + v
-        out: list[float] = []
-        for p, v in zip(tree.parents, raw):  # parents before children: out[p] is final
-            cap = out[p] if p >= 0 else 1.0
-            out.append(min(v * min(1.0, cap / siblings[p]) if siblings[p] > 0 else 0.0, cap))
+        conditional = [s / above if above > 0 else 0.0 for s, above in zip(chain, [1.0] + chain[:-1])]  # [D]
+        sibling = max(self.acceptance.alternative(d, prior) for d in drafters if self.paying[d])
+        out = [0.0] * len(tree)
+        for parent in [-1] + list(range(len(tree))):  # parents before children: out[parent] is final
+            kids = tree.children(parent)
+            if not kids:
+                continue
+            base, top = out[parent] if parent >= 0 else 1.0, tree.heaviest_child(parent)
+            c = conditional[depths[top] - 1]
+            rest = sum(tree.weights[k] for k in kids if k != top)  # the siblings' weight
+            for k in kids:
+                if k == top:
+                    out[k] = base * c
+                elif rest > 0:
+                    out[k] = base * (1.0 - c) * sibling * tree.weights[k] / rest
         return out
 
     def update(self, feedback: StepFeedback) -> None:
@@ -580,6 +595,9 @@ class Planner:
                 for d, p in proposed.items():
                     match = feedback.match_lengths[b].get(d) if feedback.match_lengths else None
                     acceptance.observe(d, feedback.row_ids[b], p, matched.get(d, 0), committed, match)
+            outcome = feedback.alternatives[b] if feedback.alternatives else None
+            if outcome is not None and len(feedback.proposed[b]) == 1:  # one drafter's tree
+                acceptance.observe_alternatives(next(iter(feedback.proposed[b])), outcome)
         self.budget.settle(feedback.row_ids, feedback.accepted, profile.plain_seconds(B))
         if self.journal is not None:
             self.journal.close(

@@ -418,6 +418,7 @@ class SpinEngine:
         #    after a run-ahead, the drafts alone, the last committed token's logits already there (`_ahead`).
         start = perf_counter()
         filled = False  # the forward ran over filler tokens too (a cheaper width)
+        alternatives: list[bool | None] = []  # [B] per token tree, what its heaviest path's siblings earned
         if proposal.trees is not None:
             trees = [t if t is not None else TokenTree.chain(d) for t, d in zip(proposal.trees, proposal.drafts)]
             positions = None  # as `verified_tokens` counts them
@@ -428,6 +429,7 @@ class SpinEngine:
             paths, next_tokens, tree_scores = verified
             accepted = [len(p) for p in paths]
             kept = [[t.tokens[n] for n in p] for t, p in zip(trees, paths)]  # [B] the accepted draft tokens
+            alternatives = [t.beside_the_heaviest(p) for t, p in zip(trees, paths)]  # a chain's: None
             row_scores = tree_step.path_scores(tree_scores, paths)  # [B] [len + 1, V]
         else:
             if ahead is None:
@@ -523,6 +525,7 @@ class SpinEngine:
                 verify_seconds=verify_seconds,
                 padded=self._padded,
                 positions=positions,
+                alternatives=alternatives,
             )
             self.policy.update(feedback)
             if self.planner is not None:

@@ -97,6 +97,27 @@ class TokenTree:
         once per draw."""
         return [i for i in self.order if self.parents[i] == node]
 
+    def heaviest_child(self, node: int) -> int | None:
+        """The child of `node` (-1: the root) a chain draft would hold: the heaviest, the earlier of equals (a
+        drafter's own chain, `Draft.tokens`, is its tree's heaviest path); None for a leaf."""
+        kids = self.children(node)
+        return max(kids, key=lambda c: (self.weights[c], -c)) if kids else None
+
+    def beside_the_heaviest(self, path: list[int]) -> bool | None:
+        """Where the accepted `path` (nodes from the root's child down) first leaves the heaviest path, or stops
+        short of its leaf: whether a sibling of the heaviest child there was accepted (True: the path goes on
+        through one; False: it stops), or None where that node had no other child to offer, or the heaviest
+        path was accepted whole. What a tree's alternatives earn beside its chain (`Acceptance`)."""
+        node = -1
+        for step in path + [None]:
+            top = self.heaviest_child(node)
+            if top is None:
+                return None
+            if step != top:
+                return None if len(self.children(node)) < 2 else step is not None
+            node = step
+        return None
+
     def depths(self) -> list[int]:
         """[N] 1 for the root's children, 2 below them, ...: the node's position after the last committed token."""
         out: list[int] = []

@@ -589,6 +589,16 @@ MUTANTS = (
         ("tests/test_planning.py::test_a_short_grid_reaches_the_positions_a_batch_of_four_verifies",),
     ),
     Mutant(
+        "siblings_valued_as_the_chain",
+        "a token tree's other children are each valued as the heaviest: prompt lookup's four equal continuations of a "
+        "one-token match each worth the chain, eight nodes verified a step on a RAG prompt for none accepted "
+        "(AMD EPYC, bf16, LBSS)",
+        "hf_spin/planning/planner.py",
+        "                    out[k] = base * (1.0 - c) * sibling * tree.weights[k] / rest",
+        "                    out[k] = base * c * tree.weights[k] / tree.weights[top]",
+        ("tests/test_planning.py::test_trees_are_sized_node_by_node_by_estimated_acceptance",),
+    ),
+    Mutant(
         "an_idle_catch_up_leaves_no_room_for_its_probe",
         "the exploration budget buys an idle catch-up that leaves it too little for the probe it is the first half of: SmolLM2's catch-up of a Spec-Bench prompt took a 32-token request's whole share and lost 2-3% of it for nothing (AMD EPYC, float32, LBSS)",
         "hf_spin/planning/planner.py",
