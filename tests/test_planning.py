@@ -124,8 +124,8 @@ def test_online_refinement_follows_a_change_and_shrugs_off_a_stall():
         steady.observe(1, 1, 1.0)
     steady.observe(1, 1, 100.0)  # one stall of 100x
     assert steady.predict(1) < 1.1
-    steady.observe(1000, 1, 5.0)  # far beyond the grid: a knot of its own, the small N untouched
-    assert 1024 in steady.knots and steady.predict(1) < 1.1
+    steady.observe(1000, 1, 5.0)  # far beyond the grid: a knot of its own at what it took, the small N untouched
+    assert 1000 in steady.knots and steady.predict(1000) == pytest.approx(5.0) and steady.predict(1) < 1.1
 
 
 def test_a_drift_seen_on_plain_steps_moves_every_knot_and_a_knot_keeps_its_own_shape():
@@ -147,6 +147,32 @@ def test_a_drift_seen_on_plain_steps_moves_every_knot_and_a_knot_keeps_its_own_s
     for _ in range(100):  # a drafter's call, its own work inside, timed per draft token: its knot alone
         drafter.observe(1, 1, 0.02, shared=False)
     assert drafter.predict(1) == pytest.approx(0.02, rel=0.05) and drafter.predict(64) == pytest.approx(0.3)
+
+
+def test_an_idle_catch_up_teaches_the_drafters_cost_at_its_length(monkeypatch):
+    """A drafter's grid ends at a few positions, flat (a 0.5B drafter in bf16 on a CPU reads 8 tokens at about one's
+    cost), and `bound` extrapolates past it; a 150-token catch-up runs compute-bound at several forwards' cost. The
+    engine times each idle catch-up as a forward over the positions it ran, so the next catch-up of that length is
+    priced at what it took, and drafting's own forwards stay at the grid's."""
+    from .test_plans import Scripted as Fixed
+
+    target, prompts, plain, _ = case(batch=1, new_tokens=12, prompt_length=150)
+    drafters = [tiny_model("llama", seed=1), tiny_model("llama", seed=2)]
+    real = lambda n: 0.01 * max(1.0, n / 4)  # noqa: E731 - compute-bound past 4 positions
+    clock = CostClock()
+    clock.hook(target, table(flat))
+    for d in drafters:
+        clock.hook(d, table(real, knots=(1, 2, 4, 8, 16, 32, 64, 128, 256)))
+    grid = table(lambda n: 0.01, knots=(1, 2, 4, 8))  # what a short grid measured: flat
+    profile = profile_of(table(flat), [grid, grid], ["drafting", "idle"])
+    pool = hf_spin.AssistantPool(drafters, policy=Fixed((0,), catch_up=[1]), profile=profile)
+    monkeypatch.setattr(Planner, "worth_catching_up", lambda self, rows, *a, **kw: [True] * len(rows))
+    assert grid.bound(150) < 0.25 * real(150)  # the grid's reading
+    out = run(target, prompts, pool, clock, new_tokens=12)
+    assert torch.equal(out, plain)
+    learned = pool.planner.profile.drafters[1]
+    assert learned.bound(150) == pytest.approx(real(150), rel=0.15)
+    assert learned.predict(1) == pytest.approx(0.01, rel=0.1)  # one position, as the grid said
 
 
 def test_measure_reads_the_injected_costs_within_its_budget():

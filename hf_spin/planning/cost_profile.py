@@ -192,32 +192,32 @@ class ForwardCost:
     def observe(self, n_tokens: float, rows: int, seconds: float, shared: bool = True) -> None:
         """A timed forward: its log(measured / grid), the surprise over the prediction clipped, moves the shared
         shift (`shared`: a forward timed alone at the positions it ran) and the deviation of the knots around N.
-        Far beyond the last knot (more than twice it), a knot is added there first, and such a forward (a long
-        chunk's attention) moves only its own knot, so what is learned at large N does not bend the cost of the
-        small N the grid measured."""
+        Far beyond the last knot (more than twice it: a long catch-up, a big batch) the forward becomes a knot of
+        its own at what it took, since past the grid the cost is an extrapolation (a grid flat to 8 positions
+        reads a compute-bound 150-token catch-up at one forward's cost); so what is learned at large N does not
+        bend the cost of the small N the grid measured, and the positions between are interpolated."""
         if seconds <= 0 or n_tokens <= 0:
             return
-        far = n_tokens > 2 * self.knots[-1]
-        if far:
-            n = 2 ** math.ceil(math.log2(n_tokens))
+        extra = self.per_row * max(rows - 1, 0)
+        self._values = None
+        self.observations += 1
+        if n_tokens > 2 * self.knots[-1]:
             self.corrections.append(
                 DecayedMean(CORRECTION_DECAY)
             )  # corrections, then seconds, then knots: a reader indexes by knots
-            self.seconds.append(self._interpolate(self.seconds, n))
-            self.knots.append(n)
-        extra = self.per_row * max(rows - 1, 0)
+            self.seconds.append(max(seconds - extra, 1e-6) / math.exp(self.shift.mean or 0.0))
+            self.knots.append(math.ceil(n_tokens))
+            return
         predicted = self.predict(n_tokens, rows)
         surprise = max(-MAX_LOG_RESIDUAL, min(MAX_LOG_RESIDUAL, math.log(seconds / predicted)))
         # log(measured / grid) of the forward's f(N), with the surprise clipped
         grid = self._interpolate(self.seconds, n_tokens)
         observed = math.log(max(predicted * math.exp(surprise) - extra, 1e-3 * grid) / grid)
-        if shared and not far:
+        if shared:
             self.shift.add(observed)
         shift = self.shift.mean or 0.0
         for i, w in self._weights(n_tokens):
             self.corrections[i].add(observed - shift, w)
-        self._values = None
-        self.observations += 1
 
     def flatness(self, n_tokens: int) -> float:
         """t(N) / t(1) of a verification (at its `width`): 1 where it is free (memory-bound), N where it is
@@ -484,6 +484,16 @@ class CostProfile:
             self.calls[drafter].add(seconds)
         elif forwards > 0 and rows > 0:  # a call's own work and its first forward's catch-up inside: its knot alone
             cost.observe(rows, rows, seconds / forwards, shared=False)
+
+    def observe_catch_up(self, drafter: int, positions: int, seconds: float) -> None:
+        """A model drafter's catch-up: one forward over `positions` positions (a padded cache's rows at the
+        longest lag), with what the drafter does around it (a translating drafter's tokenizers). The grid
+        measures forwards of at most a few dozen positions; this is how a drafter's long catch-ups are learned
+        (a 0.5B drafter's 70-token catch-up, priced from a grid flat to 8 tokens at 0.18 s, ran 0.71 s: AMD EPYC,
+        bf16)."""
+        cost = self.drafters[drafter]
+        if cost is not None and positions > 1:
+            cost.observe(positions, 1, seconds, shared=False)
 
     # -- what it means -------------------------------------------------------------------------------
     def best_rate(self, drafter: int, acceptance: float, target: ForwardCost | None = None) -> tuple[float, int]:

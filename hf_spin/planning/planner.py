@@ -457,6 +457,12 @@ class Planner:
                     self.journal.event("idle_catch_up", row=r, drafter=name, lag=lag, seconds=seconds, paid_by=paid_by)
             return out
 
+    def observe_catch_up(self, drafter: int, positions: int, seconds: float) -> None:
+        """An idle catch-up ran: `drafter`'s forward over `positions` positions took `seconds` (its cost past the grid,
+        what `_catch_up_seconds` prices)."""
+        with self.lock:
+            self.profile.observe_catch_up(drafter, positions, seconds)
+
     def _first_rung(self, drafter: int, rows: int) -> float:
         """Seconds a probe's first rung adds to a plain step of `rows` rows: one token drafted on one row and
         verified beside the others' (`rows` > 1: a padded forward, every row two positions)."""

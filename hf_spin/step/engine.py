@@ -617,22 +617,27 @@ class SpinEngine:
         sequences = [r.sequence for r in rows]
         for d_idx, wanted in catch_up.items():
             bs = [b for b in wanted if d_idx not in rows[b].banned]
+            drafter = self.drafters[d_idx]
+            lags = {b: len(rows[b].sequence) - (drafter.synced(b) or 0) for b in bs}  # b -> tokens it lacks
+            padded = len(rows) if isinstance(getattr(drafter, "cache", None), RectangularCache) else 1
             if self.planner is not None and bs:  # only where the evidence says the catch-up pays for itself
-                drafter = self.drafters[d_idx]
-                lags = [len(rows[b].sequence) - (drafter.synced(b) or 0) for b in bs]
                 worth = self.planner.worth_catching_up(
                     [rows[b].id for b in bs],
                     d_idx,
-                    lags,
+                    [lags[b] for b in bs],
                     [rows[b].draft_room for b in bs],
                     [drafter.unencoded(b) for b in bs],
-                    len(rows) if isinstance(getattr(drafter, "cache", None), RectangularCache) else 1,
+                    padded,
                 )
                 bs = [b for b, w in zip(bs, worth) if w]
             if self.usable[d_idx] and bs:
-                call = self._call_drafter(d_idx, lambda: self.drafters[d_idx].catch_up(bs, sequences), bs)
+                fresh = any(drafter.unencoded(b) for b in bs)  # its own encoder runs too: not a forward's cost
+                call = self._call_drafter(d_idx, lambda: drafter.catch_up(bs, sequences), bs)
                 if call.ok:
                     draft_seconds[d_idx] += call.seconds
+                    if self.planner is not None and not fresh:
+                        positions = padded * max(lags[b] for b in bs) if padded > 1 else sum(lags[b] for b in bs)
+                        self.planner.observe_catch_up(d_idx, positions, call.seconds)
 
     # -- drafter calls: guarded by the fault policy, what they did applied here ---------------------------
     def _drafter_scope(self) -> DrafterScope:
