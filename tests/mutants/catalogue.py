@@ -320,10 +320,13 @@ MUTANTS = (
     ),
     Mutant(
         "planner_values_siblings_as_the_chain",
-        "the planner values every node of a token tree at its depth's survival, however unlikely the drafter made it: trees keep unlikely siblings",
+        "the planner values a token tree's other children each as the heaviest (the chain's survival times their weight "
+        "over the heaviest), not by what siblings have earned where the chain failed: prompt lookup's four equal "
+        "continuations of a one-token match each worth the chain, eight nodes verified a step on a RAG prompt for none "
+        "accepted (AMD EPYC, bf16, LBSS)",
         "hf_spin/planning/planner.py",
-        "raw = [chain[d - 1] * w / top[d] if top[d] > 0 else 0.0 for d, w in zip(depths, tree.weights)]",
-        "raw = [chain[d - 1] for d, w in zip(depths, tree.weights)]",
+        "                    out[k] = base * (1.0 - c) * sibling * tree.weights[k] / rest",
+        "                    out[k] = base * c * tree.weights[k] / tree.weights[top]",
         ("tests/test_planning.py::test_trees_are_sized_node_by_node_by_estimated_acceptance",),
     ),
     Mutant(
@@ -596,16 +599,6 @@ MUTANTS = (
         "            forced = static is None and _past_a_fall(fit, n)",
         "            forced = False",
         ("tests/test_planning.py::test_a_short_grid_reaches_the_positions_a_batch_of_four_verifies",),
-    ),
-    Mutant(
-        "siblings_valued_as_the_chain",
-        "a token tree's other children are each valued as the heaviest: prompt lookup's four equal continuations of a "
-        "one-token match each worth the chain, eight nodes verified a step on a RAG prompt for none accepted "
-        "(AMD EPYC, bf16, LBSS)",
-        "hf_spin/planning/planner.py",
-        "                    out[k] = base * (1.0 - c) * sibling * tree.weights[k] / rest",
-        "                    out[k] = base * c * tree.weights[k] / tree.weights[top]",
-        ("tests/test_planning.py::test_trees_are_sized_node_by_node_by_estimated_acceptance",),
     ),
     Mutant(
         "an_idle_catch_up_leaves_no_room_for_its_probe",
