@@ -519,7 +519,7 @@ MUTANTS = (
         "hf_spin/step/engine.py",
         "        wide = self.planner.profile.target.width(positions, B)",
         "        wide = positions",
-        (WIDTHS + "[1-rectangular]", WIDTHS + "[4-packed]"),
+        (WIDTHS + "[1-rectangular]", "tests/test_widths.py::test_a_plain_step_runs_at_a_cheaper_width_too[packed]"),
     ),
     Mutant(
         "verification_priced_unwidened",
