@@ -110,7 +110,6 @@ def grow_trees(drafter, request: DraftRequest, logits: torch.Tensor, draft_seqs:
 def _heaviest_path(tree: TokenTree) -> list[int]:
     """The nodes from the root down, taking the heaviest child (ties: the earlier) at each node."""
     path, node = [], -1
-    while kids := tree.children(node):
-        node = max(kids, key=lambda c: (tree.weights[c], -c))
+    while (node := tree.heaviest_child(node)) is not None:
         path.append(node)
     return path
