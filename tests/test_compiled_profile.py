@@ -12,7 +12,7 @@ import torch
 import hf_spin
 from benchmarks.injected_costs import table
 from hf_spin.cache.static_forward import StaticOptions, run_static, run_static_draft
-from hf_spin.planning import cost_profile
+from hf_spin.planning import grid
 from hf_spin.planning.profiling import build_profile, forward_kind, model_key, static_forwards
 
 from .speculation import pool as spin_pool
@@ -27,13 +27,13 @@ COMPILED = StaticOptions(True, backend="eager")
 def static_calls(monkeypatch):
     """Every `forward_static` of the profile's grid as (model, forward, [R, T] query slots), run for real."""
     calls = []
-    real = cost_profile.forward_static
+    real = grid.forward_static
 
     def recording(model, cache, chunks, forward, width):
         calls.append((model, forward, (cache.num_slots, width)))
         return real(model, cache, chunks, forward, width)
 
-    monkeypatch.setattr(cost_profile, "forward_static", recording)
+    monkeypatch.setattr(grid, "forward_static", recording)
     return calls
 
 
@@ -45,14 +45,14 @@ def test_the_compiled_profile_times_the_compiled_static_forward(static_calls, fr
     The per-row point runs eagerly: no graph for a row bucket a batch-1 call never meets."""
     target = _models("llama")[0]
     clock, slot_cost = [0.0], table(lambda n: 0.1 * n)
-    real = cost_profile.forward_static
+    real = grid.forward_static
 
     def charged(model, cache, chunks, forward, width):
         clock[0] += slot_cost.predict(cache.num_slots * width, cache.num_slots)
         return real(model, cache, chunks, forward, width)
 
-    monkeypatch.setattr(cost_profile, "forward_static", charged)
-    cost = cost_profile.measure(target, 3.0, clock=lambda: clock[0], static=static_forwards(target, COMPILED, False))
+    monkeypatch.setattr(grid, "forward_static", charged)
+    cost = grid.measure(target, 3.0, clock=lambda: clock[0], static=static_forwards(target, COMPILED, False))
     assert cost.knots == [1, 2, 8]
     assert cost.seconds == pytest.approx([0.1, 0.2, 0.9])  # query slots 1, 2 and 9
     assert cost.per_row == pytest.approx(0.0)

@@ -14,8 +14,9 @@ import torch
 
 import hf_spin
 from benchmarks.injected_costs import STRUCTURES, CostClock, profile_of, table
+from hf_spin.planning.acceptance import EVIDENCE_ONLY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT
 from hf_spin.planning.exploration import SHARE
-from hf_spin.planning.planner import EVIDENCE_ONLY, OPTIMISM, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, Planner
+from hf_spin.planning.planner import OPTIMISM, Planner
 
 from .archs import EOS, tiny_model
 from .test_planning import Scripted, case, run

@@ -19,9 +19,11 @@ import torch
 import hf_spin
 from benchmarks.injected_costs import STRUCTURES, CostClock, profile_of, table
 from hf_spin.drafters import Draft, Drafter
-from hf_spin.planning.cost_profile import UNMEASURED_PREMIUM, CostProfile, ForwardCost, measure
+from hf_spin.planning.acceptance import EVIDENCE_ONLY, LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance
+from hf_spin.planning.cost_profile import UNMEASURED_PREMIUM, CostProfile, ForwardCost
 from hf_spin.planning.estimates import acceptance_with_prior
-from hf_spin.planning.planner import EVIDENCE_ONLY, LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance, Planner, plan_k
+from hf_spin.planning.grid import measure
+from hf_spin.planning.planner import Planner, plan_k
 from hf_spin.planning.profiling import build_profile, complete
 from hf_spin.planning.row_lengths import RowLengths
 from hf_spin.verify.token_tree import TokenTree

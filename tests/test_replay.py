@@ -15,7 +15,7 @@ from benchmarks.replay.forced import force, match, replay_drafters
 from benchmarks.replay.record import continuation, record
 from benchmarks.replay.run import TARGET_SHAPES, check
 from benchmarks.replay.trace import Request, Trace, load, merge
-from hf_spin.planning.cost_profile import _context_cache
+from hf_spin.planning.grid import _context_cache
 
 from .archs import VOCAB, tiny_model
 from .speculation import perturbed

@@ -26,7 +26,8 @@ from ..cache.static import query_bucket
 from ..cache.static_forward import StaticOptions, check_static_support, run_static, run_static_draft
 from ..drafters.model import COMPILED_CHUNK
 from ..version import __version__
-from .cost_profile import GRID_BUDGET, GRID_VERSION, CostProfile, ForwardCost, measure
+from .cost_profile import CostProfile, ForwardCost
+from .grid import GRID_BUDGET, GRID_VERSION, measure
 from .machine import describe
 
 

@@ -332,7 +332,7 @@ MUTANTS = (
     Mutant(
         "levels_count_their_own_evidence_twice",
         "a position's counts are shrunk toward the pooled acceptance, which already holds them: where one position holds the pool's evidence (a fresh pool), three rejections read as 0.14 and three acceptances as 0.91",
-        "hf_spin/planning/planner.py",
+        "hf_spin/planning/acceptance.py",
         "rest = (max(above[0] - a, 0.0), max(above[1] - r, 0.0))",
         "rest = (above[0], above[1])",
         ("tests/test_planning.py::test_each_level_reads_its_own_counts_once",),
@@ -351,7 +351,7 @@ MUTANTS = (
     Mutant(
         "request_counted_twice",
         "a request's own acceptance scales the position's in full, though the pool's evidence it is built on may be the request's own: at batch 1 three early rejections read as 0.20 where the pool's levels say 0.34",
-        "hf_spin/planning/planner.py",
+        "hf_spin/planning/acceptance.py",
         "/ pooled) ** (1.0 - share), 0.999)",
         "/ pooled), 0.999)",
         ("tests/test_planning.py::test_a_request_that_holds_the_pools_evidence_is_not_counted_twice",),
@@ -595,7 +595,7 @@ MUTANTS = (
         "grid_stops_before_batch_widths",
         "a slow machine's grid stops at its budget after 1, 8 and 2 tokens though the knots fall from 2 to 8: the "
         "curve reads flat beyond, and a batch of 4 verifying 20 positions is priced a third too cheap",
-        "hf_spin/planning/cost_profile.py",
+        "hf_spin/planning/grid.py",
         "            forced = static is None and _past_a_fall(fit, n)",
         "            forced = False",
         ("tests/test_planning.py::test_a_short_grid_reaches_the_positions_a_batch_of_four_verifies",),
