@@ -76,6 +76,19 @@ class Proposal:
     trees: list[TokenTree | None] | None = None  # [B] a vote's whole token tree per row (tree_step.py); None: chains
 
 
+@dataclass
+class StepOutcome:
+    """What step 5 decided, per row in batch order, for the commit (step 6) and the policy's feedback."""
+
+    accepted: list[int]  # [B] draft tokens accepted
+    next_tokens: list[int]  # [B] the target's token after them (recovered or bonus)
+    kept: list[list[int]]  # [B] the accepted draft tokens
+    row_scores: list[torch.Tensor]  # [B] [accepted + 1, V] the target's processed scores at the committed tokens
+    positions: int | None  # the positions the target's forward ran over (None: as `verified_tokens` counts a tree's)
+    alternatives: list[bool | None]  # [B] per token tree, whether its heaviest path's siblings earned a token
+    filled: bool = False  # the forward ran over filler tokens too (a cheaper width): the rollback drops them
+
+
 class SpinEngine:
     """Speculative decoding over a batch that rows join and leave between steps.
 
@@ -410,85 +423,20 @@ class SpinEngine:
     @torch.no_grad()
     def verify(self, proposal: Proposal) -> None:
         rows = self.rows
-        plain = proposal.trees is None and not any(proposal.drafts)
         if proposal.trees is not None:
             self._drop_ahead()  # a tree's root is fed with its nodes
-        ahead, self._ahead = self._ahead, None
         # 5. Verify: one target forward over [last committed token] + drafts (a chain, or a vote's tree) for every row;
         #    after a run-ahead, the drafts alone, the last committed token's logits already there (`_ahead`).
         start = perf_counter()
-        filled = False  # the forward ran over filler tokens too (a cheaper width)
-        alternatives: list[bool | None] = []  # [B] per token tree, what its heaviest path's siblings earned
-        if proposal.trees is not None:
-            trees = [t if t is not None else TokenTree.chain(d) for t, d in zip(proposal.trees, proposal.drafts)]
-            positions = None  # as `verified_tokens` counts them
-            target = tree_step.TargetStep(rows, self.model, self.cache, self.faults, self._running_batch(), self.static)
-            verified = tree_step.verify(target, trees)
-            if verified is None:
-                return
-            paths, next_tokens, tree_scores = verified
-            accepted = [len(p) for p in paths]
-            kept = [[t.tokens[n] for n in p] for t, p in zip(trees, paths)]  # [B] the accepted draft tokens
-            alternatives = [t.beside_the_heaviest(p) for t, p in zip(trees, paths)]  # a chain's: None
-            row_scores = tree_step.path_scores(tree_scores, paths)  # [B] [len + 1, V]
-        else:
-            if ahead is None:
-                chunks = [[r.sequence[-1]] + proposal.drafts[b] for b, r in enumerate(rows)]
-                fed, positions = self._widened(chunks)
-                filled = fed is not chunks
-            else:
-                chunks = fed = proposal.drafts  # the last committed token is in the cache
-                positions = len(rows) * (1 + max(map(len, chunks)))
-            # [B, K + 1, V] (fillers' slots cut off), or None when every row failed
-            if plain and ahead is not None:
-                target_logits = ahead
-            else:
-                target_logits = self.faults.target_forward(self.cache, rows, self._forward_target, fed)
-                if target_logits is None:
-                    return
-                target_logits = target_logits[:, : max(len(c) for c in chunks)]
-                if ahead is not None:
-                    target_logits = torch.cat([ahead, target_logits], dim=1)
-            scores = target_scores(
-                rows, self._running_batch(), target_logits, proposal.drafts, self.faults.row
-            )  # [B, K + 1, V]
-            sampling = [RowSampling(r.request.do_sample, r.request.seed, len(r.generated)) for r in rows]
-            verdict = self.faults.verdict(
-                rows, lambda idx: verify_rows(idx, sampling, scores, proposal.drafts, proposal.qs), scores.device
-            )
-            read = host_syncs.read_later(torch.stack([verdict.accepted, verdict.next_token]))
-            if plain and not filled and self._may_run_ahead(rows):  # fillers are dropped by a rollback
-                self._ahead = self._launch_ahead(verdict.next_token)
-            accepted, next_tokens = read()  # the step's one read of the device
-            kept = [d[:a] for d, a in zip(proposal.drafts, accepted)]
-            row_scores = list(scores)
-        verify_seconds = perf_counter() - start  # after that read: the forward and the verdict have run, on any device
+        outcome = self._verify_trees(proposal) if proposal.trees is not None else self._verify_chains(proposal)
+        if outcome is None:  # every row failed
+            return
+        verify_seconds = perf_counter() - start  # after the verdict's read: the forward and it have run, on any device
         self.stats.verify_seconds += verify_seconds
 
         # 6. Commit accepted + recovered/bonus tokens, stop rows, roll the target cache back per row.
-        matched: list[dict[int, int]] = []  # [B] drafter -> tokens of its proposal that were committed
-        shadow_matched: list[dict[int, int]] = []  # [B] the same for shadow drafts
-        for b, row in enumerate(rows):
-            if row.done:  # failed in this step's forward, scoring or sampling
-                accepted[b] = 0
-                matched.append({})
-                shadow_matched.append({})
-                continue
-            new = kept[b] + [next_tokens[b]]
-            self.faults.row(row, lambda: self._commit(row, new, row_scores[b]))
-            matched.append({d: common_prefix_length(tokens, new) for d, tokens in proposal.proposals[b].items()})
-            shadow_matched.append({d: common_prefix_length(tokens, new) for d, tokens in proposal.shadows[b].items()})
-            row.stats.add(len(proposal.drafts[b]), accepted[b], len(new))
-            single = len(proposal.proposals[b]) == 1
-            tree = proposal.trees[b] if proposal.trees is not None else None
-            for d_idx, tokens in proposal.proposals[b].items():  # a voter is credited with what its own draft got right
-                row.stats.drafters[self.names[d_idx]] += 1
-                own = accepted[b] if single else min(matched[b][d_idx], len(tokens))
-                drafted = len(tree) if single and tree is not None else len(tokens)  # a drafter's own tree: every node
-                self.drafter_stats[self.names[d_idx]].add(drafted, own, len(new))
-        for d_idx in sorted({d for prop in proposal.proposals for d in prop}):
-            self.drafter_stats[self.names[d_idx]].steps += 1
-        if any(proposal.drafts) or filled or any(r.finish_reason == ERROR for r in rows):
+        matched, shadow_matched = self._commit_step(proposal, outcome)
+        if any(proposal.drafts) or outcome.filled or any(r.finish_reason == ERROR for r in rows):
             self._ahead = None  # a forward run ahead goes with the rollback
             self.cache.rollback(
                 [len(r.sequence) - 1 for r in rows]
@@ -515,7 +463,7 @@ class SpinEngine:
                 row_ids=[r.id for r in rows],
                 plan=executed,
                 drafted=[len(d) for d in proposal.drafts],
-                accepted=accepted,
+                accepted=outcome.accepted,
                 proposed=[{d: len(t) for d, t in prop.items()} for prop in proposal.proposals],
                 matched=matched,
                 shadow_proposed=[{d: len(t) for d, t in sh.items()} for sh in proposal.shadows],
@@ -524,13 +472,104 @@ class SpinEngine:
                 draft_seconds=proposal.draft_seconds,
                 verify_seconds=verify_seconds,
                 padded=self._padded,
-                positions=positions,
-                alternatives=alternatives,
+                positions=outcome.positions,
+                alternatives=outcome.alternatives,
             )
             self.policy.update(feedback)
             if self.planner is not None:
                 self.planner.update(feedback)
         self.steps += 1
+
+    def _verify_trees(self, proposal: Proposal) -> StepOutcome | None:
+        """Step 5 over token trees (a row without one verifies its chain as a one-branch tree): tree_step.py."""
+        rows = self.rows
+        trees = [t if t is not None else TokenTree.chain(d) for t, d in zip(proposal.trees, proposal.drafts)]
+        target = tree_step.TargetStep(rows, self.model, self.cache, self.faults, self._running_batch(), self.static)
+        verified = tree_step.verify(target, trees)
+        if verified is None:
+            return None
+        paths, next_tokens, tree_scores = verified
+        return StepOutcome(
+            accepted=[len(p) for p in paths],
+            next_tokens=next_tokens,
+            kept=[[t.tokens[n] for n in p] for t, p in zip(trees, paths)],
+            row_scores=tree_step.path_scores(tree_scores, paths),
+            positions=None,  # as `verified_tokens` counts them
+            alternatives=[t.beside_the_heaviest(p) for t, p in zip(trees, paths)],  # a chain's: None
+        )
+
+    def _verify_chains(self, proposal: Proposal) -> StepOutcome | None:
+        """Step 5 over chains: one forward over each row's last committed token and its draft (widened where the
+        profile prices a wider forward cheaper; after a run-ahead, the drafts alone), the verdict read once."""
+        rows = self.rows
+        plain = not any(proposal.drafts)
+        ahead, self._ahead = self._ahead, None
+        filled = False  # the forward ran over filler tokens too (a cheaper width)
+        if ahead is None:
+            chunks = [[r.sequence[-1]] + proposal.drafts[b] for b, r in enumerate(rows)]
+            fed, positions = self._widened(chunks)
+            filled = fed is not chunks
+        else:
+            chunks = fed = proposal.drafts  # the last committed token is in the cache
+            positions = len(rows) * (1 + max(map(len, chunks)))
+        # [B, K + 1, V] (fillers' slots cut off), or None when every row failed
+        if plain and ahead is not None:
+            target_logits = ahead
+        else:
+            target_logits = self.faults.target_forward(self.cache, rows, self._forward_target, fed)
+            if target_logits is None:
+                return None
+            target_logits = target_logits[:, : max(len(c) for c in chunks)]
+            if ahead is not None:
+                target_logits = torch.cat([ahead, target_logits], dim=1)
+        batch = self._running_batch()
+        scores = target_scores(rows, batch, target_logits, proposal.drafts, self.faults.row)  # [B, K + 1, V]
+        sampling = [RowSampling(r.request.do_sample, r.request.seed, len(r.generated)) for r in rows]
+        verdict = self.faults.verdict(
+            rows, lambda idx: verify_rows(idx, sampling, scores, proposal.drafts, proposal.qs), scores.device
+        )
+        read = host_syncs.read_later(torch.stack([verdict.accepted, verdict.next_token]))
+        if plain and not filled and self._may_run_ahead(rows):  # fillers are dropped by a rollback
+            self._ahead = self._launch_ahead(verdict.next_token)
+        accepted, next_tokens = read()  # the step's one read of the device
+        return StepOutcome(
+            accepted=accepted,
+            next_tokens=next_tokens,
+            kept=[d[:a] for d, a in zip(proposal.drafts, accepted)],
+            row_scores=list(scores),
+            positions=positions,
+            alternatives=[],
+            filled=filled,
+        )
+
+    def _commit_step(self, proposal: Proposal, outcome: StepOutcome) -> tuple[list[dict], list[dict]]:
+        """Step 6 for every row: commit its accepted draft tokens and the target's next token, and count what each
+        drafter's proposal (and shadow draft) got right. Returns (matched, shadow_matched): [B] drafter -> tokens of
+        its proposal that were committed. A row that failed in the step commits nothing (its accepted count set 0)."""
+        matched: list[dict[int, int]] = []
+        shadow_matched: list[dict[int, int]] = []
+        accepted = outcome.accepted
+        for b, row in enumerate(self.rows):
+            if row.done:  # failed in this step's forward, scoring or sampling
+                accepted[b] = 0
+                matched.append({})
+                shadow_matched.append({})
+                continue
+            new = outcome.kept[b] + [outcome.next_tokens[b]]
+            self.faults.row(row, lambda: self._commit(row, new, outcome.row_scores[b]))
+            matched.append({d: common_prefix_length(tokens, new) for d, tokens in proposal.proposals[b].items()})
+            shadow_matched.append({d: common_prefix_length(tokens, new) for d, tokens in proposal.shadows[b].items()})
+            row.stats.add(len(proposal.drafts[b]), accepted[b], len(new))
+            single = len(proposal.proposals[b]) == 1
+            tree = proposal.trees[b] if proposal.trees is not None else None
+            for d_idx, tokens in proposal.proposals[b].items():  # a voter is credited with what its own draft got right
+                row.stats.drafters[self.names[d_idx]] += 1
+                own = accepted[b] if single else min(matched[b][d_idx], len(tokens))
+                drafted = len(tree) if single and tree is not None else len(tokens)  # a drafter's own tree: every node
+                self.drafter_stats[self.names[d_idx]].add(drafted, own, len(new))
+        for d_idx in sorted({d for prop in proposal.proposals for d in prop}):
+            self.drafter_stats[self.names[d_idx]].steps += 1
+        return matched, shadow_matched
 
     # -- run-ahead: a plain step's next forward launched before its tokens are read ------------------------
     def _may_run_ahead(self, rows: list[Row]) -> bool:
