@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -276,6 +277,29 @@ def spread(entries: list[dict]) -> float | None:
     return statistics.mean(bands) if bands else None
 
 
+def speedup_interval(group: list[dict], method: str, level: float = 0.9, draws: int = 2000) -> tuple[float, float]:
+    """The `level` interval of a group's speed-up (`summarize`'s: mean speed / mean plain speed, each
+    request's time the median of its runs) by the bootstrap: requests drawn with replacement, each
+    request's runs drawn with replacement for every method, the median taken again. What one run's
+    group ratio cannot say on its own: whether a 0.96 is below 0.97 or inside the machine's noise."""
+    rng = random.Random(0)
+
+    def median_speed(r: dict, m: str) -> float:
+        runs = r["methods"][m].get("runs") or [r["methods"][m]["seconds"]]
+        return r["new_tokens"] / statistics.median(rng.choices(runs, k=len(runs)))
+
+    ratios = []
+    for _ in range(draws):
+        sample = rng.choices(group, k=len(group))
+        ratios.append(
+            statistics.mean(median_speed(r, method) for r in sample)
+            / statistics.mean(median_speed(r, "plain") for r in sample)
+        )
+    ratios.sort()
+    tail = (1 - level) / 2
+    return ratios[int(tail * (draws - 1))], ratios[int((1 - tail) * (draws - 1))]
+
+
 def row_goodput(r: dict, method: str) -> float:
     """Tokens per second until the row's own last token (its goodput within the batch)."""
     m = r["methods"][method]
@@ -336,6 +360,7 @@ def summarize(records: list[dict]) -> dict:
                     "identical": f"{sum(x['identical'] for x in ms)}/{len(ms)}",
                     "chosen": {k: v / max(sum(chosen.values()), 1) for k, v in chosen.items()},
                     "spread": spread(ms),
+                    "interval": speedup_interval(ran, m),
                 }
             table[task] = row
         out[bs] = table
@@ -380,6 +405,16 @@ def markdown(summary: dict, env: dict) -> str:
         lines.append(
             "| plain tok/s | " + " | ".join(f"{table[t]['plain_tok_s']:.2f}" for t in tasks) + " | | | | | | | |"
         )
+        lines += [
+            "",
+            f"### batch {bs}: 90% interval of each speed-up (bootstrap over the group's requests and each one's runs)",
+            "",
+            "| method | " + " | ".join(tasks) + " |",
+            "|---" * (len(tasks) + 1) + "|",
+        ]
+        for m in methods:
+            cells = [table[t].get(m, {}).get("interval") for t in tasks]
+            lines.append(f"| {m} | " + " | ".join(f"{c[0]:.2f}-{c[1]:.2f}" if c else "-" for c in cells) + " |")
         lines += [
             "",
             f"### batch {bs}: which drafter each policy chose (share of row-steps), and the oracle's choice",
