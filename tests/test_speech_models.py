@@ -15,6 +15,7 @@ import torch
 
 from hf_spin import speech_models as sm
 from hf_spin.models import ChecksumError, MissingModelPackage
+from hf_spin.speech_models.speech import _LIBRIVOX as LIBRIVOX
 
 CT2_CODES = {np.dtype(np.float32): 0, np.dtype(np.int8): 1, np.dtype(np.int16): 2, np.dtype(np.float16): 4}
 
@@ -259,7 +260,7 @@ def test_speech_samples_missing_and_corrupted(tmp_path, monkeypatch):
     with tarfile.open(fake, "w:gz") as tar:
         for utterance, _, text in sm.SPEECH:
             for suffix, data in ((".wav", _wav(np.zeros(160), 16000)), (".txt", text.encode())):
-                info = tarfile.TarInfo(sm._LIBRIVOX.format(utterance) + suffix)
+                info = tarfile.TarInfo(LIBRIVOX.format(utterance) + suffix)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
     with pytest.raises(ChecksumError, match="0870.wav"):

@@ -359,7 +359,7 @@ MUTANTS = (
     Mutant(
         "whisper_cross_attention_kv_swapped",
         "a packaged Whisper's cross-attention reads keys as values and values as keys: transcripts are garbage, and nothing but the round trip notices before a real model runs",
-        "hf_spin/speech_models.py",
+        "hf_spin/speech_models/ct2.py",
         'out |= split(f"{dst}.encoder_attn", f"{src}/attention/linear_1", ("k_proj", "v_proj"))',
         'out |= split(f"{dst}.encoder_attn", f"{src}/attention/linear_1", ("v_proj", "k_proj"))',
         ("tests/test_speech_models.py::test_ct2_round_trip_rebuilds_the_same_model",),
@@ -367,7 +367,7 @@ MUTANTS = (
     Mutant(
         "ct2_int8_scale_multiplied",
         "int8 CTranslate2 weights are multiplied by their scale instead of divided: a quantized checkpoint loads with weights off by a factor of scale squared",
-        "hf_spin/speech_models.py",
+        "hf_spin/speech_models/ct2.py",
         "variables[weight_name] = weight.astype(np.float32) / scale.reshape(",
         "variables[weight_name] = weight.astype(np.float32) * scale.reshape(",
         ("tests/test_speech_models.py::test_read_ct2_dtypes_alias_and_int8_dequantization",),
@@ -375,7 +375,7 @@ MUTANTS = (
     Mutant(
         "remapped_drafter_keeps_its_own_row_order",
         "the re-indexed drafter copies the drafter's embedding rows in their own order instead of looking them up by token string: it proposes the wrong tokens for every id, and its drafts are all rejected",
-        "hf_spin/speech_models.py",
+        "hf_spin/speech_models/vocabulary.py",
         "rows[mapped] = embed[source[mapped]]",
         "rows[mapped] = embed[: int(mapped.sum())]",
         ("tests/test_speech_models.py::test_remapped_drafter_scores_target_ids_as_the_drafter_scored_its_own",),
