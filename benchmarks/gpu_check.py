@@ -63,7 +63,13 @@ import hf_spin  # noqa: E402
 from benchmarks.replay.forced import ForcedTarget  # noqa: E402
 from benchmarks.replay.trace import Request as TraceRequest  # noqa: E402
 from benchmarks.replay.trace import Trace  # noqa: E402
-from hf_spin.cache.static_forward import StaticOptions  # noqa: E402
+from hf_spin.cache.static_forward import (  # noqa: E402
+    CUDA_GRAPHS,
+    StaticOptions,
+    run_static,
+    run_static_draft,
+    shared_graphed,
+)
 from hf_spin.drafters import Draft, Drafter, DraftRequest  # noqa: E402
 from hf_spin.host_syncs import count_syncs  # noqa: E402
 from hf_spin.kernels import pack_tree_masks, varlen_attention, varlen_attention_ref  # noqa: E402
@@ -759,6 +765,12 @@ def unique_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def graph_captures() -> int:
+    """CUDA graphs the static layout has captured without torch.compile in this process so far (its backend
+    "cuda_graphs"; a capture per shape and storage)."""
+    return sum(shared_graphed(forward).captures for forward in (run_static, run_static_draft))
+
+
 def cudagraph_skips() -> int:
     """Compiled graphs inductor has run without CUDA graphs so far (mode "reduce-overhead"; its log says why)."""
     return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
@@ -797,9 +809,10 @@ def cudagraph_events():
 
 
 def compile_backend(check: Check) -> str:
-    """inductor on CUDA (CUDA graphs); on CPU dynamo alone ("eager": no graph break and no recompilation
-    are checked the same, without code generation, so the smoke takes seconds)."""
-    return "inductor" if check.device.type == "cuda" else "eager"
+    """On CUDA `--static-backend`: inductor (CUDA graphs through "reduce-overhead"), or cuda_graphs (the eager
+    forward captured, no torch.compile); on CPU dynamo alone ("eager": no graph break and no recompilation are
+    checked the same, without code generation, so the smoke takes seconds)."""
+    return check.cfg.get("static_backend", "inductor") if check.device.type == "cuda" else "eager"
 
 
 def static_generate(check: Check, model, ids, mask, tokens: int) -> torch.Tensor:
@@ -1080,10 +1093,11 @@ def compiled_config(check: Check, report: dict, label: str, model, batch: int):
 
         try:
             if first or warm:  # eager: the profile's measurement alone, over 4 tokens
-                g, skips = unique_graphs(), cudagraph_skips()
+                g, skips, c = unique_graphs(), cudagraph_skips(), graph_captures()
                 first_s, _ = wall(check, run if compiled else lambda: run(4))
                 first_graphs, first_skips = unique_graphs() - g, cudagraph_skips() - skips
-            g = unique_graphs()
+                r["first_call_captures"] = graph_captures() - c
+            g, c = unique_graphs(), graph_captures()
             with cudagraph_events() as events:
                 (out, stats), s = timed(check, run)
             r["cudagraph_events"] = {k: v for k, v in events.items() if v}  # in the timed run; {}: replays alone
@@ -1095,6 +1109,7 @@ def compiled_config(check: Check, report: dict, label: str, model, batch: int):
             with count_syncs() as counter:
                 run(r["sync_tokens"], compile=not eager_count)
             graphs = unique_graphs() - g
+            r["captures"] = graph_captures() - c  # backend cuda_graphs: new storage each call, captured again
         except Exception as e:
             return record({**r, "error": f"{type(e).__name__}: {e}"[:600], "trace": traceback.format_exc()[-1500:]})
         steps = max(stats.steps, 1)
@@ -1393,6 +1408,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--models", nargs="+", help="the compiled section's targets, of 1.5B 7B (default: both)")
     parser.add_argument("--batches", nargs="+", type=int, help="the compiled section's batch sizes (default 1 16 4)")
+    parser.add_argument(
+        "--static-backend",
+        choices=("inductor", CUDA_GRAPHS),
+        default="inductor",
+        help="how hf_spin's static layout runs its fixed-shape forwards on CUDA: torch.compile with inductor, or the "
+        "eager forward captured as CUDA graphs without torch.compile",
+    )
     args = parser.parse_args(argv)
     if not (args.cpu_smoke or args.cpu_host_bound) and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --cpu-smoke or --cpu-host-bound on a machine without a GPU")
@@ -1411,6 +1433,7 @@ def main(argv=None) -> int:
         check.cfg = {**check.cfg, "compiled_targets": tuple((m, known[m]) for m in args.models)}
     if args.batches:
         check.cfg = {**check.cfg, "compiled_batches": tuple(args.batches)}
+    check.cfg = {**check.cfg, "static_backend": args.static_backend}
     failed = False
     for name in args.sections:
         t = time.perf_counter()

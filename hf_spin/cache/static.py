@@ -19,6 +19,8 @@ compiled region (`reserve`, `add_empty_rows`). gpt-fast's batch-1 static cache, 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -326,3 +328,27 @@ class StaticRowCache(Cache):
         self.host_lengths = lengths + [0] * (self.num_slots - len(lengths))
         self.slot_of = slot_of
         self._push()
+
+
+# Per model, the StaticRowCache its last call gave back (`give_back`): the next call with the same row-slot bucket
+# takes it (`take_cache`), so the storage keeps its addresses and the forwards captured over it (inductor's CUDA
+# graphs, cuda_graphs.py's) replay without recording again, as `transformers` keeps its static cache on the model
+# between `generate` calls. Only where the forwards compile: an eager forward gains nothing from the addresses.
+_SPARE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def take_cache(model, rows: int) -> StaticRowCache:
+    """An empty StaticRowCache for a new batch of `rows` rows of `model`: the one its last call gave back where it
+    has `row_bucket(rows)` slots (its capacity as it was), else a new one."""
+    spare = _SPARE.pop(model, None)
+    if spare is not None and spare.num_slots == row_bucket(rows):
+        return spare
+    return StaticRowCache(model.device)
+
+
+def give_back(model, cache: StaticRowCache) -> None:
+    """Keep `cache`, whose call has ended, for `model`'s next call (`take_cache`): every slot freed, the sticky
+    query width reset (a call's widths are its own)."""
+    cache.select_rows([])
+    cache.width = 0
+    _SPARE[model] = cache

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..host_syncs import to_device
+from .cuda_graphs import GraphedForward
 from .forward import CACHE_ARG, FILLER_TOKEN, _attention, takes_4d_masks
 from .rectangular import needs_contiguous_slots
 from .static import StaticRowCache, query_bucket
@@ -80,6 +81,8 @@ _UNTRACEABLE: weakref.WeakSet = weakref.WeakSet()
 # fullgraph=True raises. A torch.compile that takes a per-call limit (2.13 does) gets this one; on older ones
 # (2.11) the process-wide limit is raised to it (never lowered).
 RECOMPILE_LIMIT = 64
+# StaticOptions' backend for the eager forward captured as CUDA graphs, without torch.compile (cuda_graphs.py).
+CUDA_GRAPHS = "cuda_graphs"
 _PER_CALL_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
@@ -91,6 +94,13 @@ def compile_static(forward=run_static, backend: str = "inductor", mode: str | No
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(forward, fullgraph=True, dynamic=False, backend=backend, mode=mode, **limit)
+
+
+@functools.cache
+def shared_graphed(forward) -> GraphedForward:
+    """`GraphedForward(forward)`, one for the process, as `shared_compiled`: profiling's captures serve the
+    engine's steps of the same shapes over the same storage, and all share one memory pool."""
+    return GraphedForward(forward)
 
 
 @functools.cache
@@ -180,7 +190,9 @@ class StaticOptions:
         forwards (the target's verification, a model drafter's draft tokens) with fullgraph=True,
         dynamic=False; on CUDA as CUDA graphs (mode "reduce-overhead").
     backend: the torch.compile backend ("inductor"; "eager" traces with dynamo alone: no graph break and
-        no recompilation are checked the same, without code generation).
+        no recompilation are checked the same, without code generation), or CUDA_GRAPHS: no torch.compile,
+        the eager forward captured as CUDA graphs (cuda_graphs.py: a capture per shape in a fraction of a
+        second, the eager kernels' device time; on a CPU the forwards run eagerly).
     query_slots: query slots of every verification from the first on (k + 1 for a draft length cap k);
         None: the longest chunk so far, bucketed, so a longer draft than any before compiles a wider
         forward (once per bucket).
@@ -204,8 +216,11 @@ class StaticOptions:
             raise ValueError(f"run_ahead={self.run_ahead!r} is not supported; give False, True or 'auto'")
 
     def compiles(self, model) -> bool:
-        """Whether forwards of `model` run compiled under these options ("auto": on CUDA only)."""
-        return self.compile is True or (self.compile == "auto" and model.device.type == "cuda")
+        """Whether forwards of `model` run compiled (or captured) under these options ("auto": on CUDA only;
+        CUDA_GRAPHS: on CUDA only)."""
+        on_cuda = model.device.type == "cuda"
+        wanted = self.compile is True or (self.compile == "auto" and on_cuda)
+        return wanted and (on_cuda or self.backend != CUDA_GRAPHS)
 
     def runs_ahead(self, model) -> bool:
         """Whether plain steps of `model` run ahead under these options ("auto": compiled on CUDA)."""
@@ -214,9 +229,11 @@ class StaticOptions:
 
     def forward_for(self, model, forward=run_static):
         """`forward` (`run_static` or `run_static_draft`) compiled for `model` as these options say, or as
-        it is: on CUDA with inductor as CUDA graphs (mode "reduce-overhead")."""
+        it is: on CUDA with inductor as CUDA graphs (mode "reduce-overhead"); with CUDA_GRAPHS captured."""
         if not self.compiles(model):
             return forward
+        if self.backend == CUDA_GRAPHS:
+            return shared_graphed(forward)
         mode = "reduce-overhead" if model.device.type == "cuda" and self.backend == "inductor" else None
         return shared_compiled(forward, self.backend, mode)
 

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from ..cache import PackedCache, RectangularCache, forward_ragged, needs_contiguous_slots, takes_4d_masks
-from ..cache.static import StaticRowCache, query_bucket
+from ..cache.static import StaticRowCache, give_back, query_bucket, take_cache
 from ..cache.static_forward import (
     StaticOptions,
     check_static_support,
@@ -155,8 +155,8 @@ class ModelDrafter(Drafter):
         return self.static.forward_for(self.model, run_static_draft)
 
     def _new_cache(self, batch: int) -> RectangularCache | PackedCache | StaticRowCache:
-        if self.static_run is not None:
-            cache = StaticRowCache(self.model.device)
+        if self.static_run is not None:  # where it compiles, the storage its last call gave back (`take_cache`)
+            cache = take_cache(self.model, batch) if self.static_compiles else StaticRowCache(self.model.device)
             cache.add_empty_rows(batch)
             return cache
         if self.cache_layout == "packed":
@@ -202,7 +202,14 @@ class ModelDrafter(Drafter):
             self.exact += [0 for _ in sequences]
 
     def finish(self) -> None:
+        if self.static_compiles and isinstance(self.cache, StaticRowCache):
+            give_back(self.model, self.cache)
         self.cache, self.cached, self.exact, self.static_run, self.target_static = None, [], None, None, None
+
+    @property
+    def static_compiles(self) -> bool:
+        """Whether this call drafts through compiled (or captured) forwards on a StaticRowCache."""
+        return self.static_run is not None and self.static.compiles(self.model)
 
     def _scores(
         self, logits: torch.Tensor, rows: list[int], prefixes: list[list[int]], request: DraftRequest

@@ -13,6 +13,7 @@ to the batch's cache, after the rows already running.
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 
 import torch
 
@@ -45,12 +46,13 @@ def prefill(
     rows: list[Row],
     batch: GenerateBatch | None,
     packed: bool,
-    static: bool = False,
+    static: Callable[[int], StaticRowCache] | None = None,
     groups: list[list[int]] | None = None,
 ):
     """Target forward over the joining rows' prompts, their KV appended after the `running` rows of
     `cache` (None: a new batch). Returns (the batch's cache, logits [n, V] float32 at each new row's
-    last token). static: the batch's cache is a `StaticRowCache`, filled from this eager prefill.
+    last token). static: the batch's cache is a `StaticRowCache`, filled from this eager prefill; called with
+    the rows' count for a new batch's (`static.take_cache` where the forwards compile).
     groups: indices into `rows` of the rows to prefill together, one forward a group (`can_group` must
     hold; `planning/prefill.py` picks them); None: all in one."""
     if packed:  # a forward over the new rows' tokens only
@@ -80,8 +82,8 @@ def prefill(
         fresh, logits = _prefill_groups(model, rows, groups)
     else:
         fresh, logits = _prefill_block(model, rows, batch)
-    if static:  # copied into free row slots, capacity for the rows' length limit
-        cache = cache if running and cache is not None else StaticRowCache(model.device)
+    if static is not None:  # copied into free row slots, capacity for the rows' length limit
+        cache = cache if running and cache is not None else static(len(rows))
         cache.append_rows(fresh, min_capacity=max(r.request.max_length for r in rows))
         return cache, logits
     if running and cache is not None:

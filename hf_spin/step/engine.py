@@ -38,6 +38,7 @@ import torch
 from .. import host_syncs
 from ..cache import PackedCache, RectangularCache, RowCache, forward_ragged
 from ..cache.encoder_rows import EncoderRows
+from ..cache.static import StaticRowCache, give_back, take_cache
 from ..cache.static_forward import StaticOptions, StaticTarget, forward_static_tokens
 from ..drafters import Drafter
 from ..drafters.model import ModelDrafter, common_prefix_length
@@ -281,7 +282,7 @@ class SpinEngine:
                 joining,
                 batch,
                 packed,
-                self.static is not None,
+                self._new_static_cache if self.static is not None else None,
                 groups,
             )
         except Exception as err:  # noqa: BLE001
@@ -344,6 +345,8 @@ class SpinEngine:
         kept = [b for b, r in enumerate(self.rows) if not r.done]
         self.rows = [self.rows[b] for b in kept]
         if not kept:  # an empty batch starts afresh: caches dropped, drafters restarted by the next admission
+            if self.static is not None and self.static.compiled and isinstance(self.cache, StaticRowCache):
+                give_back(self.model, self.cache)  # its storage, and the graphs captured over it, for the next call
             self.cache, self._ahead = None, None
             for d in self.drafters:
                 d.finish()
@@ -570,6 +573,10 @@ class SpinEngine:
         for d_idx in sorted({d for prop in proposal.proposals for d in prop}):
             self.drafter_stats[self.names[d_idx]].steps += 1
         return matched, shadow_matched
+
+    def _new_static_cache(self, rows: int) -> StaticRowCache:
+        """A new batch's StaticRowCache: where the forwards compile, the one the last call gave back (`take_cache`)."""
+        return take_cache(self.model, rows) if self.static.compiled else StaticRowCache(self.model.device)
 
     # -- run-ahead: a plain step's next forward launched before its tokens are read ------------------------
     def _may_run_ahead(self, rows: list[Row]) -> bool:

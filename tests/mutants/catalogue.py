@@ -649,4 +649,22 @@ MUTANTS = (
             "generate_does[linear-prefills0-rectangular]",
         ),
     ),
+    Mutant(
+        "captured_graph_keyed_by_shape_alone",
+        "a CUDA graph captured over one cache's storage is replayed over another cache of the same shapes: its kernels "
+        "read and write the first cache's freed memory",
+        "hf_spin/cache/cuda_graphs.py",
+        "    return tuple(input_ids.shape), dtype, cache.capacity, layout, kv\n",
+        "    return tuple(input_ids.shape), dtype, cache.capacity\n",
+        ("tests/test_cuda_graphs.py::test_new_storage_of_the_same_shapes_is_captured_again",),
+    ),
+    Mutant(
+        "static_storage_not_taken_back",
+        "every call allocates a new StaticRowCache: the graphs captured over the last call's storage (inductor's, "
+        "cuda_graphs.py's) are recorded again at every call",
+        "hf_spin/cache/static.py",
+        "    if spare is not None and spare.num_slots == row_bucket(rows):\n",
+        "    if False:\n",
+        ("tests/test_cuda_graphs.py::test_a_second_call_replays_the_first_calls_graphs",),
+    ),
 )

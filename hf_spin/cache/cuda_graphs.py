@@ -1,0 +1,100 @@
+"""The static layout's fixed-shape forward captured as CUDA graphs, without `torch.compile`.
+
+`StaticOptions(compile=True, backend="cuda_graphs")`: the eager `run_static` (or `run_static_draft`) is run once
+and captured into a `torch.cuda.CUDAGraph` per shape and storage, then replayed: the step costs the eager
+kernels' device time without their launches, and a new shape costs one eager forward and a capture (a fraction
+of a second) where inductor compiles for half a minute (docs/design.md, "CUDA graphs without torch.compile").
+SGLang and vLLM capture their decode this way; gpt-fast and `transformers`' static cache compile with inductor.
+
+A graph reads and writes fixed addresses. Everything the forward reads that is not made inside it is either
+copied into the graph's own input buffer (the token ids) or a static-address tensor that changes in place
+(the cache's lengths, layout buffers and KV storage, the model's weights): `GraphedForward` keys a graph by the
+shapes and by the addresses of those tensors, so a cache that reallocates (capacity or row slots grown, a new
+call's cache) gets a new capture, never a stale replay. A model whose forward cannot be captured (it reads the
+device on the host, say) runs eagerly, said once.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .static import StaticRowCache
+
+
+def capture_graph(run: Callable[[], torch.Tensor], pool=None):
+    """(replay, output, pool): `run` captured as a CUDA graph after one eager run on a side stream (lazy
+    initialisation, cuBLAS workspaces, the allocator's blocks happen outside the capture), its output a
+    graph-owned tensor that every replay overwrites; graphs share the memory pool `pool` (None: a new one)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph.replay, out, graph.pool()
+
+
+@dataclass
+class _Graph:
+    replay: Callable[[], None]
+    input_ids: torch.Tensor  # [R, T] the graph's input buffer
+    logits: torch.Tensor  # [R, T, V] the graph's output, overwritten by each replay
+
+
+def storage_key(cache: StaticRowCache, input_ids: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """What a captured forward's validity depends on besides the model: the shapes, the dtype and the address
+    of every cache tensor it reads (lengths, the width's layout buffers, each layer's keys and values)."""
+    kv = tuple(t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values))
+    layout = (cache.slot_lengths.data_ptr(), cache.query_depths.data_ptr(), cache.query_visible.data_ptr())
+    return tuple(input_ids.shape), dtype, cache.capacity, layout, kv
+
+
+class GraphedForward:
+    """`forward` (`run_static` or `run_static_draft`, same arguments and result) replayed from CUDA graphs:
+    per model, one graph per `storage_key`; a capture for a shape replaces the model's graph of that shape
+    over older storage (a reallocated cache's). The logits it returns are the graph's output buffer: the
+    caller copies what it keeps before the next call (`static_forward._run` does)."""
+
+    def __init__(self, forward):
+        self.forward = forward
+        self.graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {storage_key: _Graph}
+        self.uncapturable: weakref.WeakSet = weakref.WeakSet()
+        self.pool = None
+        self.captures = 0  # graphs captured so far (what warm-up paid)
+
+    def __call__(self, model, cache: StaticRowCache, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if model in self.uncapturable:
+            return self.forward(model, cache, input_ids, dtype)
+        key = storage_key(cache, input_ids, dtype)
+        graphs = self.graphs.setdefault(model, {})
+        graph = graphs.get(key)
+        if graph is None:
+            try:
+                graph = self._capture(model, cache, input_ids, dtype)
+            except RuntimeError as e:  # a host read or a blocking copy inside the forward: no graph
+                self.uncapturable.add(model)
+                warnings.warn(
+                    f"hf_spin: the static forward of {model.config.model_type!r} ({type(model).__name__}) cannot "
+                    f"be captured as a CUDA graph; it runs eagerly ({str(e).splitlines()[0]})",
+                    stacklevel=3,
+                )
+                return self.forward(model, cache, input_ids, dtype)
+            for old in [k for k in graphs if k[:3] == key[:3]]:  # the same shape over storage since freed
+                del graphs[old]
+            graphs[key] = graph
+        graph.input_ids.copy_(input_ids)
+        graph.replay()
+        return graph.logits
+
+    def _capture(self, model, cache: StaticRowCache, input_ids: torch.Tensor, dtype: torch.dtype) -> _Graph:
+        ids = input_ids.clone()  # [R, T] the graph's own input buffer
+        replay, logits, self.pool = capture_graph(lambda: self.forward(model, cache, ids, dtype), self.pool)
+        self.captures += 1
+        return _Graph(replay, ids, logits)

@@ -1,0 +1,206 @@
+"""The static layout's forwards captured as CUDA graphs without torch.compile (`StaticOptions(backend="cuda_graphs")`,
+cache/cuda_graphs.py), tested without a GPU: the capture is replaced by `baked_capture`, which holds a graph to what a
+CUDA graph holds it to. A graph replays kernels over the addresses it was captured with, so:
+
+- the eager forward must read nothing on the host (a capture fails on a host read or a blocking copy): counted by
+  the instrumented sync counter inside every capture;
+- every tensor the forward reads that it did not make must be the one it read at capture time (same storage): the
+  replay runs the forward again under a dispatch mode that records those storages and fails on any difference.
+
+Also: greedy output equals plain `generate` through captured forwards; the target's and the drafters' storage is
+kept between calls (`take_cache`), so a second call replays the first call's graphs; a model that cannot be
+captured runs eagerly, said once. On a GPU, tests/test_static_engine.py runs the real capture (CUDA only).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import hf_spin
+from hf_spin.cache import cuda_graphs, static_forward
+from hf_spin.cache.cuda_graphs import GraphedForward, storage_key
+from hf_spin.cache.static import StaticRowCache, give_back, take_cache
+from hf_spin.cache.static_forward import CUDA_GRAPHS, StaticOptions, run_static, run_static_draft
+from hf_spin.host_syncs import count_syncs
+
+from .archs import tiny_model
+from .speculation import assert_speculated, greedy_case, perturbed
+from .speculation import pool as spin_pool
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_NEW_TOKENS = 20
+PROMPT_LENGTH = 14
+ARCHS = ("llama", "qwen2", "gemma")
+
+
+class _Reads(TorchDispatchMode):
+    """The storages a block reads that it did not make (weights, caches, input buffers), by address."""
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.read = set(), set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.untyped_storage().data_ptr() not in self.made:
+                self.read.add(t.untyped_storage().data_ptr())
+        self.made.update(t.untyped_storage().data_ptr() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def baked_capture(run, pool=None):
+    """`cuda_graphs.capture_graph` on a CPU: runs `run` once (no host read allowed, as in a capture) and returns a
+    replay that runs it again, failing where it reads other storage than at capture."""
+    with count_syncs("instrumented") as syncs, _Reads() as captured:
+        out = run()
+    assert syncs.count == 0, f"a CUDA graph capture would fail: host syncs at {syncs.sites.most_common(4)}"
+
+    def replay():
+        with _Reads() as now:
+            fresh = run()
+        assert now.read == captured.read, "a replayed graph would read storage other than the one it captured"
+        out.copy_(fresh)
+
+    return replay, out, pool
+
+
+@pytest.fixture
+def graphed(monkeypatch):
+    """The cuda_graphs backend on a CPU: `baked_capture` for the capture, fresh graph sets for the test, and
+    StaticOptions compiling wherever compile is on. Yields the captures counter (run_static's, run_static_draft's)."""
+    monkeypatch.setattr(cuda_graphs, "capture_graph", baked_capture)
+    monkeypatch.setattr(static_forward, "shared_graphed", functools.cache(GraphedForward))
+    monkeypatch.setattr(StaticOptions, "compiles", lambda self, model: self.compile is True)
+    yield lambda: tuple(static_forward.shared_graphed(f).captures for f in (run_static, run_static_draft))
+
+
+def _pool(entry):
+    options = StaticOptions(True, backend=CUDA_GRAPHS, query_slots=5)
+    return spin_pool([entry], tree=False, cache="static", compile=options)
+
+
+@functools.lru_cache(maxsize=None)
+def _models(arch: str):
+    return tiny_model(arch), perturbed(arch)
+
+
+@pytest.mark.parametrize("drafter", ("model", "prompt_lookup"))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captured_forwards_give_plain_generates_output(graphed, arch, drafter):
+    target, other = _models(arch)
+    inputs, reference = greedy_case(target, 4, PROMPT_LENGTH, MAX_NEW_TOKENS)
+    pool = _pool(other if drafter == "model" else "prompt_lookup")
+    out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, reference), f"\n{out}\n{reference}"
+    assert_speculated(pool.last_stats)
+    target_graphs, draft_graphs = graphed()
+    assert 1 <= target_graphs <= 2  # the one-token decode and the verification's k + 1 slots
+    assert (draft_graphs >= 1) == (drafter == "model")
+
+
+def test_a_second_call_replays_the_first_calls_graphs(graphed):
+    """The target's and the drafter's storage is given back at the end of a call and taken by the next one of the
+    same row-slot bucket (`take_cache`): nothing is captured again, and the replays read only what they captured."""
+    target, other = _models("llama")
+    inputs, reference = greedy_case(target, 4, PROMPT_LENGTH, MAX_NEW_TOKENS)
+    pool = _pool(other)
+    target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    first = graphed()
+    out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, reference)
+    assert graphed() == first, f"captured again: {first} -> {graphed()}"
+
+
+def test_new_storage_of_the_same_shapes_is_captured_again(graphed):
+    """Batch 4, then 1 (another row-slot bucket: a new cache, kept instead), then 4 again: a new cache of the first
+    call's shapes at other addresses; replaying the first call's graphs there would read freed storage."""
+    target = _models("llama")[0]
+    pool = _pool("prompt_lookup")
+    for batch in (4, 1, 4):
+        inputs, reference = greedy_case(target, batch, PROMPT_LENGTH, MAX_NEW_TOKENS)
+        out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+        assert torch.equal(out, reference)
+
+
+def test_the_storage_key_follows_reallocation_only():
+    cache = StaticRowCache()
+    cache.add_empty_rows(2)
+    cache.reserve(8)
+    for layer in range(2):
+        cache.update(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), layer)
+    cache.advance([3, 3])
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    cache.use_layout(5, {})
+    key = storage_key(cache, ids, torch.float32)
+    cache.advance([2, 1])
+    cache.rollback([4, 3])
+    cache.use_layout(5, {0: ([0, 1, 1], torch.ones(3, 3, dtype=torch.bool))})  # a tree, written in place
+    cache.select_rows([1])
+    assert storage_key(cache, ids, torch.float32) == key
+    cache.reserve(cache.capacity + 1)  # the storage grows: a new allocation
+    cache.use_layout(5, {})
+    assert storage_key(cache, ids, torch.float32) != key
+
+
+class _Model(torch.nn.Module):
+    device = torch.device("cpu")
+
+
+def test_a_cache_is_taken_back_only_for_its_row_slot_bucket():
+    model = _Model()
+    cache = take_cache(model, 3)
+    cache.add_empty_rows(3)
+    cache.width = 5
+    give_back(model, cache)
+    assert take_cache(model, 2) is not cache  # 2 rows: 2 slots, not 4; the spare is dropped
+    again = take_cache(model, 4)
+    assert again is not cache
+    again.add_empty_rows(4)
+    give_back(model, again)
+    kept = take_cache(model, 3)
+    assert kept is again and kept.slot_of == [] and kept.width == 0 and kept.num_slots == 4
+
+
+def test_a_model_that_cannot_be_captured_runs_eagerly_said_once(graphed, monkeypatch):
+    def failing(run, pool=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", failing)
+    target = _models("llama")[0]
+    inputs, reference = greedy_case(target, 1, PROMPT_LENGTH, MAX_NEW_TOKENS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=_pool("prompt_lookup"))
+    assert torch.equal(out, reference)
+    said = [w for w in caught if "cannot be captured" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+
+
+def test_cuda_graphs_run_eagerly_off_cuda():
+    target = _models("llama")[0]
+    options = StaticOptions(True, backend=CUDA_GRAPHS)
+    assert not options.compiles(target)
+    assert options.forward_for(target) is run_static
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("batch", (1, 4))
+def test_real_captures_give_plain_generates_output_and_replay_across_calls(batch):
+    target = tiny_model("llama").cuda()
+    inputs, reference = greedy_case(target, batch, PROMPT_LENGTH, MAX_NEW_TOKENS)
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    graphed = static_forward.shared_graphed(run_static)
+    pool = _pool("prompt_lookup")
+    for call in range(2):
+        before = graphed.captures
+        out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+        assert torch.equal(out.cpu(), reference)
+        assert (graphed.captures > before) == (call == 0), (call, before, graphed.captures)
