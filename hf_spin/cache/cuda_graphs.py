@@ -29,14 +29,15 @@ from .static import StaticRowCache
 def capture_graph(run: Callable[[], torch.Tensor], pool=None):
     """(replay, output, pool): `run` captured as a CUDA graph after one eager run on a side stream (lazy
     initialisation, cuBLAS workspaces, the allocator's blocks happen outside the capture), its output a
-    graph-owned tensor that every replay overwrites; graphs share the memory pool `pool` (None: a new one)."""
+    graph-owned tensor that every replay overwrites; graphs share the memory pool `pool` (None: a new one), which
+    is safe as they never run at once and each keeps its output."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         run()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # a server's other threads run on
         out = run()
     return graph.replay, out, graph.pool()
 
