@@ -9,6 +9,7 @@ from pathlib import Path
 from benchmarks.common import DEFAULT_QUESTIONS
 from benchmarks.injected_costs import STRUCTURES
 from benchmarks.workloads import WORKLOADS
+from hf_spin.cache.static_forward import CUDA_GRAPHS
 
 from .checks import DEFAULT_CHECKS
 from .costs import FLOOR
@@ -63,6 +64,13 @@ def parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--cache", choices=CACHES, default="auto", help="the pools' KV cache layout; auto: static (compiled) on CUDA"
+    )
+    run.add_argument(
+        "--static-backend",
+        choices=("inductor", CUDA_GRAPHS),
+        default="inductor",
+        help="the static layout's forwards on CUDA: torch.compile with inductor, or the eager forwards captured as "
+        "CUDA graphs without torch.compile (seconds of warm-up, not minutes)",
     )
     run.add_argument(
         "--budget-s", type=float, help="seconds; a method is skipped when less is left than the longest one so far took"

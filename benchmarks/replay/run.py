@@ -24,6 +24,7 @@ from transformers import CompileConfig, StaticCache
 import hf_spin
 from benchmarks.common import machine
 from hf_spin.cache import CACHE_ARG
+from hf_spin.cache.static_forward import StaticOptions
 
 from .checks import CheckConfig, compare, generated, left_pad, run_check
 from .forced import build_model, force, replay_drafters
@@ -94,6 +95,7 @@ def methods(
     trees: tuple = ("auto",),
     caches: dict | None = None,
     layout: str = "rectangular",
+    static: StaticOptions | None = None,
 ) -> dict:
     """method name -> fn(ids, mask, max_new_tokens) -> (output ids, hf_spin's stats or None), for this batch size.
 
@@ -104,7 +106,8 @@ def methods(
     or None: each pool measures its own ("auto"). trees: the pools' `tree` settings to run (a variant with
     chains only is named `..._chains`). caches: rows -> the static method's `StaticCache`, kept by the caller
     across workloads (one compiled decoding step per batch size, as transformers reuses its own cache). layout:
-    the pools' `cache=` (a static layout's pool is named `..._static`)."""
+    the pools' `cache=` (a static layout's pool is named `..._static`); static: its options (None: the pools'
+    default, inductor on CUDA)."""
     names = [d.name for d in trace.drafters]
 
     def plain(ids, mask, n, **kwargs):
@@ -132,6 +135,7 @@ def methods(
             profile=profile(entries) if profile is not None else None,
             tree=tree,
             cache=layout,
+            compile=static if layout == "static" else None,
         )
 
         def spin(ids, mask, n, pool=pool):
@@ -163,14 +167,15 @@ def bench(
     layout: str = "rectangular",
     deadline: float | None = None,
     on_record=None,
+    static: StaticOptions | None = None,
 ) -> list[dict]:
     """One record per (workload, batch size, method): tokens, seconds, forwards, per-drafter counts, identical.
 
     clock: a `CostClock` (benchmarks/injected_costs.py) to time calls by, installed as the engine's clock, with no
-    warm-up calls (they change nothing it reads); None: wall time. profile, trees, layout: as `methods` takes
-    them. deadline: a `time.perf_counter()` by which every method must end (a time budget): a method is skipped
-    (recorded as such) when what is left is shorter than the longest method so far, warm-up included (a pool's
-    first call compiles its graphs on the static layout: minutes on a GPU);
+    warm-up calls (they change nothing it reads); None: wall time. profile, trees, layout, static: as `methods`
+    takes them. deadline: a `time.perf_counter()` by which every method must end (a time budget): a method is
+    skipped (recorded as such) when what is left is shorter than the longest method so far, warm-up included (a
+    pool's first call compiles its graphs on the static layout: minutes on a GPU with inductor);
     on_record: called with the records so far after each one (a run stopped from outside keeps what it did)."""
     eos, pad = trace.target["eos_token_id"], trace.target["pad_token_id"]
     now = clock if clock is not None else lambda: _sync(target.device) or time.perf_counter()
@@ -183,7 +188,9 @@ def bench(
     for bs in batch_sizes:
         for workload, requests in by_workload.items():
             batches = [requests[i : i + bs] for i in range(0, len(requests), bs)]
-            fns = methods(trace, target, drafters, bs, cache_len, compile_config, profile, trees, caches, layout)
+            fns = methods(
+                trace, target, drafters, bs, cache_len, compile_config, profile, trees, caches, layout, static
+            )
             for name, fn in fns.items():
                 began = time.perf_counter()
                 if deadline is not None and began + longest > deadline:
@@ -310,6 +317,7 @@ def main(args) -> int:
         "target_shape": args.target_shape,
         "recorded_on": trace.env,
         "hf_spin_cache": layout,
+        "static_backend": args.static_backend,
         "budget_s": args.budget_s,
     }
 
@@ -322,7 +330,18 @@ def main(args) -> int:
     deadline = time.perf_counter() + args.budget_s if args.budget_s else None
     trees = TREE_VARIANTS[args.trees]
     records = bench(
-        trace, target, drafters, args.batch_sizes, compile_config, None, None, trees, layout, deadline, write
+        trace,
+        target,
+        drafters,
+        args.batch_sizes,
+        compile_config,
+        None,
+        None,
+        trees,
+        layout,
+        deadline,
+        write,
+        static=StaticOptions("auto", backend=args.static_backend),
     )
     print(write(records))
     return 0
