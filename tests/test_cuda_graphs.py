@@ -56,7 +56,7 @@ class _Reads(TorchDispatchMode):
         return out
 
 
-def baked_capture(run, pool=None):
+def baked_capture(run, device, pool=None):
     """`cuda_graphs.capture_graph` on a CPU: runs `run` once (no host read allowed, as in a capture) and returns a
     replay that runs it again, failing where it reads other storage than at capture."""
     with count_syncs("instrumented") as syncs, _Reads() as captured:
@@ -170,7 +170,7 @@ def test_a_cache_is_taken_back_only_for_its_row_slot_bucket():
 
 
 def test_a_model_that_cannot_be_captured_runs_eagerly_said_once(graphed, monkeypatch):
-    def failing(run, pool=None):
+    def failing(run, device, pool=None):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(cuda_graphs, "capture_graph", failing)

@@ -26,20 +26,26 @@ import torch
 from .static import StaticRowCache
 
 
-def capture_graph(run: Callable[[], torch.Tensor], pool=None):
-    """(replay, output, pool): `run` captured as a CUDA graph after one eager run on a side stream (lazy
+def capture_graph(run: Callable[[], torch.Tensor], device: torch.device, pool=None):
+    """(replay, output, pool): `run` captured as a CUDA graph on `device` after one eager run on a side stream (lazy
     initialisation, cuBLAS workspaces, the allocator's blocks happen outside the capture), its output a
     graph-owned tensor that every replay overwrites; graphs share the memory pool `pool` (None: a new one), which
     is safe as they never run at once and each keeps its output."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # a server's other threads run on
-        out = run()
-    return graph.replay, out, graph.pool()
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # other threads run on
+            out = run()
+
+    def replay() -> None:
+        with torch.cuda.device(device):  # on the device's current stream, whichever device is current
+            graph.replay()
+
+    return replay, out, graph.pool()
 
 
 @dataclass
@@ -96,6 +102,6 @@ class GraphedForward:
 
     def _capture(self, model, cache: StaticRowCache, input_ids: torch.Tensor, dtype: torch.dtype) -> _Graph:
         ids = input_ids.clone()  # [R, T] the graph's own input buffer
-        replay, logits, self.pool = capture_graph(lambda: self.forward(model, cache, ids, dtype), self.pool)
+        replay, logits, self.pool = capture_graph(lambda: self.forward(model, cache, ids, dtype), ids.device, self.pool)
         self.captures += 1
         return _Graph(replay, ids, logits)
