@@ -221,12 +221,31 @@ def test_pools_replay_on_the_static_layout_and_a_budget_skips_what_starts_late(t
     recorded continuations; `--budget-s`: methods that would end past the budget are listed as skipped, and the
     files are written after each record (a run stopped from outside keeps what it did)."""
     argv = ["run", str(trace_file), "--batch-sizes", "1", "4", "--trees", "both", "--cache", "static"]
+    argv += ["--compile-backend", "eager"]  # generate_static too: its step beside the pools' static options
     assert main(argv + ["--threads", "1", "--out", str(tmp_path / "static")]) == 0
     (md,) = (tmp_path / "static").glob("replay-*.md")
     text, n = md.read_text(), len(trace.requests)
     for method in ("hf_spin_all_static", "hf_spin_all_chains_static"):
         assert f"| w | 1 | {method} |" in text and f"| w | 4 | {method} |" in text
-    assert text.count(f"{n}/{n} |") == 2 + 4 + 1  # generate twice, the pool's two variants twice, lookup once
+    assert text.count(f"{n}/{n} |") == 2 + 2 + 4 + 1  # generate and its static twice, the pool's variants twice, lookup
     assert main(["run", str(trace_file), "--budget-s", "1e-9", "--threads", "1", "--out", str(tmp_path / "b")]) == 0
     (md,) = (tmp_path / "b").glob("replay-*.md")
     assert "skipped (time budget): w b1 generate, w b1 transformers_lookup, w b1 hf_spin_all, w b4" in md.read_text()
+
+
+def test_the_static_layouts_captured_graphs_replay_the_recording(trace_file, trace, tmp_path, monkeypatch):
+    """`--static-backend cuda_graphs` through a stand-in capture that fails where a CUDA graph would (a host read
+    inside it, a replay reading other storage than it captured): the forced target's row map changes in place at
+    each prefill (profile probes' unknown rows, then the batch's), so graphs captured before still read it."""
+    from hf_spin.cache import cuda_graphs
+    from hf_spin.cache.static_forward import StaticOptions
+
+    from .test_cuda_graphs import baked_capture
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", baked_capture)
+    monkeypatch.setattr(StaticOptions, "compiles", lambda self, model: self.compile in (True, "auto"))
+    argv = ["run", str(trace_file), "--batch-sizes", "1", "4", "--cache", "static", "--static-backend", "cuda_graphs"]
+    assert main(argv + ["--threads", "1", "--out", str(tmp_path)]) == 0
+    (md,) = tmp_path.glob("replay-*.md")
+    n = len(trace.requests)
+    assert "| w | 1 | hf_spin_all_static |" in md.read_text() and md.read_text().count(f"{n}/{n} |") == 2 + 2 + 1

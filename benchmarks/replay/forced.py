@@ -35,6 +35,7 @@ from .trace import DrafterRecord, Trace
 
 MARGIN = 100.0  # the forced token's logit; every other logit is tanh of the model's own, in (-1, 1)
 UNKNOWN = -1  # a row whose prompt is not in the trace (a cost-profile probe): its forced token is 0
+ROW_BUFFER = 1024  # rows the device map of rows to requests holds; a forward of more rows reads them all as unknown
 
 
 def build_model(config: dict, dtype: torch.dtype, device: str | torch.device, seed: int = 0):
@@ -60,10 +61,13 @@ class ForcedTarget:
         for r, req in enumerate(trace.requests):  # past an EOS, the recorded tail
             table[r, : len(req.sequence) + len(req.tail)] = torch.tensor(req.sequence + req.tail)
             lengths[r] = len(req.sequence) + len(req.tail)
-        # buffers, so a compiled forward (generate's static cache) reads them as graph inputs
+        # buffers, so a compiled forward (generate's static cache) reads them as graph inputs; the row map is
+        # updated in place (`_track`): a captured CUDA graph replays over the addresses it was captured with
         model.register_buffer("replay_table", table.to(device), persistent=False)
         model.register_buffer("replay_lengths", lengths.to(device), persistent=False)
-        model.register_buffer("replay_rows", torch.zeros(0, dtype=torch.long, device=device), persistent=False)
+        unknown = torch.full((ROW_BUFFER,), len(self.sequences), dtype=torch.long, device=device)  # [M]
+        model.register_buffer("replay_rows", unknown, persistent=False)  # [M] the request of row b, b < count
+        model.register_buffer("replay_count", torch.zeros((), dtype=torch.long, device=device), persistent=False)
         self.requests: list[int] = []  # [B] the trace's request of each row of the running batch
         # the latest forward's rows: its (ids, positions, packed metadata or None) on the device, or after a
         # prefill [B] (last prompt token, its position, 1) on the host
@@ -92,14 +96,16 @@ class ForcedTarget:
 
     def _after_forward(self, module, args, kwargs, output):
         ids, positions, meta = self._inputs(args, kwargs)
-        rows = module.replay_rows  # [B] request per row (R: unknown)
+        rows = module.replay_rows  # [M] request per row (R: unknown)
         if meta is not None:  # [1, total]: the row of each packed token
             slot = torch.arange(ids.shape[1], device=ids.device)
             rows = rows[torch.searchsorted(meta.cu_seqlens_q[1:].long(), slot, right=True)][None]  # [1, total]
         else:
-            if rows.shape[0] != ids.shape[0]:  # rows no pre-hook tracked (a cost-profile probe, compiled): unknown
-                rows = torch.full_like(ids[:, 0], len(self.sequences))  # [B]
-            rows = rows[:, None].expand_as(ids)  # [B, T]
+            B = ids.shape[0]
+            unknown = torch.full_like(ids[:, 0], len(self.sequences))  # [B]
+            if B <= ROW_BUFFER:  # on the device: rows no pre-hook tracked (a profile probe, compiled) are unknown
+                unknown = torch.where(module.replay_count == B, rows[:B], unknown)
+            rows = unknown[:, None].expand_as(ids)  # [B, T]
         keep = kwargs.get("logits_to_keep", 0)
         if isinstance(keep, int):
             rows, positions = (rows[:, -keep:], positions[:, -keep:]) if keep else (rows, positions)
@@ -138,9 +144,10 @@ class ForcedTarget:
             self.last = (ids, positions, meta)
             self.prefills = []
         self.cache = weakref.ref(cache) if cache is not None else lambda: None
-        rows = [r if r != UNKNOWN else len(self.sequences) for r in self.requests]
-        if rows != self.buffered:
-            module.replay_rows = torch.tensor(rows, device=module.replay_rows.device)
+        rows = [r if r != UNKNOWN else len(self.sequences) for r in self.requests][:ROW_BUFFER]
+        if rows != self.buffered:  # in place, outside any capture (rows change at a prefill or a retirement)
+            module.replay_rows[: len(rows)].copy_(torch.tensor(rows))
+            module.replay_count.fill_(len(rows))
             self.buffered = rows
 
     def _prefill(self, ids, positions, meta) -> None:

@@ -117,13 +117,13 @@ def methods(
     if target.device.type == "cuda" or compile_config is not None:
         caches = {} if caches is None else caches
 
-        def static(ids, mask, n):
+        def plain_static(ids, mask, n):
             if ids.shape[0] not in caches:
                 caches[ids.shape[0]] = StaticCache(config=target.config, max_cache_len=cache_len)
             caches[ids.shape[0]].reset()
             return plain(ids, mask, n, compile_config=compile_config, **{CACHE_ARG: caches[ids.shape[0]]})
 
-        out["generate_static"] = static
+        out["generate_static"] = plain_static
     if batch == 1:
         out["transformers_lookup"] = lambda ids, mask, n: plain(ids, mask, n, prompt_lookup_num_tokens=trace.k_max)
     for (pool_name, spec), tree in itertools.product(trace.pools.items(), trees):

@@ -30,7 +30,8 @@ def capture_graph(run: Callable[[], torch.Tensor], device: torch.device, pool=No
     """(replay, output, pool): `run` captured as a CUDA graph on `device` after one eager run on a side stream (lazy
     initialisation, cuBLAS workspaces, the allocator's blocks happen outside the capture), its output a
     graph-owned tensor that every replay overwrites; graphs share the memory pool `pool` (None: a new one), which
-    is safe as they never run at once and each keeps its output."""
+    is safe as they never run at once and each keeps its output. A pool's id is valid only while some graph
+    captured into it lives (PyTorch's allocator refuses a capture into a pool whose graphs were all freed)."""
     with torch.cuda.device(device):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -63,6 +64,15 @@ def storage_key(cache: StaticRowCache, input_ids: torch.Tensor, dtype: torch.dty
     return tuple(input_ids.shape), dtype, cache.capacity, layout, kv
 
 
+class _ModelGraphs:
+    """One model's graphs, by `storage_key`, and the memory pool they share: it lives as long as they do (a
+    graph is only ever replaced after its successor was captured into the pool), and goes with the model."""
+
+    def __init__(self):
+        self.by_key: dict[tuple, _Graph] = {}
+        self.pool = None
+
+
 class GraphedForward:
     """`forward` (`run_static` or `run_static_draft`, same arguments and result) replayed from CUDA graphs:
     per model, one graph per `storage_key`; a capture for a shape replaces the model's graph of that shape
@@ -71,20 +81,19 @@ class GraphedForward:
 
     def __init__(self, forward):
         self.forward = forward
-        self.graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {storage_key: _Graph}
+        self.graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _ModelGraphs
         self.uncapturable: weakref.WeakSet = weakref.WeakSet()
-        self.pool = None
         self.captures = 0  # graphs captured so far (what warm-up paid)
 
     def __call__(self, model, cache: StaticRowCache, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if model in self.uncapturable:
             return self.forward(model, cache, input_ids, dtype)
         key = storage_key(cache, input_ids, dtype)
-        graphs = self.graphs.setdefault(model, {})
-        graph = graphs.get(key)
+        graphs = self.graphs.setdefault(model, _ModelGraphs())
+        graph = graphs.by_key.get(key)
         if graph is None:
             try:
-                graph = self._capture(model, cache, input_ids, dtype)
+                graph = self._capture(model, cache, input_ids, dtype, graphs)
             except RuntimeError as e:  # a host read or a blocking copy inside the forward: no graph
                 self.uncapturable.add(model)
                 warnings.warn(
@@ -93,15 +102,16 @@ class GraphedForward:
                     stacklevel=3,
                 )
                 return self.forward(model, cache, input_ids, dtype)
-            for old in [k for k in graphs if k[:3] == key[:3]]:  # the same shape over storage since freed
-                del graphs[old]
-            graphs[key] = graph
+            for old in [k for k in graphs.by_key if k[:3] == key[:3]]:  # the same shape over storage since freed
+                del graphs.by_key[old]
+            graphs.by_key[key] = graph
         graph.input_ids.copy_(input_ids)
         graph.replay()
         return graph.logits
 
-    def _capture(self, model, cache: StaticRowCache, input_ids: torch.Tensor, dtype: torch.dtype) -> _Graph:
+    def _capture(self, model, cache: StaticRowCache, input_ids: torch.Tensor, dtype: torch.dtype, graphs) -> _Graph:
         ids = input_ids.clone()  # [R, T] the graph's own input buffer
-        replay, logits, self.pool = capture_graph(lambda: self.forward(model, cache, ids, dtype), ids.device, self.pool)
+        run = lambda: self.forward(model, cache, ids, dtype)  # noqa: E731
+        replay, logits, graphs.pool = capture_graph(run, ids.device, graphs.pool)
         self.captures += 1
         return _Graph(replay, ids, logits)
