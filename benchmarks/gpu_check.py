@@ -883,6 +883,7 @@ def forced(check: Check, model, mask: torch.Tensor, refs: list[list[int]]):
     target = {"eos_token_id": [], "pad_token_id": 0}
     trace = Trace(target, [], requests, check.cfg["k"], check.cfg["e2e_tokens"], 0.0)
     hooks = ForcedTarget(model, trace)
+    hooks.expect(list(range(len(requests))))  # every call inside runs the batch of refs, in their order
     try:
         yield True
     finally:

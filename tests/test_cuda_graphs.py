@@ -19,6 +19,7 @@ import warnings
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -68,6 +69,20 @@ def baked_capture(run, device, pool=None):
             fresh = run()
         assert now.read == captured.read, "a replayed graph would read storage other than the one it captured"
         out.copy_(fresh)
+
+    return replay, out, pool
+
+
+def traced_capture(run, device, pool=None):
+    """`cuda_graphs.capture_graph` on a CPU, the other half of what a CUDA graph holds a forward to: the aten ops one
+    run records (`make_fx`), replayed without running any Python (forward hooks, host state), over the tensors the
+    run read (kept alive here, unlike a graph's addresses: `baked_capture` checks those)."""
+    run()
+    recorded = make_fx(run, tracing_mode="real")()
+    out = recorded()
+
+    def replay():
+        out.copy_(recorded())
 
     return replay, out, pool
 

@@ -4,10 +4,13 @@ target one position off fails the check (the lossy control)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import CompileConfig, DynamicCache
 
+import hf_spin
 from benchmarks.replay.__main__ import main
 from benchmarks.replay.checks import CheckConfig, generated, left_pad
 from benchmarks.replay.costs import FLOOR, run_structures, shortfalls
@@ -249,3 +252,46 @@ def test_the_static_layouts_captured_graphs_replay_the_recording(trace_file, tra
     (md,) = tmp_path.glob("replay-*.md")
     n = len(trace.requests)
     assert "| w | 1 | hf_spin_all_static |" in md.read_text() and md.read_text().count(f"{n}/{n} |") == 2 + 2 + 1
+
+
+def test_a_batch_prefilled_in_groups_replays_through_graphs_that_run_no_hook(monkeypatch):
+    """The forced target's map of rows to requests is kept by its hooks, which a CUDA graph's replay does not run: a
+    batch prefilled in groups (`linear` costs: the two short prompts, then the two long ones) on the static layout
+    decodes from captured forwards only (the stand-in replays recorded ops, no Python), so the map must hold the
+    whole batch after the last group's prefill (`ForcedTarget.expect`); without it every row reads as unknown."""
+    from benchmarks.injected_costs import profile_of, table
+    from hf_spin.cache import cuda_graphs, static_forward
+    from hf_spin.cache.cuda_graphs import GraphedForward
+    from hf_spin.cache.static_forward import CUDA_GRAPHS, StaticOptions
+
+    from .archs import EOS
+    from .test_cuda_graphs import traced_capture
+    from .test_prefill_groups import linear, ragged_prompts
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", traced_capture)
+    monkeypatch.setattr(static_forward, "shared_graphed", functools.cache(GraphedForward))
+    monkeypatch.setattr(StaticOptions, "compiles", lambda self, model: self.compile is True)
+    ids, mask = ragged_prompts([3, 36, 4, 30])
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    plain = tiny_model("llama", seed=0).generate(ids, eos_token_id=EOS, **kwargs)
+    lengths = mask.sum(dim=1).tolist()
+    refs = [row[row.shape[0] - n - NEW_TOKENS :].tolist() for row, n in zip(plain, lengths)]
+    requests = [Request(str(b), "w", "", r[:n], r[n:]) for b, (r, n) in enumerate(zip(refs, lengths))]
+    trace = Trace({"eos_token_id": [], "pad_token_id": 0}, [], requests, K, NEW_TOKENS, 0.0)
+    model = tiny_model("llama", seed=5)  # other weights: only the forcing makes plain's tokens
+    forced = force(model, trace)
+    cost = table(linear)
+    options = StaticOptions(True, backend=CUDA_GRAPHS, query_slots=K + 1)
+    pool = hf_spin.AssistantPool(
+        ["prompt_lookup"], profile=profile_of(cost, [None], ["prompt_lookup"]), cache="static", compile=options
+    )
+    shapes = []
+    model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    run = functools.partial(model.generate, ids, custom_generate=hf_spin.generate, assistant_pool=pool, **kwargs)
+    for call, expected in enumerate(([0, 1, 2, 3], None, [0, 1, 2, 3])):  # the first call captures, then replays
+        forced.expect(expected)
+        shapes.clear()
+        out = run()
+        assert shapes[0][0] < 4, shapes  # prefilled in groups (as the profile's costs then say)
+        assert torch.equal(out, plain) == (expected is not None), out
+        assert (max(rows for rows, _ in shapes) == 4) == (call == 0), shapes  # then no forward of 4 rows runs a hook

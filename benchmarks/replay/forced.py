@@ -74,11 +74,20 @@ class ForcedTarget:
         self.last: tuple | list = []
         self.prefills: list[tuple[list[int], list]] = []  # (requests, last) of each prefill back to back so far
         self.buffered: list[int] = []  # what module.replay_rows holds
+        self.expected: list[int] | None = None  # the next call's batch, where the caller says (`expect`)
+        self.pending: list[int] | None = None  # the batch's map, written after a prefill group's own forward
         self.cache = lambda: None  # a weak reference to the latest forward's cache
         self.handles = (
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         )
+
+    def expect(self, requests: list[int] | None) -> None:
+        """The requests of the next `generate` call's rows, in row order (a benchmark's batch), or None. A batch
+        prefilled in groups (docs/planning.md, "Prefill groups") is told apart from separate batches by the first
+        forward after its groups; a static layout's forwards replayed from CUDA graphs run no hook, so there the
+        map of rows to requests after a prefill group is the expected batch (its slots hold the rows in row order)."""
+        self.expected = list(requests) if requests is not None else None
 
     # -- the logits ---------------------------------------------------------------------------------------
     @staticmethod
@@ -115,6 +124,9 @@ class ForcedTarget:
         forced = module.replay_table[rows, at]  # [B, T'] the recorded next token
         logits = torch.tanh(output.logits)  # the model's own, bounded: the forward's cost stays in the graph
         output.logits = logits.scatter(-1, forced[..., None], MARGIN)
+        if self.pending is not None:  # after a prefill group: the whole batch, for forwards that run no hook
+            self._write_rows(module, self.pending)
+            self.pending = None
         return output
 
     # -- which row is which request -----------------------------------------------------------------------
@@ -126,6 +138,8 @@ class ForcedTarget:
         first_positions = positions[:, 0] if meta is None else positions[0, starts]  # [B]
         if cache is None or int(cache.get_seq_length()) == 0:
             self._prefill(ids, positions, meta)
+            known = self.expected is not None and set(self.requests) <= set(self.expected)
+            self.pending = [self._row(r) for r in self.expected] if known else None
         else:
             if len(first_ids) > len(self.requests):
                 grouped = self._groups_holding(len(first_ids))
@@ -144,8 +158,17 @@ class ForcedTarget:
             self.last = (ids, positions, meta)
             self.prefills = []
         self.cache = weakref.ref(cache) if cache is not None else lambda: None
-        rows = [r if r != UNKNOWN else len(self.sequences) for r in self.requests][:ROW_BUFFER]
-        if rows != self.buffered:  # in place, outside any capture (rows change at a prefill or a retirement)
+        self._write_rows(module, [self._row(r) for r in self.requests])
+
+    def _row(self, request: int) -> int:
+        """A request's row of the device table (the last one for UNKNOWN)."""
+        return request if request != UNKNOWN else len(self.sequences)
+
+    def _write_rows(self, module, rows: list[int]) -> None:
+        """`module.replay_rows` and `replay_count` to hold `rows`, in place (a captured CUDA graph reads these
+        addresses), outside any capture: rows change at a prefill or a retirement, in eager forwards."""
+        rows = rows[:ROW_BUFFER]
+        if rows != self.buffered:
             module.replay_rows[: len(rows)].copy_(torch.tensor(rows))
             module.replay_count.fill_(len(rows))
             self.buffered = rows

@@ -27,7 +27,7 @@ from hf_spin.cache import CACHE_ARG
 from hf_spin.cache.static_forward import StaticOptions
 
 from .checks import CheckConfig, compare, generated, left_pad, run_check
-from .forced import build_model, force, replay_drafters
+from .forced import ForcedTarget, build_model, force, replay_drafters
 from .trace import Trace, load, merge
 
 # Target shapes a replay can stand in for the recorded one (`--target-shape`): config fields over the recorded
@@ -168,6 +168,7 @@ def bench(
     deadline: float | None = None,
     on_record=None,
     static: StaticOptions | None = None,
+    forced: ForcedTarget | None = None,
 ) -> list[dict]:
     """One record per (workload, batch size, method): tokens, seconds, forwards, per-drafter counts, identical.
 
@@ -176,13 +177,22 @@ def bench(
     takes them. deadline: a `time.perf_counter()` by which every method must end (a time budget): a method is
     skipped (recorded as such) when what is left is shorter than the longest method so far, warm-up included (a
     pool's first call compiles its graphs on the static layout: minutes on a GPU with inductor);
-    on_record: called with the records so far after each one (a run stopped from outside keeps what it did)."""
+    on_record: called with the records so far after each one (a run stopped from outside keeps what it did).
+    forced: the target's `ForcedTarget`, told each call's batch (`ForcedTarget.expect`: forwards replayed from
+    CUDA graphs run no hook)."""
     eos, pad = trace.target["eos_token_id"], trace.target["pad_token_id"]
     now = clock if clock is not None else lambda: _sync(target.device) or time.perf_counter()
     by_workload = defaultdict(list)
     for r in trace.requests:
         by_workload[r.workload].append(r)
     records, longest = [], 0.0  # the longest method so far, seconds, warm-up included
+
+    index = {id(r): i for i, r in enumerate(trace.requests)}
+
+    def expect(chunk: list) -> None:
+        if forced is not None:
+            forced.expect([index[id(r)] for r in chunk])
+
     # one static cache length for every workload: transformers compiles its decoding step once per batch size
     cache_len, caches = max(len(r.prompt) for r in trace.requests) + trace.max_new_tokens, {}
     for bs in batch_sizes:
@@ -200,6 +210,7 @@ def bench(
                 # graphs of every query width the drafts reach (a timed call that meets a wider one compiles it,
                 # which the record's "graphs" counts)
                 for chunk in {len(c): c for c in batches}.values() if clock is None else ():
+                    expect(chunk)
                     fn(*left_pad([r.prompt for r in chunk], pad, target.device), trace.max_new_tokens)
                 rec = {
                     "workload": workload,
@@ -216,6 +227,7 @@ def bench(
                 graphs = _graphs()
                 for chunk in tqdm(batches, desc=f"{workload} b{bs} {name}", leave=False):
                     ids, mask = left_pad([r.prompt for r in chunk], pad, target.device)
+                    expect(chunk)
                     with clock.installed() if clock is not None else nullcontext():
                         start = now()
                         out, stats = fn(ids, mask, trace.max_new_tokens)
@@ -289,7 +301,7 @@ def main(args) -> int:
         if shape
         else ""
     )
-    force(target, trace)
+    forced = force(target, trace)
     drafters = replay_drafters(trace, dtype, device)
     if args.check:
         if not trace.checks:
@@ -342,6 +354,7 @@ def main(args) -> int:
         deadline,
         write,
         static=StaticOptions("auto", backend=args.static_backend),
+        forced=forced,
     )
     print(write(records))
     return 0
