@@ -815,6 +815,11 @@ def compile_backend(check: Check) -> str:
     return check.cfg.get("static_backend", "inductor") if check.device.type == "cuda" else "eager"
 
 
+def draft_backend(check: Check) -> str | None:
+    """On CUDA `--draft-backend`: the model drafters' own backend (None: the target's); on CPU the target's."""
+    return check.cfg.get("draft_backend") if check.device.type == "cuda" else None
+
+
 def static_generate(check: Check, model, ids, mask, tokens: int) -> torch.Tensor:
     """Plain greedy `generate` on transformers' static cache, its decoding forward compiled by transformers:
     on CUDA its default (inductor, "reduce-overhead"); on CPU, where it compiles only when told, the eager
@@ -851,7 +856,13 @@ def static_spin(
     same forward eager; plain steps running ahead as `run_ahead` says), or eager on the rectangular cache;
     chains, or the drafter's token trees."""
     k = check.cfg["k"]
-    options = StaticOptions(compile, backend=compile_backend(check), query_slots=k + 1, run_ahead=run_ahead)
+    options = StaticOptions(
+        compile,
+        backend=compile_backend(check),
+        query_slots=k + 1,
+        run_ahead=run_ahead,
+        draft_backend=draft_backend(check),
+    )
     layout = dict(cache="static", compile=options) if static else dict(cache="rectangular")
     pool = hf_spin.AssistantPool(
         [drafter], draft_length=FixedLength(k, min_confidence=0.0), profile=profile, tree=trees and "auto", **layout
@@ -934,6 +945,7 @@ def compiled(check: Check) -> dict:
         "k": cfg["k"],
         "tokens": cfg["e2e_tokens"],
         "backend": compile_backend(check),
+        "draft_backend": draft_backend(check) or compile_backend(check),
         "trees": f"alpha {TREE_ALPHA}: {TREE_DRAWS} independent oracle drafts merged into a tree, compiled",
         "configs": [],
         "runs": [],
@@ -941,7 +953,10 @@ def compiled(check: Check) -> dict:
         "never_slower_repeats": [],  # per (model, batch): the default pool at alpha 0 against static generate
     }
     check.report["compiled"] = report  # saved after each (model, batch): a run cut short keeps what it did
-    print(f"  compiled: chains of k = {cfg['k']}, {report['dtype']}, backend {report['backend']}; {report['trees']}")
+    print(
+        f"  compiled: chains of k = {cfg['k']}, {report['dtype']}, backend {report['backend']} "
+        f"(drafters {report['draft_backend']}); {report['trees']}"
+    )
     limit = torch._dynamo.config.recompile_limit
     torch._dynamo.config.recompile_limit = 64  # a graph per (model, batch) and method: counted, not refused
     start, start_skips, took = unique_graphs(), cudagraph_skips(), {}
@@ -1232,7 +1247,7 @@ def continuous(check: Check, model, ids, mask, refs: list[list[int]]) -> dict:
     lengths = [max(2, tokens - (7 * i) % (tokens // 2)) for i in range(B)]
     first, second = max(1, B // 4), max(1, B // 4) + B // 2
     joins = {0: range(first), CONTINUOUS_EVERY: range(first, second), 3 * CONTINUOUS_EVERY: range(second, B)}
-    options = StaticOptions(True, backend=compile_backend(check), query_slots=k + 1)
+    options = StaticOptions(True, backend=compile_backend(check), query_slots=k + 1, draft_backend=draft_backend(check))
     passes = {}
     for name in ("warm", "counted"):
         oracle = Oracle(refs, CHAIN_ALPHA, model.config.vocab_size, seed=0)
@@ -1416,6 +1431,12 @@ def main(argv=None) -> int:
         help="how hf_spin's static layout runs its fixed-shape forwards on CUDA: torch.compile with inductor, or the "
         "eager forward captured as CUDA graphs without torch.compile",
     )
+    parser.add_argument(
+        "--draft-backend",
+        choices=("inductor", CUDA_GRAPHS),
+        help="the model drafters' backend on CUDA where it differs from --static-backend (a small drafter's captured "
+        "eager forward is bound by its kernels' count, which inductor's fusion cuts)",
+    )
     args = parser.parse_args(argv)
     if not (args.cpu_smoke or args.cpu_host_bound) and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --cpu-smoke or --cpu-host-bound on a machine without a GPU")
@@ -1434,7 +1455,7 @@ def main(argv=None) -> int:
         check.cfg = {**check.cfg, "compiled_targets": tuple((m, known[m]) for m in args.models)}
     if args.batches:
         check.cfg = {**check.cfg, "compiled_batches": tuple(args.batches)}
-    check.cfg = {**check.cfg, "static_backend": args.static_backend}
+    check.cfg = {**check.cfg, "static_backend": args.static_backend, "draft_backend": args.draft_backend}
     failed = False
     for name in args.sections:
         t = time.perf_counter()

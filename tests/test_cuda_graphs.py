@@ -93,7 +93,7 @@ def graphed(monkeypatch):
     StaticOptions compiling wherever compile is on. Yields the captures counter (run_static's, run_static_draft's)."""
     monkeypatch.setattr(cuda_graphs, "capture_graph", baked_capture)
     monkeypatch.setattr(static_forward, "shared_graphed", functools.cache(GraphedForward))
-    monkeypatch.setattr(StaticOptions, "compiles", lambda self, model: self.compile is True)
+    monkeypatch.setattr(StaticOptions, "compiles", lambda self, model, drafter=False: self.compile is True)
     yield lambda: tuple(static_forward.shared_graphed(f).captures for f in (run_static, run_static_draft))
 
 
@@ -219,3 +219,28 @@ def test_real_captures_give_plain_generates_output_and_replay_across_calls(batch
         out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
         assert torch.equal(out.cpu(), reference)
         assert (graphed.captures > before) == (call == 0), (call, before, graphed.captures)
+
+
+def test_model_drafters_run_under_their_own_backend():
+    """`draft_backend`: the target's forwards under one backend (CUDA graphs: eager off CUDA), a model drafter's
+    under another (dynamo here, inductor on a GPU: a small drafter's captured kernels are bound by their count);
+    each measured under its own kind of forward, and greedy output stays plain `generate`'s."""
+    from hf_spin.planning.profiling import forward_kind
+
+    options = StaticOptions(True, backend=CUDA_GRAPHS, draft_backend="eager", query_slots=5)
+    target, other = _models("llama")
+    assert not options.compiles(target) and options.compiles(other, drafter=True)
+    assert options.forward_for(target) is run_static
+    drafting = options.forward_for(other, run_static_draft)
+    assert drafting is static_forward.shared_compiled(run_static_draft, "eager", None)
+    assert (forward_kind(target, options), forward_kind(other, options, True)) == (
+        "eager",
+        "static-compiled:eager:drafter",
+    )
+    inputs, reference = greedy_case(target, 4, PROMPT_LENGTH, MAX_NEW_TOKENS)
+    pool = spin_pool([other], tree=False, cache="static", compile=options)
+    out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, reference)
+    assert_speculated(pool.last_stats)
+    with pytest.raises(ValueError, match="draft_backend=3"):
+        StaticOptions(True, draft_backend=3)

@@ -246,7 +246,7 @@ def test_the_static_layouts_captured_graphs_replay_the_recording(trace_file, tra
     from .test_cuda_graphs import baked_capture
 
     monkeypatch.setattr(cuda_graphs, "capture_graph", baked_capture)
-    monkeypatch.setattr(StaticOptions, "compiles", lambda self, model: self.compile in (True, "auto"))
+    monkeypatch.setattr(StaticOptions, "compiles", lambda self, model, drafter=False: self.compile in (True, "auto"))
     argv = ["run", str(trace_file), "--batch-sizes", "1", "4", "--cache", "static", "--static-backend", "cuda_graphs"]
     assert main(argv + ["--threads", "1", "--out", str(tmp_path)]) == 0
     (md,) = tmp_path.glob("replay-*.md")
@@ -270,7 +270,7 @@ def test_a_batch_prefilled_in_groups_replays_through_graphs_that_run_no_hook(mon
 
     monkeypatch.setattr(cuda_graphs, "capture_graph", traced_capture)
     monkeypatch.setattr(static_forward, "shared_graphed", functools.cache(GraphedForward))
-    monkeypatch.setattr(StaticOptions, "compiles", lambda self, model: self.compile is True)
+    monkeypatch.setattr(StaticOptions, "compiles", lambda self, model, drafter=False: self.compile is True)
     ids, mask = ragged_prompts([3, 36, 4, 30])
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
     plain = tiny_model("llama", seed=0).generate(ids, eos_token_id=EOS, **kwargs)

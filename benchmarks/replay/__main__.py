@@ -73,6 +73,11 @@ def parser() -> argparse.ArgumentParser:
         "CUDA graphs without torch.compile (seconds of warm-up, not minutes)",
     )
     run.add_argument(
+        "--draft-backend",
+        choices=("inductor", CUDA_GRAPHS),
+        help="the model drafters' backend where it differs from --static-backend",
+    )
+    run.add_argument(
         "--budget-s", type=float, help="seconds; a method is skipped when less is left than the longest one so far took"
     )
     run.add_argument("--threads", type=int, default=2)

@@ -330,6 +330,7 @@ def main(args) -> int:
         "recorded_on": trace.env,
         "hf_spin_cache": layout,
         "static_backend": args.static_backend,
+        "draft_backend": args.draft_backend or args.static_backend,
         "budget_s": args.budget_s,
     }
 
@@ -353,7 +354,7 @@ def main(args) -> int:
         layout,
         deadline,
         write,
-        static=StaticOptions("auto", backend=args.static_backend),
+        static=StaticOptions("auto", backend=args.static_backend, draft_backend=args.draft_backend),
         forced=forced,
     )
     print(write(records))

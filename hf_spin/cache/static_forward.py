@@ -193,6 +193,10 @@ class StaticOptions:
         no recompilation are checked the same, without code generation), or CUDA_GRAPHS: no torch.compile,
         the eager forward captured as CUDA graphs (cuda_graphs.py: a capture per shape in a fraction of a
         second, the eager kernels' device time; on a CPU the forwards run eagerly).
+    draft_backend: the model drafters' backend where it differs from the target's (None: `backend`): a small
+        drafter's captured eager forward is bound by its kernels' count, not their work (on an H200 a 0.5B-shape
+        draft token cost 0.72 of the 1.5B's step as CUDA graphs, docs/design.md), which inductor's fusion cuts,
+        while the target's graphs are captured in seconds.
     query_slots: query slots of every verification from the first on (k + 1 for a draft length cap k);
         None: the longest chunk so far, bucketed, so a longer draft than any before compiles a wider
         forward (once per bucket).
@@ -206,6 +210,7 @@ class StaticOptions:
     backend: str = "inductor"
     query_slots: int | None = None
     run_ahead: bool | str = False
+    draft_backend: str | None = None
 
     def __post_init__(self):
         if self.compile not in (False, True, "auto"):
@@ -214,13 +219,19 @@ class StaticOptions:
             raise ValueError(f"query_slots={self.query_slots!r} is not supported; give a positive int or None")
         if self.run_ahead not in (False, True, "auto"):
             raise ValueError(f"run_ahead={self.run_ahead!r} is not supported; give False, True or 'auto'")
+        if self.draft_backend is not None and not isinstance(self.draft_backend, str):
+            raise ValueError(f"draft_backend={self.draft_backend!r} is not supported; give a backend's name or None")
 
-    def compiles(self, model) -> bool:
-        """Whether forwards of `model` run compiled (or captured) under these options ("auto": on CUDA only;
-        CUDA_GRAPHS: on CUDA only)."""
+    def backend_for(self, drafter: bool) -> str:
+        """The backend of the target's forwards (drafter False) or of a model drafter's."""
+        return (self.draft_backend or self.backend) if drafter else self.backend
+
+    def compiles(self, model, drafter: bool = False) -> bool:
+        """Whether forwards of `model` (a model drafter's where `drafter`) run compiled (or captured) under these
+        options ("auto": on CUDA only; CUDA_GRAPHS: on CUDA only)."""
         on_cuda = model.device.type == "cuda"
         wanted = self.compile is True or (self.compile == "auto" and on_cuda)
-        return wanted and (on_cuda or self.backend != CUDA_GRAPHS)
+        return wanted and (on_cuda or self.backend_for(drafter) != CUDA_GRAPHS)
 
     def runs_ahead(self, model) -> bool:
         """Whether plain steps of `model` run ahead under these options ("auto": compiled on CUDA)."""
@@ -229,13 +240,16 @@ class StaticOptions:
 
     def forward_for(self, model, forward=run_static):
         """`forward` (`run_static` or `run_static_draft`) compiled for `model` as these options say, or as
-        it is: on CUDA with inductor as CUDA graphs (mode "reduce-overhead"); with CUDA_GRAPHS captured."""
-        if not self.compiles(model):
+        it is: on CUDA with inductor as CUDA graphs (mode "reduce-overhead"); with CUDA_GRAPHS captured. A
+        drafter's (`run_static_draft`) under `draft_backend` where given."""
+        drafter = forward is run_static_draft
+        if not self.compiles(model, drafter):
             return forward
-        if self.backend == CUDA_GRAPHS:
+        backend = self.backend_for(drafter)
+        if backend == CUDA_GRAPHS:
             return shared_graphed(forward)
-        mode = "reduce-overhead" if model.device.type == "cuda" and self.backend == "inductor" else None
-        return shared_compiled(forward, self.backend, mode)
+        mode = "reduce-overhead" if model.device.type == "cuda" and backend == "inductor" else None
+        return shared_compiled(forward, backend, mode)
 
 
 class StaticTarget:

@@ -209,7 +209,7 @@ class ModelDrafter(Drafter):
     @property
     def static_compiles(self) -> bool:
         """Whether this call drafts through compiled (or captured) forwards on a StaticRowCache."""
-        return self.static_run is not None and self.static.compiles(self.model)
+        return self.static_run is not None and self.static.compiles(self.model, drafter=True)
 
     def _scores(
         self, logits: torch.Tensor, rows: list[int], prefixes: list[list[int]], request: DraftRequest

@@ -43,7 +43,7 @@ def static_forwards(model, static: StaticOptions | None, drafter: bool):
     the engine never runs); a drafter's compiled `run_static_draft` for chunks of up to COMPILED_CHUNK tokens,
     `run_static` eagerly beyond (`ModelDrafter._forward`), at the bucket of N. None (measured on the eager
     path) elsewhere, and for a model the layout refuses."""
-    if static is None or not static.compiles(model):
+    if static is None or not static.compiles(model, drafter):
         return None
     try:
         check_static_support(model)
@@ -67,7 +67,7 @@ def forward_kind(model, static: StaticOptions | None, drafter: bool = False) -> 
     ":drafter" for a drafter, whose chunks past COMPILED_CHUNK run eagerly)."""
     if static_forwards(model, static, drafter) is None:
         return "eager"
-    return f"static-compiled:{static.backend}" + (":drafter" if drafter else "")
+    return f"static-compiled:{static.backend_for(drafter)}" + (":drafter" if drafter else "")
 
 
 def model_key(model, dtype: torch.dtype | None = None, forward: str = "eager") -> dict:

@@ -505,7 +505,7 @@ MUTANTS = (
         "profile_measures_eagerly_when_compiled",
         "on the static compiled layout the cost profile times the eager dynamic-cache forward instead of the compiled one the engine runs",
         "hf_spin/planning/profiling.py",
-        "    if static is None or not static.compiles(model):\n        return None",
+        "    if static is None or not static.compiles(model, drafter):\n        return None",
         "    return None",
         (
             "tests/test_compiled_profile.py::test_the_compiled_profile_times_the_compiled_static_forward",
