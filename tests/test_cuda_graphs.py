@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import hf_spin
-from hf_spin.cache import cuda_graphs, static_forward
+from hf_spin.cache import cuda_graphs, static, static_forward
 from hf_spin.cache.cuda_graphs import GraphedForward, storage_key
 from hf_spin.cache.static import StaticRowCache, give_back, take_cache
 from hf_spin.cache.static_forward import CUDA_GRAPHS, StaticOptions, run_static, run_static_draft
@@ -244,3 +244,89 @@ def test_model_drafters_run_under_their_own_backend():
     assert_speculated(pool.last_stats)
     with pytest.raises(ValueError, match="draft_backend=3"):
         StaticOptions(True, draft_backend=3)
+
+
+@pytest.fixture
+def captured_moves(monkeypatch):
+    """`keep_paths`' KV moves from a graph off CUDA: `baked_capture` for the capture. Yields every GraphedMoves made."""
+    made = []
+
+    class Recorded(cuda_graphs.GraphedMoves):
+        def __init__(self, move):
+            super().__init__(move)
+            made.append(self)
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", baked_capture)
+    monkeypatch.setattr(static, "captures_moves", lambda device: True)
+    monkeypatch.setattr(static, "GraphedMoves", Recorded)
+    yield made
+
+
+def _filled_cache(rows: int, capacity: int, device: str = "cpu", layers: int = 3) -> StaticRowCache:
+    """A StaticRowCache of `rows` slots holding random KV at every position, each row `capacity - 8` tokens long."""
+    cache = StaticRowCache(device)
+    cache.add_empty_rows(rows)
+    cache.capacity = capacity
+    g = torch.Generator().manual_seed(rows)
+    for _ in range(layers):
+        layer = static._StaticLayer()
+        like = torch.empty(1, 2, 1, 4, device=device)
+        layer.allocate(rows, capacity, like, like)
+        layer.keys.copy_(torch.randn(layer.keys.shape, generator=g))
+        layer.values.copy_(torch.randn(layer.values.shape, generator=g))
+        cache.layers.append(layer)
+    cache.host_lengths = [capacity - 8] * rows
+    return cache
+
+
+def _kept_paths_match_eager_moves(device: str) -> list[int]:
+    """keep_paths over four steps of three rows, from graphs and eagerly on `device`: the KV and lengths alike.
+    Returns the captures after the steps and after a reallocation and one more step."""
+    steps = [  # (bases, paths): moves of 3, 1 (and a row that keeps its base), 4, 3
+        ([4, 6, 5], [[1, 3], [0], [0, 2]]),
+        ([9, 8, 7], [[], [0, 2], [0, 1]]),
+        ([3, 2, 1], [[2, 5], [1, 4], [0]]),
+        ([5, 5, 5], [[0, 2], [1], [1]]),
+    ]
+    graphed, eager = _filled_cache(3, 24, device), _filled_cache(3, 24, device)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(static, "captures_moves", lambda device: False)
+        for bases, paths in steps:
+            eager.keep_paths(bases, paths)
+    for bases, paths in steps:
+        graphed.keep_paths(bases, paths)
+    for mine, theirs in zip(graphed.layers, eager.layers):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+    assert graphed.host_lengths == eager.host_lengths
+    captures = [graphed._moves.captures]
+    graphed.reserve(32)  # a reallocation: new storage, the same move counts
+    graphed.keep_paths(*steps[0])
+    return captures + [graphed._moves.captures]
+
+
+def test_kept_paths_move_the_same_kv_from_a_captured_graph(captured_moves):
+    """keep_paths with its moves replayed from a graph (padded to a power of two by repeating the first move) leaves
+    every layer's KV as the eager moves do; one capture per move count and storage, none at a step of a count seen
+    before, a new one after a reallocation (a replay there would write freed storage)."""
+    assert _kept_paths_match_eager_moves("cpu") == [2, 3]  # 4 moves (4, 4 again) and 1 (the second step's); again
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_kept_paths_move_the_same_kv_from_a_real_graph():
+    assert _kept_paths_match_eager_moves("cuda") == [2, 3]
+
+
+def test_token_trees_through_captured_forwards_and_moves_give_plain_generates_output(graphed, captured_moves):
+    """A vote tree of two drafters and prompt lookup on the static layout, the forwards and keep_paths' moves both
+    replayed from (stand-in) graphs: greedy output is plain `generate`'s, and the accepted paths moved KV."""
+    from .test_token_trees import CASE
+    from .test_token_trees import _pool as tree_pool
+
+    target = _models("llama")[0]
+    inputs, reference = greedy_case(target, 4, *CASE["vote"])
+    pool = tree_pool("llama", "vote", cache="static")
+    pool.static = StaticOptions(True, backend=CUDA_GRAPHS, query_slots=5)
+    out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, reference), f"\n{out}\n{reference}"
+    assert_speculated(pool.last_stats)
+    assert graphed()[0] >= 2 and sum(m.captures for m in captured_moves) >= 1

@@ -25,6 +25,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..host_syncs import to_device
+from .cuda_graphs import GraphedMoves
 from .rectangular import RectangularCache, per_device
 
 # Capacity grows in multiples of this many tokens: every growth reallocates the storage (and, compiled,
@@ -79,6 +80,22 @@ class _StaticLayer:
         self.values[:r, :, :c] = old_values[:r, :, :c]
 
 
+def move_slots(layers: list[_StaticLayer], index: torch.Tensor) -> None:
+    """index `[3, P]` (slot, from, to): each layer's keys and values at (slot, from) copied to (slot, to), every
+    move read before any is written (a layer's KV may live on another device than `index`)."""
+    on = per_device(index)
+    for layer in layers:
+        r, a, b = on(layer.keys.device)
+        for kv in (layer.keys, layer.values):
+            kv[r, :, b] = kv[r, :, a]  # [P, H, D]
+
+
+def captures_moves(device: torch.device) -> bool:
+    """Whether `keep_paths` on `device` replays its KV moves from a captured graph: on CUDA, where each eager
+    op costs a launch (a test's stand-in capture turns it on off CUDA)."""
+    return device.type == "cuda"
+
+
 def _chain_layout(rows: int, width: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """A chain's query layout for `rows` slots of `width` query slots: depths `[R, T]` (query t at depth t) and
     which new slots each query sees `[R, T, T]` bool (u <= t)."""
@@ -117,6 +134,7 @@ class StaticRowCache(Cache):
         self.width = 0
         self._layouts: dict[int, list] = {}  # width -> [depths, visible, holds a tree]; per row-slot count
         self.query_depths = self.query_visible = None
+        self._moves: GraphedMoves | None = None  # keep_paths' captured moves, on CUDA
 
     # -- layout ---------------------------------------------------------------------------------------
     @property
@@ -255,13 +273,20 @@ class StaticRowCache(Cache):
             moves += [(s, base + 1 + node, base + 1 + j) for j, node in enumerate(path) if node != j]
             self.host_lengths[s] = min(self.host_lengths[s], base + 1 + len(path))
         if moves:
-            index = per_device(to_device(list(zip(*moves)), self._device, torch.long))  # [3, P]
-            for layer in self.layers:
-                if layer.is_initialized:
-                    r, a, b = index(layer.keys.device)
-                    for kv in (layer.keys, layer.values):
-                        kv[r, :, b] = kv[r, :, a]  # [P, H, D]: read before written
+            self._move(moves)
         self._push()
+
+    def _move(self, moves: list[tuple[int, int, int]]) -> None:
+        """Each (slot, from, to) of `moves`: every layer's KV at `from` copied to `to` (all read before any is
+        written). On CUDA from one captured graph (`GraphedMoves`): eagerly they are two indexing ops per layer and
+        tensor, a launch each, which is what a tree step costs more than a chain's on a host-bound GPU."""
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        if captures_moves(self._device) and all(layer.keys.device == self._device for layer in layers):
+            if self._moves is None:
+                self._moves = GraphedMoves(move_slots)
+            if self._moves(layers, moves, self.capacity):
+                return
+        move_slots(layers, to_device(list(zip(*moves)), self._device, torch.long))
 
     def select_rows(self, rows) -> None:
         """Keep only `rows` (host; in their new order); the others' slots become free. No copy."""
