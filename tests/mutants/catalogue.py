@@ -667,4 +667,16 @@ MUTANTS = (
         "    if False:\n",
         ("tests/test_cuda_graphs.py::test_a_second_call_replays_the_first_calls_graphs",),
     ),
+    Mutant(
+        "captured_moves_replay_the_capture",
+        "keep_paths' captured KV moves replay the moves they were captured with instead of the step's: after a tree "
+        "step whose path branched, later tokens read the wrong keys",
+        "hf_spin/cache/cuda_graphs.py",
+        "        index.copy_(padded, non_blocking=True)\n",
+        "",
+        (
+            "tests/test_cuda_graphs.py::test_kept_paths_move_the_same_kv_from_a_captured_graph",
+            "tests/test_cuda_graphs.py::test_token_trees_through_captured_forwards_and_moves_give_plain_generates_output",
+        ),
+    ),
 )
