@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import hf_spin
-from hf_spin.cache import cuda_graphs, static, static_forward
+from hf_spin.cache import capture, cuda_graphs, static, static_forward
 from hf_spin.cache.cuda_graphs import GraphedForward, storage_key
 from hf_spin.cache.static import StaticRowCache, give_back, take_cache
 from hf_spin.cache.static_forward import CUDA_GRAPHS, StaticOptions, run_static, run_static_draft
@@ -58,7 +58,7 @@ class _Reads(TorchDispatchMode):
 
 
 def baked_capture(run, device, pool=None):
-    """`cuda_graphs.capture_graph` on a CPU: runs `run` once (no host read allowed, as in a capture) and returns a
+    """`capture.capture_graph` on a CPU: runs `run` once (no host read allowed, as in a capture) and returns a
     replay that runs it again, failing where it reads other storage than at capture."""
     with count_syncs("instrumented") as syncs, _Reads() as captured:
         out = run()
@@ -74,7 +74,7 @@ def baked_capture(run, device, pool=None):
 
 
 def traced_capture(run, device, pool=None):
-    """`cuda_graphs.capture_graph` on a CPU, the other half of what a CUDA graph holds a forward to: the aten ops one
+    """`capture_graph` on a CPU, the other half of what a CUDA graph holds a forward to: the aten ops one
     run records (`make_fx`), replayed without running any Python (forward hooks, host state), over the tensors the
     run read (kept alive here, unlike a graph's addresses: `baked_capture` checks those)."""
     run()
@@ -251,12 +251,12 @@ def captured_moves(monkeypatch):
     """`keep_paths`' KV moves from a graph off CUDA: `baked_capture` for the capture. Yields every GraphedMoves made."""
     made = []
 
-    class Recorded(cuda_graphs.GraphedMoves):
+    class Recorded(capture.GraphedMoves):
         def __init__(self, move):
             super().__init__(move)
             made.append(self)
 
-    monkeypatch.setattr(cuda_graphs, "capture_graph", baked_capture)
+    monkeypatch.setattr(capture, "capture_graph", baked_capture)
     monkeypatch.setattr(static, "captures_moves", lambda device: True)
     monkeypatch.setattr(static, "GraphedMoves", Recorded)
     yield made

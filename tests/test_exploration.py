@@ -160,3 +160,36 @@ def test_the_expected_tokens_of_every_lane_count_in_the_calls_budget():
     assert budget.expected == pytest.approx(0.9 + 0.0 + 6.0)
     budget.end_rows([3])
     assert budget.expected == pytest.approx(0.9) and budget.left == pytest.approx(SHARE * 0.9)
+
+
+@pytest.mark.parametrize("acceptance", [0.25, 0.9])
+def test_a_drafting_steps_own_host_work_is_priced(monkeypatch, acceptance):
+    """Flat costs (a GPU's captured forwards) and a drafting step that costs the engine half a plain step of its own
+    work (the Python of planning, merging, the verdict and commit, around a 4-5 ms forward): the profile learns it
+    (`CostProfile.host_seconds`) and prices every step with it. A drafter right 25% of the time then pays less than
+    its steps' host work, and the default path costs within 3% of plain decoding; one right 90% of the time still
+    pays."""
+    from hf_spin.step.engine import SpinEngine
+
+    host, new_tokens = 0.05, 100
+    target, prompts, plain, refs = case(batch=1, new_tokens=new_tokens)
+    cost = table(STRUCTURES["flat"])
+    clock = CostClock()
+    clock.hook(target, cost)
+    commit = SpinEngine._commit_step
+
+    def costly_commit(self, proposal, outcome):  # a drafting step's own work, on the clock
+        clock.now += host if any(proposal.drafts) else 0.0
+        return commit(self, proposal, outcome)
+
+    monkeypatch.setattr(SpinEngine, "_commit_step", costly_commit)
+    pool = hf_spin.AssistantPool([Scripted(refs, [acceptance])], profile=profile_of(cost, [None], ["scripted"]))
+    out = run(target, prompts, pool, clock, new_tokens=new_tokens)
+    assert torch.equal(out, plain)
+    spin = clock.now
+    plain_seconds = plain_clock(target, prompts, clock, new_tokens)
+    assert pool.cost_profile.host_seconds(1, True) == pytest.approx(host, rel=0.01)
+    if acceptance < 0.5:
+        assert spin <= 1.03 * plain_seconds, f"{spin:.2f}s against plain {plain_seconds:.2f}s"
+    else:
+        assert spin < 0.7 * plain_seconds, f"{spin:.2f}s against plain {plain_seconds:.2f}s"

@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..host_syncs import to_device
-from .cuda_graphs import GraphedMoves
+from .capture import GraphedMoves
 from .rectangular import RectangularCache, per_device
 
 # Capacity grows in multiples of this many tokens: every growth reallocates the storage (and, compiled,

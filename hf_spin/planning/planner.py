@@ -325,6 +325,12 @@ class Planner:
                     self.journal.event("idle_catch_up", row=r, drafter=name, lag=lag, seconds=seconds, paid_by=paid_by)
             return out
 
+    def observe_host(self, rows: int, drafted: bool, seconds: float) -> None:
+        """A step of `rows` rows that drafted or not spent `seconds` in the engine's own work: every step is priced
+        with it from now on (`CostProfile.host_seconds`)."""
+        with self.lock:
+            self.profile.observe_host(rows, drafted, seconds)
+
     def observe_catch_up(self, drafter: int, positions: int, seconds: float) -> None:
         """An idle catch-up ran: `drafter`'s forward over `positions` positions took `seconds` (its cost past the grid,
         what `_catch_up_seconds` prices)."""

@@ -245,7 +245,12 @@ class SpinEngine:
             self._admitted_last = True
         elif self.rows:
             with host_syncs.phase("step"):
-                self.verify(self.propose())
+                start, B = perf_counter(), len(self.rows)
+                proposal = self.propose()
+                verify_seconds = self.verify(proposal)
+                if self.planner is not None and verify_seconds is not None:  # what the step cost beyond its forwards
+                    host = perf_counter() - start - verify_seconds - sum(proposal.draft_seconds)
+                    self.planner.observe_host(B, any(proposal.drafts), host)
             self._admitted_last = False
 
     def close(self) -> None:
@@ -424,7 +429,8 @@ class SpinEngine:
 
     # -- 5-7. Verify, commit, catch up ----------------------------------------------------------------
     @torch.no_grad()
-    def verify(self, proposal: Proposal) -> None:
+    def verify(self, proposal: Proposal) -> float | None:
+        """Steps 5-7 of `proposal`; returns the seconds of the target's forward and verdict (None: every row failed)."""
         rows = self.rows
         if proposal.trees is not None:
             self._drop_ahead()  # a tree's root is fed with its nodes
@@ -433,7 +439,7 @@ class SpinEngine:
         start = perf_counter()
         outcome = self._verify_trees(proposal) if proposal.trees is not None else self._verify_chains(proposal)
         if outcome is None:  # every row failed
-            return
+            return None
         verify_seconds = perf_counter() - start  # after the verdict's read: the forward and it have run, on any device
         self.stats.verify_seconds += verify_seconds
 
@@ -482,6 +488,7 @@ class SpinEngine:
             if self.planner is not None:
                 self.planner.update(feedback)
         self.steps += 1
+        return verify_seconds
 
     def _verify_trees(self, proposal: Proposal) -> StepOutcome | None:
         """Step 5 over token trees (a row without one verifies its chain as a one-branch tree): tree_step.py."""

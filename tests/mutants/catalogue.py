@@ -671,12 +671,21 @@ MUTANTS = (
         "captured_moves_replay_the_capture",
         "keep_paths' captured KV moves replay the moves they were captured with instead of the step's: after a tree "
         "step whose path branched, later tokens read the wrong keys",
-        "hf_spin/cache/cuda_graphs.py",
+        "hf_spin/cache/capture.py",
         "        index.copy_(padded, non_blocking=True)\n",
         "",
         (
             "tests/test_cuda_graphs.py::test_kept_paths_move_the_same_kv_from_a_captured_graph",
             "tests/test_cuda_graphs.py::test_token_trees_through_captured_forwards_and_moves_give_plain_generates_output",
         ),
+    ),
+    Mutant(
+        "host_work_unpriced",
+        "the planner prices a drafting step by its forwards alone: on a GPU, where a captured step takes a few "
+        "milliseconds, a draft that pays its forwards but not the engine's own work around it runs slower than plain",
+        "hf_spin/planning/cost_profile.py",
+        "        return self.target.verify(n_tokens, rows) + self.host_seconds(rows, n_tokens > rows)\n",
+        "        return self.target.verify(n_tokens, rows)\n",
+        ("tests/test_exploration.py::test_a_drafting_steps_own_host_work_is_priced[0.25]",),
     ),
 )
