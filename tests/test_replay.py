@@ -13,10 +13,11 @@ from transformers import CompileConfig, DynamicCache
 import hf_spin
 from benchmarks.replay.__main__ import main
 from benchmarks.replay.checks import CheckConfig, generated, left_pad
-from benchmarks.replay.costs import FLOOR, run_structures, shortfalls
+from benchmarks.replay.costs import FLOOR, run_host, run_structures, shortfalls
 from benchmarks.replay.forced import force, match, replay_drafters
 from benchmarks.replay.record import continuation, record
 from benchmarks.replay.run import TARGET_SHAPES, check
+from benchmarks.replay.run import table as markdown
 from benchmarks.replay.trace import Request, Trace, load, merge
 from hf_spin.planning.grid import _context_cache
 
@@ -217,6 +218,19 @@ def test_costs_replay_the_recorded_acceptance_on_injected_cost_structures(trace)
     shares = records[0]["shares"]
     assert shares["llama"] == pytest.approx(1.0) and 0 < shares["llama#2"] < 1  # the target's twin, a 1-layer one
     assert shortfalls(records, FLOOR) == []
+
+
+def test_host_times_the_engines_own_work_a_step_by_the_wall_clock(trace):
+    """`host`: the same stand-ins by the wall clock, every pool's record holding the engine's own milliseconds a
+    step (`CostProfile.host_seconds`), plain and drafting, where on a `CostClock` they read 0; the table shows them."""
+    records = run_host(trace, "flat", [1])
+    pools = [r for r in records if r["method"].startswith("hf_spin")]
+    assert pools and all(r["identical"] == r["requests"] for r in records)
+    assert all(r["host_ms"]["plain"] > 0 and r["host_ms"]["drafting"] > 0 for r in pools), [r["host_ms"] for r in pools]
+    assert all(r["host_ms"] is None for r in records if not r["method"].startswith("hf_spin"))
+    clocked = run_structures(trace, ["flat"], [1])
+    assert all(r["host_ms"] == {"plain": 0.0, "drafting": 0.0} for r in clocked if r["method"].startswith("hf_spin"))
+    assert "host ms / step" in markdown(records) and "host ms / step" not in markdown(clocked)
 
 
 def test_pools_replay_on_the_static_layout_and_a_budget_skips_what_starts_late(trace_file, trace, tmp_path):

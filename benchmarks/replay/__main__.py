@@ -91,6 +91,14 @@ def parser() -> argparse.ArgumentParser:
     costs.add_argument("--floor", type=float, default=FLOOR, help="exit 1 if a pool runs below this x plain")
     costs.add_argument("--threads", type=int, default=2)
     costs.add_argument("--out", type=Path, default=Path("benchmarks/results/replay"))
+    host = sub.add_parser(
+        "host", help="the engine's own work a step (Python), by the wall clock, on the stand-ins of `costs`"
+    )
+    host.add_argument("trace", type=Path, nargs="+", help="one trace, or several recorded alike, replayed as one")
+    host.add_argument("--structure", default="flat", choices=STRUCTURES, help="the costs the pools decide on")
+    host.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    host.add_argument("--threads", type=int, default=2)
+    host.add_argument("--out", type=Path, default=Path("benchmarks/results/replay"))
     return p
 
 
@@ -105,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         from .costs import main as costs
 
         return costs(args)
+    if args.command == "host":
+        from .costs import host_main
+
+        return host_main(args)
     from .run import main as run
 
     return run(args)

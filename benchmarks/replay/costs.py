@@ -11,6 +11,8 @@ decides as it would on that machine. Reported per structure: plain `generate`, `
 
 Nothing depends on the machine running it: a few seconds a cell on any CPU. What it does not price: host work
 (model-free drafters, the planner, token translation's tokenizers) costs nothing on the clock.
+`python -m benchmarks.replay host TRACE` measures that work instead: the same stand-ins by the wall clock, the
+pools deciding on one structure's costs (`run_host`), each step's own work in the table's last column.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-from benchmarks.common import machine
+from benchmarks.common import machine, write_results
 from benchmarks.injected_costs import STRUCTURES, CostClock, profile_of, table
 
 from .forced import build_model, force, replay_drafters
@@ -61,32 +63,55 @@ def parameter_share(config: dict, target_config: dict) -> float:
     return count(config) / count(target_config)
 
 
-def run_structures(trace: Trace, structures: list[str], batch_sizes: list[int]) -> list[dict]:
-    """Records of `run.bench` for every structure, each tagged with it (`costs`) and with the drafters' shares."""
+def stand_ins(trace: Trace) -> tuple:
+    """(target, drafters, shares): the forced target's and the replay drafters' stand-ins, and each model
+    drafter's cost per forward as a share of the target's (name -> share)."""
     target = build_model(stand_in(trace.target["config"]), torch.float32, "cpu")
     force(target, trace)
     drafters = replay_drafters(trace, torch.float32, "cpu", reshape=stand_in)
-    shares = {
-        d.name: parameter_share(d.config, trace.target["config"]) for d in trace.drafters if not d.live
-    }  # model drafter -> its cost per forward over the target's
+    shares = {d.name: parameter_share(d.config, trace.target["config"]) for d in trace.drafters if not d.live}
+    return target, drafters, shares
+
+
+def draft_costs(fn, shares: dict[str, float]) -> dict:
+    """name -> the model drafter's `ForwardCost` under the target's t(N) = fn(N): its share of it."""
+    return {n: table(lambda t, s=s: s * fn(t)) for n, s in shares.items()}
+
+
+def injected(fn, costs: dict):
+    """fn(pool entries) -> the pool's injected `CostProfile`: the target's t(N) = fn(N), model drafters' `costs`."""
+
+    def profile(entries):
+        names = [e if isinstance(e, str) else e.name for e in entries]
+        return profile_of(table(fn), [costs.get(n) for n in names], names)
+
+    return profile
+
+
+def run_structures(trace: Trace, structures: list[str], batch_sizes: list[int]) -> list[dict]:
+    """Records of `run.bench` for every structure, each tagged with it (`costs`) and with the drafters' shares."""
+    target, drafters, shares = stand_ins(trace)
+    models = {r.name: d.model for r, d in zip(trace.drafters, drafters) if not r.live}  # name -> stand-in
     records = []
     for name in structures:
         fn = STRUCTURES[name]
+        costs = draft_costs(fn, shares)
         clock = CostClock()
-        handles = [clock.hook(target, table(fn))]
-        models = {r.name: d.model for r, d in zip(trace.drafters, drafters) if not r.live}  # name -> stand-in
-        draft_costs = {n: table(lambda t, s=shares[n]: s * fn(t)) for n in models}
-        handles += [clock.hook(models[n], draft_costs[n]) for n in models]
-
-        def profile(entries, fn=fn, draft_costs=draft_costs):
-            names = [e if isinstance(e, str) else e.name for e in entries]
-            return profile_of(table(fn), [draft_costs.get(n) for n in names], names)
-
-        for rec in bench(trace, target, drafters, batch_sizes, clock=clock, profile=profile):
+        handles = [clock.hook(target, table(fn))] + [clock.hook(models[n], costs[n]) for n in models]
+        for rec in bench(trace, target, drafters, batch_sizes, clock=clock, profile=injected(fn, costs)):
             records.append({"costs": name, **rec, "shares": shares})
         for h in handles:
             h.remove()
     return records
+
+
+def run_host(trace: Trace, structure: str, batch_sizes: list[int]) -> list[dict]:
+    """Records of `run.bench` on the stand-ins by the wall clock, each pool deciding on `structure`'s injected
+    costs (flat: a GPU's): what the engine's own work a step costs (`host_ms`), with the real drafting the trace
+    makes (prompt lookup and suffix on the real ids, the model drafters' recorded proposals)."""
+    target, drafters, shares = stand_ins(trace)
+    fn = STRUCTURES[structure]
+    return bench(trace, target, drafters, batch_sizes, profile=injected(fn, draft_costs(fn, shares)))
 
 
 def shortfalls(records: list[dict], floor: float) -> list[str]:
@@ -98,6 +123,22 @@ def shortfalls(records: list[dict], floor: float) -> list[str]:
         if r["method"].startswith("hf_spin") and ratio < floor:
             out.append(f"{r['costs']} {r['workload']} b{r['batch']} {r['method']}: {ratio:.3f}x")
     return out
+
+
+def host_main(args) -> int:
+    """`python -m benchmarks.replay host TRACE`: the engine's own milliseconds a step, plain and drafting."""
+    torch.set_num_threads(args.threads)
+    trace = merge([load(path) for path in args.trace])
+    records = run_host(trace, args.structure, args.batch_sizes)
+    env = {**machine(), "trace": [str(path) for path in args.trace], "structure": args.structure}
+    md = markdown(records) + (
+        f"\n\nhost ms / step: the engine's own work beyond the target's forward and the drafters' calls "
+        f"(CostProfile.host_seconds), by the wall clock on {env['machine']}, {env['threads']} threads; the pools "
+        f"decide on the {args.structure} structure's injected costs"
+    )
+    print(md)
+    write_results(Path(args.out), "host", {"env": env, "records": records}, md + "\n")
+    return 0
 
 
 def main(args) -> int:

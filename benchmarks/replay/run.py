@@ -150,6 +150,7 @@ def methods(
             )
             return out.sequences, out.stats
 
+        spin.pool = pool  # its cost profile holds the engine's own seconds a step (`host_ms`)
         chains = "_chains" if tree is False and len(trees) > 1 else ""
         out[f"hf_spin_{pool_name}{chains}" + ("_static" if layout == "static" else "")] = spin
     return out
@@ -243,11 +244,25 @@ def bench(
                             rec["drafters"][d][1] += s.accepted
                 rec["drafters"] = dict(rec["drafters"])
                 rec["graphs"] = _graphs() - graphs
+                rec["host_ms"] = host_ms(getattr(fn, "pool", None), bs)
                 records.append(rec)
                 longest = max(longest, time.perf_counter() - began)
                 if on_record is not None:
                     on_record(records)
     return records
+
+
+def host_ms(pool, batch: int) -> dict[str, float] | None:
+    """A pool's engine's own milliseconds a step at `batch` rows, plain steps and drafting ones
+    (`CostProfile.host_seconds`: measured by the wall clock, 0 on a `CostClock`), or None without a planner."""
+    profile = getattr(pool, "cost_profile", None)
+    if profile is None:
+        return None
+    return {"plain": 1e3 * profile.host_seconds(batch, False), "drafting": 1e3 * profile.host_seconds(batch, True)}
+
+
+def _host_cell(host: dict[str, float] | None) -> str:
+    return f"{host['plain']:.2f} / {host['drafting']:.2f}" if host else "-"
 
 
 def table(records: list[dict]) -> str:
@@ -256,11 +271,12 @@ def table(records: list[dict]) -> str:
     skipped = [r for r in records if "skipped" in r]
     records = [r for r in records if "skipped" not in r]
     structured = any("costs" in r for r in records)
+    hosted = any(any((r.get("host_ms") or {}).values()) for r in records)  # the wall clock's (a CostClock reads 0)
     lines = [
         ("| costs " if structured else "")
         + "| workload | batch | method | tok/s | x generate | x static | tokens / forward | acceptance per drafter "
-        "| identical | graphs |",
-        ("|---" if structured else "") + "|---|---|---|---|---|---|---|---|---|---|",
+        "| identical | graphs |" + (" host ms / step, plain / drafting |" if hosted else ""),
+        ("|---" if structured else "") + "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if hosted else ""),
     ]
     base, static = (
         {(r.get("costs"), r["workload"], r["batch"]): r["tokens"] / r["seconds"] for r in records if r["method"] == m}
@@ -277,6 +293,7 @@ def table(records: list[dict]) -> str:
             (f"| {r['costs']} " if structured else "")
             + f"| {r['workload']} | {r['batch']} | {r['method']} | {rate:.1f} | {speedup:.2f} | {over_static} "
             f"| {per_forward} | {accept} | {r['identical']}/{r['requests']} | {r.get('graphs', '-')} |"
+            + (f" {_host_cell(r.get('host_ms'))} |" if hosted else "")
         )
     if skipped:
         lines.append(

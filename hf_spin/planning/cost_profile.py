@@ -365,6 +365,12 @@ class CostProfile:
                 + " | ".join(cells)
                 + f" | {cost.per_row * 1e3:.2f} ms | {cost.flatness(8):.2f} | {cost.observations} |"
             )
+        if self.host:
+            host = [
+                f"{'drafting' if drafted else 'plain'} {1 << b}+ rows {mean.mean * 1e3:.2f} ms"
+                for (b, drafted), mean in sorted(self.host.items())
+            ]
+            lines.append("engine's own work a step (host_seconds): " + ", ".join(host))
         lines.append(self.outlook())
         return "\n".join(lines)
 
