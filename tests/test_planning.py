@@ -799,3 +799,29 @@ def test_a_restored_snapshot_plans_as_the_pool_did_when_it_was_taken():
     assert timed_run() == first != learned_more
     pool.restore(snapshot)  # one snapshot restores again
     assert timed_run() == first
+
+
+def test_a_kept_verification_price_follows_every_observation():
+    """`ForwardCost.verify` keeps its answers (the planner asks tens of thousands a run) only until the next
+    observation, which moves them, and apart per rows and width setting."""
+    cost = ForwardCost.from_table({1: 0.1, 8: 0.1})
+    before = cost.verify(8)
+    assert cost.verify(8) == before and cost.verify(8, rows=4) == before  # no per-row cost yet
+    cost.observe(8, 1, 0.3)
+    assert cost.verify(8) > before
+    cost.per_row = 0.01
+    assert cost.verify(8, rows=4) == pytest.approx(cost.verify(8) + 0.03)
+
+
+def test_the_engines_own_work_a_step_shrugs_off_a_stall():
+    """`CostProfile.observe_host`: a step's own work, plain and drafting apart, per batch-size bucket; a stall (a
+    garbage collection) moves the mean by a bounded amount."""
+    profile = CostProfile(ForwardCost.from_table({1: 0.1}), [], [])
+    assert profile.host_seconds(1, True) == 0.0
+    for _ in range(20):
+        profile.observe_host(1, False, 0.001)
+        profile.observe_host(4, True, 0.004)
+    profile.observe_host(1, False, 0.025)
+    assert profile.host_seconds(1, False) < 0.0012
+    assert profile.host_seconds(1, True) == 0.0 and profile.host_seconds(5, True) == pytest.approx(0.004)
+    assert profile.plain_seconds(1) == pytest.approx(0.1 + profile.host_seconds(1, False))

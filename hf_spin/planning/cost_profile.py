@@ -68,6 +68,7 @@ class ForwardCost:
     _values: list[float] | None = field(
         default=None, repr=False, compare=False
     )  # `values()` until the next observation
+    _verified: dict = field(default_factory=dict, repr=False, compare=False)  # `verify`'s answers for `_values`
 
     def __post_init__(self):
         if not self.knots or len(self.knots) != len(self.seconds) or sorted(set(self.knots)) != list(self.knots):
@@ -89,6 +90,7 @@ class ForwardCost:
         over 2-3 tokens runs a CPU's slow small-M GEMM, one over 8 a packed one); `width` runs a verification at such
         a knot. Kept until the next observation: the planner reads it for every draft slot."""
         if self._values is None or len(self._values) != len(self.knots):
+            self._verified.clear()  # priced with the values before
             shift = self.shift.mean or 0.0
             prior = KNOT_WEIGHT if self.shift.weight > 0 else 0.0  # no shift learned (a drafter's): the knot's own
             self._values = [
@@ -146,8 +148,15 @@ class ForwardCost:
         return best
 
     def verify(self, n_tokens: int, rows: int = 1) -> float:
-        """Seconds of a verification forward over `n_tokens` positions in `rows` rows, at its `width`."""
-        return self.predict(self.width(n_tokens, rows), rows)
+        """Seconds of a verification forward over `n_tokens` positions in `rows` rows, at its `width`. Kept until
+        the next observation: the planner and the policies price every draft slot (and `break_even` every k at
+        every acceptance) with it, tens of thousands of calls a run."""
+        key = (n_tokens, rows, self.widens, self.per_row, len(self.knots))  # what else the answer reads
+        self.values()  # recomputed after an observation, which clears what was kept
+        seconds = self._verified.get(key)
+        if seconds is None:
+            seconds = self._verified[key] = self.predict(self.width(n_tokens, rows), rows)
+        return seconds
 
     def bound(self, n_tokens: float) -> float:
         """Seconds of a forward over `n_tokens` positions in one row, read pessimistically past the last knot:
@@ -191,6 +200,7 @@ class ForwardCost:
         shift = self.shift.mean or 0.0
         for i, w in self._weights(n_tokens):
             self.corrections[i].add(observed - shift, w)
+        self._values = None  # `predict` above kept the values from before this observation
 
     def flatness(self, n_tokens: int) -> float:
         """t(N) / t(1) of a verification (at its `width`): 1 where it is free (memory-bound), N where it is
@@ -264,8 +274,15 @@ class CostProfile:
         return mean.mean if mean is not None and mean.mean is not None else 0.0
 
     def observe_host(self, rows: int, drafted: bool, seconds: float) -> None:
-        """A step of `rows` rows (drafted or not) spent `seconds` outside the target's forward and the drafters."""
-        self.host.setdefault((bucket(rows), drafted), DecayedMean(CORRECTION_DECAY)).add(max(seconds, 0.0))
+        """A step of `rows` rows (drafted or not) spent `seconds` outside the target's forward and the drafters;
+        once known, clipped to within e (`MAX_LOG_RESIDUAL`) of the mean, as a forward's surprise is: a garbage
+        collection or another process's slice (25 ms against 1-2 ms, AMD EPYC) moves it by a bounded amount."""
+        mean = self.host.setdefault((bucket(rows), drafted), DecayedMean(CORRECTION_DECAY))
+        seconds = max(seconds, 0.0)
+        if mean.mean:
+            bound = math.exp(MAX_LOG_RESIDUAL)
+            seconds = min(max(seconds, mean.mean / bound), mean.mean * bound)
+        mean.add(seconds)
 
     def draft_seconds_for_rows(self, drafter: int, forwards: float, rows: int) -> float:
         """`drafter` drafting for `rows` rows (not row tokens: `CostModel.draft_seconds` takes those) in
