@@ -814,13 +814,18 @@ def test_a_kept_verification_price_follows_every_observation():
 
 
 def test_the_engines_own_work_a_step_shrugs_off_a_stall():
-    """`CostProfile.observe_host`: a step's own work, plain and drafting apart, per batch-size bucket; a stall (a
-    garbage collection) moves the mean by a bounded amount."""
+    """`CostProfile.observe_host`: a step's own work, plain and drafting apart, per batch-size bucket. A stall (a
+    garbage collection, a call's first step) moves it by a bounded amount, and never seeds it: the first
+    observations answer with their least, then their median seeds the mean."""
     profile = CostProfile(ForwardCost.from_table({1: 0.1}), [], [])
     assert profile.host_seconds(1, True) == 0.0
+    profile.observe_host(1, False, 0.040)  # a first step doing lazy set-up
+    profile.observe_host(1, False, 0.001)
+    assert profile.host_seconds(1, False) == pytest.approx(0.001)
     for _ in range(20):
         profile.observe_host(1, False, 0.001)
         profile.observe_host(4, True, 0.004)
+    assert profile.host_seconds(1, False) == pytest.approx(0.001)
     profile.observe_host(1, False, 0.025)
     assert profile.host_seconds(1, False) < 0.0012
     assert profile.host_seconds(1, True) == 0.0 and profile.host_seconds(5, True) == pytest.approx(0.004)

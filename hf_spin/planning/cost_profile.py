@@ -222,6 +222,35 @@ class ForwardCost:
         )
 
 
+class StepWork:
+    """The engine's own seconds a step of one kind (`CostProfile.host_seconds`), robust to stalls: a step's own work
+    is a floor plus positive noise (a garbage collection, another process's slice, a call's first step doing lazy
+    set-up: 40 ms against 1-2 ms, AMD EPYC), so the first SEED observations answer with their least, then their
+    median seeds a decayed mean, each later one clipped to within e (`MAX_LOG_RESIDUAL`) of it, as a forward's
+    surprise is."""
+
+    SEED = 3
+
+    def __init__(self):
+        self.first: list[float] = []
+        self.mean = DecayedMean(CORRECTION_DECAY)
+        self.seconds = 0.0  # the estimate, read ~80 times a step
+
+    def add(self, seconds: float) -> None:
+        seconds = max(seconds, 0.0)
+        if len(self.first) < self.SEED:
+            self.first.append(seconds)
+            if len(self.first) < self.SEED:
+                self.seconds = min(self.first)
+                return
+            seconds = sorted(self.first)[self.SEED // 2]
+        else:
+            bound = math.exp(MAX_LOG_RESIDUAL)
+            seconds = min(max(seconds, self.seconds / bound), self.seconds * bound)
+        self.mean.add(seconds)
+        self.seconds = self.mean.mean
+
+
 # A drafter whose break-even per-token acceptance (`CostProfile.break_even`) is above this cannot
 # pay on this machine in practice: the planner never drafts with it, and a pool left with none
 # decodes plainly after saying so once. Same-family draft models reach 0.6-0.8 on chat and code.
@@ -248,7 +277,7 @@ class CostProfile:
         default_factory=dict
     )  # the target in other dtypes, where a cache file knows it
     # (batch-size bucket, drafted) -> the engine's own seconds a step (`observe_host`); learned online, never saved
-    host: dict[tuple[int, bool], DecayedMean] = field(default_factory=dict)
+    host: dict[tuple[int, bool], StepWork] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.calls:
@@ -268,21 +297,14 @@ class CostProfile:
     def host_seconds(self, rows: int, drafted: bool) -> float:
         """The engine's own seconds in a step of `rows` rows that drafted or not, beyond the target's forward and
         the drafters' calls (planning, merging drafts, the verdict, committing, learning): measured online
-        (`observe_host`), 0 before. Next to a forward on a CPU it is noise; on a GPU, whose captured 1.5B step
-        takes 4-5 ms, a drafting step's few milliseconds of Python decide whether a draft pays."""
-        mean = self.host.get((bucket(rows), drafted))
-        return mean.mean if mean is not None and mean.mean is not None else 0.0
+        (`observe_host`, `StepWork`), 0 before. Next to a forward on a CPU it is noise; on a GPU, whose captured
+        1.5B step takes 4-5 ms, a drafting step's few milliseconds of Python decide whether a draft pays."""
+        work = self.host.get((bucket(rows), drafted))
+        return work.seconds if work is not None else 0.0
 
     def observe_host(self, rows: int, drafted: bool, seconds: float) -> None:
-        """A step of `rows` rows (drafted or not) spent `seconds` outside the target's forward and the drafters;
-        once known, clipped to within e (`MAX_LOG_RESIDUAL`) of the mean, as a forward's surprise is: a garbage
-        collection or another process's slice (25 ms against 1-2 ms, AMD EPYC) moves it by a bounded amount."""
-        mean = self.host.setdefault((bucket(rows), drafted), DecayedMean(CORRECTION_DECAY))
-        seconds = max(seconds, 0.0)
-        if mean.mean:
-            bound = math.exp(MAX_LOG_RESIDUAL)
-            seconds = min(max(seconds, mean.mean / bound), mean.mean * bound)
-        mean.add(seconds)
+        """A step of `rows` rows (drafted or not) spent `seconds` outside the target's forward and the drafters."""
+        self.host.setdefault((bucket(rows), drafted), StepWork()).add(seconds)
 
     def draft_seconds_for_rows(self, drafter: int, forwards: float, rows: int) -> float:
         """`drafter` drafting for `rows` rows (not row tokens: `CostModel.draft_seconds` takes those) in
@@ -384,8 +406,8 @@ class CostProfile:
             )
         if self.host:
             host = [
-                f"{'drafting' if drafted else 'plain'} {1 << b}+ rows {mean.mean * 1e3:.2f} ms"
-                for (b, drafted), mean in sorted(self.host.items())
+                f"{'drafting' if drafted else 'plain'} {1 << b}+ rows {work.seconds * 1e3:.2f} ms"
+                for (b, drafted), work in sorted(self.host.items())
             ]
             lines.append("engine's own work a step (host_seconds): " + ", ".join(host))
         lines.append(self.outlook())
