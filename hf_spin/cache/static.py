@@ -279,7 +279,7 @@ class StaticRowCache(Cache):
     def _move(self, moves: list[tuple[int, int, int]]) -> None:
         """Each (slot, from, to) of `moves`: every layer's KV at `from` copied to `to` (all read before any is
         written). On CUDA from one captured graph (`GraphedMoves`): eagerly they are two indexing ops per layer and
-        tensor, a launch each, which is what a tree step costs more than a chain's on a host-bound GPU."""
+        tensor, a launch each, most likely what a tree step cost more than a chain's on a host-bound H200."""
         layers = [layer for layer in self.layers if layer.is_initialized]
         if captures_moves(self._device) and all(layer.keys.device == self._device for layer in layers):
             if self._moves is None:
