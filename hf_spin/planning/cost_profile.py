@@ -151,7 +151,7 @@ class ForwardCost:
         """Seconds of a verification forward over `n_tokens` positions in `rows` rows, at its `width`. Kept until
         the next observation: the planner and the policies price every draft slot (and `break_even` every k at
         every acceptance) with it, tens of thousands of calls a run."""
-        key = (n_tokens, rows, self.widens, self.per_row, len(self.knots))  # what else the answer reads
+        key = (n_tokens, rows, self.widens, self.per_row)  # what else the answer reads (a new knot clears it)
         self.values()  # recomputed after an observation, which clears what was kept
         seconds = self._verified.get(key)
         if seconds is None:
