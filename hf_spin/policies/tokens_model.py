@@ -116,57 +116,62 @@ class TokensModel:
     # --- fit -----------------------------------------------------------------------------------
 
     def fit(self) -> None:
-        """a, (b, c) by alternating least squares on the row-drafter means; then tau_d and sigma_d."""
+        """a, (b, c) by alternating least squares on the row-drafter means; then tau_d and sigma_d. Each
+        drafter's rows, their log prompt lengths' mean and spread are gathered once: the sweeps move only
+        a, b and c."""
         if not self.stale:
             return
         self.stale = False
         self.predictions = {}
-        D = self.num_drafters
-        seen = {r: [d for d in range(D) if s[d].n] for r, s in self.rows.items()}
-        seen = {r: ds for r, ds in seen.items() if ds}
+        D, w0 = self.num_drafters, self.prior_rows
+        seen = {r: [(d, s[d]) for d in range(D) if s[d].n] for r, s in self.rows.items()}
+        seen = {r: ds for r, ds in seen.items() if ds}  # row id -> [(drafter, its RunningMean)] measured
         a = {r: self.a.get(r, 0.0) for r in seen}
         x = {r: self.x.get(r) for r in seen}
+        of = [[(r, s) for r, ds in seen.items() for e, s in ds if e == d] for d in range(D)]  # [D] (row id, stats)
+        sxx = [0.0] * D
+        for d, pairs in enumerate(of):
+            if pairs:
+                xs = [x[r] for r, _ in pairs if x[r] is not None]
+                self.x_mean[d] = sum(xs) / len(xs) if xs else 0.0
+                sxx[d] = sum((xr - self.x_mean[d]) ** 2 for xr in xs)
         b: list[float | None] = [None] * D
         for _ in range(SWEEPS):
-            for d in range(D):
-                rows = [r for r, ds in seen.items() if d in ds]
-                if not rows:
+            for d, pairs in enumerate(of):
+                if not pairs:
                     b[d] = None
                     continue
-                devs = [self.rows[r][d].mean - a[r] for r in rows]
+                devs = [s.mean - a[r] for r, s in pairs]
                 b[d] = sum(devs) / len(devs)
-                xs = [(x[r], dev) for r, dev in zip(rows, devs) if x[r] is not None]
-                self.x_mean[d] = sum(xr for xr, _ in xs) / len(xs) if xs else 0.0
-                sxy = sum((xr - self.x_mean[d]) * (dev - b[d]) for xr, dev in xs)
-                sxx = sum((xr - self.x_mean[d]) ** 2 for xr, _ in xs)
-                self.c[d] = sxy / (sxx + self.prior_rows)
+                sxy = sum(
+                    (x[r] - self.x_mean[d]) * (dev - b[d]) for (r, _), dev in zip(pairs, devs) if x[r] is not None
+                )
+                self.c[d] = sxy / (sxx[d] + w0)
             self.b = b
             for r, ds in seen.items():
-                a[r] = sum(self.rows[r][d].mean - self._expected(d, x[r]) for d in ds) / len(ds)
+                a[r] = sum(s.mean - self._expected(d, x[r]) for d, s in ds) / len(ds)
         self.a = a
         # The spread of a over requests, around their mean (PRIOR_REQUEST_SPREAD behind prior_rows pseudo-rows).
         self.a_mean = sum(a.values()) / len(a) if a else 0.0
         sq = sum((v - self.a_mean) ** 2 for v in a.values())
-        self.a_var = (sq + self.prior_rows * PRIOR_REQUEST_SPREAD**2) / (len(a) + self.prior_rows)
+        self.a_var = (sq + w0 * PRIOR_REQUEST_SPREAD**2) / (len(a) + w0)
         # tau_d: spread of e over rows that measured d and at least one other drafter. A row's m
         # residuals sum to zero, which shrinks each by (m - 1) / m on average: scaled back up.
-        w0 = self.prior_rows
-        for d in range(D):
+        for d, pairs in enumerate(of):
             sq, count = 0.0, 0.0
-            for r, ds in seen.items():
-                if d in ds and len(ds) > 1:
-                    m = len(ds)
-                    sq += (self.rows[r][d].mean - a[r] - self._expected(d, x[r])) ** 2 * m / (m - 1)
+            for r, s in pairs:
+                if (m := len(seen[r])) > 1:
+                    sq += (s.mean - a[r] - self._expected(d, x[r])) ** 2 * m / (m - 1)
                     count += 1
             self.tau2[d] = (sq + w0 * self.prior_spread**2) / (count + w0)
-            m2 = sum(s[d].m2 for s in self.rows.values())
-            dof = sum(max(s[d].n - 1, 0) for s in self.rows.values())
+            m2 = sum(s.m2 for _, s in pairs)  # rows that never measured d add nothing
+            dof = sum(s.n - 1 for _, s in pairs)
             self.sigma2[d] = (m2 + w0 * self.prior_noise**2) / (dof + w0)
             # var(b_d): b_d is the mean over the R_d rows that measured d of (mean_rd - a_r - ...),
             # each off by its own e_row,d and step noise: sum_r (tau_d^2 + sigma_d^2 / n_rd) / R_d^2.
-            ns = [self.rows[r][d].n for r in seen if d in seen[r]]
+            ns = [s.n for _, s in pairs]
             self.b_var[d] = sum(self.tau2[d] + self.sigma2[d] / n for n in ns) / len(ns) ** 2 if ns else 0.0
-            self.ended[d] = sum(1 for r, ds in seen.items() if d in ds and r not in self.live)
+            self.ended[d] = sum(1 for r, _ in pairs if r not in self.live)
 
     def _expected(self, drafter: int, x: float | None) -> float:
         """b_d + c_d (x - x_d): drafter d's effect on a row of log prompt length x (None: unknown, b_d)."""

@@ -37,6 +37,20 @@ def linear_sum_assignment(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return lsa(weights, maximize=True)
 
 
+def assign(weights: np.ndarray, slots: list[int]) -> list[int]:
+    """[R] the slot entry (a drafter, or PLAIN) each row takes in a maximum-weight matching of `weights` [R, S]
+    (columns: `slots`). Each row's own best column where no entry is taken more often than it has slots (no row
+    then gives anything up: the matching, and scipy's, the common case: every drafter offers every row a slot);
+    else scipy's matching."""
+    best = [slots[j] for j in weights.argmax(axis=1)]
+    if all(best.count(e) <= slots.count(e) for e in set(best)):
+        return best
+    out = [PLAIN] * len(best)
+    for i, j in zip(*linear_sum_assignment(weights)):
+        out[i] = slots[j]
+    return out
+
+
 class Matching(Schedule):
     """Rows -> drafter slots, step by step; the slots each drafter offers (`capacity`)."""
 
@@ -94,7 +108,7 @@ class Matching(Schedule):
         goodput net of switching (fills `choice`, and each row's `runner_up`). A row's step time
         depends on the others' choices (drafting rows share the padded positions): the first
         matching assumes every row drafts, each next one splits the positions as the previous one
-        did, until a matching repeats (docs/lbss.md#matching)."""
+        did, until a matching, or the split it implies, repeats (docs/lbss.md#matching)."""
         c, B = self.config, view.batch_size
         todo = [b for b in range(B) if choice[b] is None]
         if not todo:
@@ -120,12 +134,17 @@ class Matching(Schedule):
             tuple[int, int, int], float | None
         ] = {}  # (drafter, k, drafting) -> row_seconds: the same for every row
         guess: list[int] | None = None  # the previous matching ([R]); None: every row drafts
+        counted: list[int] | None = None  # [R] the rows drafting beside each row on the previous pass
         for _ in range(len(todo) + 1):
+            others = [decided + (guess[:i] + guess[i + 1 :] if guess else []) for i in range(len(todo))]
+            counts = [B if guess is None else 1 + sum(e != PLAIN for e in o) for o in others]  # [R]
+            if counts == counted:  # the previous pass's weights: its matching again
+                break
+            counted = counts
             weights = np.full((len(todo), len(slots)), NO_PLAIN)  # [R, S]
             goodputs = np.zeros((len(todo), len(cap)))  # [R, num_drafters]
             for i, b in enumerate(todo):
-                others = decided + (guess[:i] + guess[i + 1 :] if guess else [])
-                drafting = B if guess is None else 1 + sum(e != PLAIN for e in others)
+                drafting = counts[i]
                 ranked, careful = {}, {}  # d -> its weight at optimism, at plain_optimism (drafters the row may take)
                 for d in range(len(cap)):
                     if (d, ks[i][d], drafting) not in seconds:
@@ -144,9 +163,7 @@ class Matching(Schedule):
                     best = max(ranked, key=ranked.get, default=None)
                     scale = ranked[best] / careful[best] if best is not None and careful[best] > 0 else 1.0
                     weights[i, len(slots) - len(todo) :] = g_plain * scale * (1 + self.plain_margin(best))
-            out = [PLAIN] * len(todo)
-            for i, j in zip(*linear_sum_assignment(weights)):
-                out[i] = slots[j]
+            out = assign(weights, slots)
             if out == guess:
                 break
             guess = out
