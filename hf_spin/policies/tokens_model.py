@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-from ..planning.estimates import RunningMean
+import numpy as np
 
 # Alternating least-squares sweeps for a and b: the fit starts from the last one, so a few suffice.
 SWEEPS = 4
@@ -47,6 +47,10 @@ PRIOR_REQUEST_SPREAD = 1.0
 
 
 class TokensModel:
+    """The evidence lives in arrays, a slot per kept row: `fit` runs every step a policy learned something, over
+    every kept request (up to `history` ended ones), and as Python loops over cells it cost a millisecond a step
+    with the history full; on the arrays, a tenth of that."""
+
     def __init__(self, num_drafters: int, prior_spread: float, prior_rows: float, prior_noise: float, history: int):
         self.num_drafters = num_drafters
         self.prior_spread, self.prior_rows, self.prior_noise, self.history = (
@@ -55,14 +59,15 @@ class TokensModel:
             prior_noise,
             history,
         )
-        self.rows: OrderedDict[int, list[RunningMean]] = (
-            OrderedDict()
-        )  # row id -> [num_drafters] log tokens, oldest first
+        self.slots: OrderedDict[int, int] = OrderedDict()  # row id -> its slot in the arrays, oldest first
+        self.free: list[int] = []  # slots of dropped rows
+        # [slots, num_drafters] each row's steps with each drafter: count, mean log tokens, Welford's m2
+        self.n, self.mean, self.m2 = (np.zeros((0, num_drafters)) for _ in range(3))
+        self.x = np.zeros(0)  # [slots] log(prompt length), nan where the row gave none
+        self.a = np.zeros(0)  # [slots] row effects of the latest fit (its warm start)
         self.live: set[int] = set()
-        self.a: dict[int, float] = {}  # row effects of the latest fit
         self.b: list[float | None] = [None] * num_drafters
         self.c = [0.0] * num_drafters  # slope of log tokens in x_row, per drafter
-        self.x: dict[int, float] = {}  # row id -> log(prompt length), for rows that gave one
         self.x_mean: list[float] = [0.0] * num_drafters  # x_d
         self.a_mean, self.a_var = 0.0, PRIOR_REQUEST_SPREAD**2  # a over requests
         self.tau2 = [prior_spread**2] * num_drafters
@@ -77,101 +82,127 @@ class TokensModel:
     # --- evidence ------------------------------------------------------------------------------
 
     def start(self, row_id: int, prompt_length: int | None = None) -> None:
-        self.rows[row_id] = [RunningMean() for _ in range(self.num_drafters)]
+        slot = self.slots.get(row_id)
+        if slot is None:
+            if not self.free:
+                self._grow()
+            slot = self.slots[row_id] = self.free.pop()
+        self.n[slot], self.mean[slot], self.m2[slot], self.a[slot] = 0.0, 0.0, 0.0, 0.0
+        self.x[slot] = math.log(max(prompt_length, 1)) if prompt_length is not None else math.nan
         self.live.add(row_id)
-        if prompt_length is not None:
-            self.x[row_id] = math.log(max(prompt_length, 1))
         self.predictions = {}  # the fit reads only rows with steps, so it stands; a new row's x does not
+
+    def _grow(self) -> None:
+        """Twice the slots (at least 8), the new ones free."""
+        old = len(self.x)
+        new = max(8, 2 * old)
+        self.n, self.mean, self.m2 = (
+            np.concatenate([v, np.zeros((new - old, self.num_drafters))]) for v in (self.n, self.mean, self.m2)
+        )
+        self.x, self.a = (
+            np.concatenate([self.x, np.full(new - old, math.nan)]),
+            np.concatenate([self.a, np.zeros(new - old)]),
+        )
+        self.free += range(new - 1, old - 1, -1)
 
     def end(self, row_id: int) -> None:
         self.live.discard(row_id)
-        ended = [r for r in self.rows if r not in self.live]
+        ended = [r for r in self.slots if r not in self.live]
         for r in ended[: max(0, len(ended) - self.history)]:
-            del self.rows[r]
-            self.a.pop(r, None)
-            self.x.pop(r, None)
+            slot = self.slots.pop(r)
+            self.n[slot] = 0.0  # a free slot measures nothing: the fit skips it
+            self.free.append(slot)
         self.stale = True
 
     def add(self, row_id: int, drafter: int, tokens: float) -> None:
-        if row_id not in self.rows:
+        if row_id not in self.slots:
             self.start(row_id)
-        self.rows[row_id][drafter].add(math.log(tokens))
+        slot, value = self.slots[row_id], math.log(tokens)
+        n = self.n[slot, drafter] + 1  # Welford's update of the cell
+        delta = value - self.mean[slot, drafter]
+        mean = self.mean[slot, drafter] + delta / n
+        self.n[slot, drafter], self.mean[slot, drafter] = n, mean
+        self.m2[slot, drafter] += delta * (value - mean)
         self.stale = True
 
     @property
     def warm(self) -> bool:
         """Whether an ended request informs the estimates."""
-        return len(self.rows) > len(self.live)
+        return len(self.slots) > len(self.live)
 
     def steps(self, row_id: int, drafter: int) -> int:
         """Steps of `drafter` measured on `row_id` (served or shadow)."""
-        stats = self.rows.get(row_id)
-        return stats[drafter].n if stats is not None else 0
+        slot = self.slots.get(row_id)
+        return int(self.n[slot, drafter]) if slot is not None else 0
 
     def requests(self, drafter: int) -> int:
         """Ended requests (of the kept `history`) that measured `drafter`."""
         self.fit()
         return self.ended[drafter]
 
+    def _row(self, row_id: int) -> tuple[list[float], list[float], float | None]:
+        """The row's (steps, mean log tokens) per drafter and its log prompt length (None: unknown)."""
+        slot = self.slots.get(row_id)
+        if slot is None:
+            return [0.0] * self.num_drafters, [0.0] * self.num_drafters, None
+        x = float(self.x[slot])
+        return self.n[slot].tolist(), self.mean[slot].tolist(), None if math.isnan(x) else x
+
     # --- fit -----------------------------------------------------------------------------------
 
     def fit(self) -> None:
-        """a, (b, c) by alternating least squares on the row-drafter means; then tau_d and sigma_d. Each
-        drafter's rows, their log prompt lengths' mean and spread are gathered once: the sweeps move only
-        a, b and c."""
+        """a, (b, c) by alternating least squares on the row-drafter means; then tau_d and sigma_d: over the
+        slots whose rows measured anything [R] and the drafters [D], each cell weighing the same."""
         if not self.stale:
             return
         self.stale = False
         self.predictions = {}
         D, w0 = self.num_drafters, self.prior_rows
-        seen = {r: [(d, s[d]) for d in range(D) if s[d].n] for r, s in self.rows.items()}
-        seen = {r: ds for r, ds in seen.items() if ds}  # row id -> [(drafter, its RunningMean)] measured
-        a = {r: self.a.get(r, 0.0) for r in seen}
-        x = {r: self.x.get(r) for r in seen}
-        of = [[(r, s) for r, ds in seen.items() for e, s in ds if e == d] for d in range(D)]  # [D] (row id, stats)
-        sxx = [0.0] * D
-        for d, pairs in enumerate(of):
-            if pairs:
-                xs = [x[r] for r, _ in pairs if x[r] is not None]
-                self.x_mean[d] = sum(xs) / len(xs) if xs else 0.0
-                sxx[d] = sum((xr - self.x_mean[d]) ** 2 for xr in xs)
-        b: list[float | None] = [None] * D
+        kept = np.fromiter(self.slots.values(), dtype=int, count=len(self.slots))
+        measured = self.n[kept].any(axis=1).tolist()
+        ids = [r for r, m in zip(self.slots, measured) if m]  # [R] the kept rows that measured any drafter
+        slots = kept[np.array(measured, dtype=bool)] if ids else kept[:0]
+        n, mean, m2, x = self.n[slots], self.mean[slots], self.m2[slots], self.x[slots]  # [R, D], [R]
+        w = (n > 0).astype(float)  # [R, D] measured
+        per = w.sum(axis=0)  # [D] rows that measured each drafter
+        known = per > 0
+        if not len(ids):
+            self.b, self.ended, self.a_mean, self.a_var = [None] * D, [0] * D, 0.0, PRIOR_REQUEST_SPREAD**2
+            self.tau2, self.sigma2, self.b_var = [self.prior_spread**2] * D, [self.prior_noise**2] * D, [0.0] * D
+            return
+        wx = w * ~np.isnan(x)[:, None]  # [R, D] measured, with a known x
+        x0 = np.nan_to_num(x)  # [R]
+        x_mean = np.where(known, (wx * x0[:, None]).sum(axis=0) / np.maximum(wx.sum(axis=0), 1), self.x_mean)
+        dx = (x0[:, None] - x_mean) * wx  # [R, D] x_row - x_d where it counts, else 0
+        sxx = (dx * dx).sum(axis=0)  # [D]
+        cells = w.sum(axis=1)  # [R] drafters each row measured
+        a, c = self.a[slots], np.array(self.c)  # warm start: the last fit's
         for _ in range(SWEEPS):
-            for d, pairs in enumerate(of):
-                if not pairs:
-                    b[d] = None
-                    continue
-                devs = [s.mean - a[r] for r, s in pairs]
-                b[d] = sum(devs) / len(devs)
-                sxy = sum(
-                    (x[r] - self.x_mean[d]) * (dev - b[d]) for (r, _), dev in zip(pairs, devs) if x[r] is not None
-                )
-                self.c[d] = sxy / (sxx[d] + w0)
-            self.b = b
-            for r, ds in seen.items():
-                a[r] = sum(s.mean - self._expected(d, x[r]) for d, s in ds) / len(ds)
-        self.a = a
+            dev = (mean - a[:, None]) * w  # [R, D]
+            b = dev.sum(axis=0) / np.maximum(per, 1)  # [D]
+            c = np.where(known, (dx * (dev - b * w)).sum(axis=0) / (sxx + w0), c)
+            a = ((mean - b - c * dx) * w).sum(axis=1) / cells
+        self.a[slots] = a
+        self.b = [float(v) if k else None for v, k in zip(b, known)]
+        self.c, self.x_mean = c.tolist(), x_mean.tolist()
         # The spread of a over requests, around their mean (PRIOR_REQUEST_SPREAD behind prior_rows pseudo-rows).
-        self.a_mean = sum(a.values()) / len(a) if a else 0.0
-        sq = sum((v - self.a_mean) ** 2 for v in a.values())
-        self.a_var = (sq + w0 * PRIOR_REQUEST_SPREAD**2) / (len(a) + w0)
+        self.a_mean = float(a.mean())
+        self.a_var = float((((a - self.a_mean) ** 2).sum() + w0 * PRIOR_REQUEST_SPREAD**2) / (len(a) + w0))
         # tau_d: spread of e over rows that measured d and at least one other drafter. A row's m
         # residuals sum to zero, which shrinks each by (m - 1) / m on average: scaled back up.
-        for d, pairs in enumerate(of):
-            sq, count = 0.0, 0.0
-            for r, s in pairs:
-                if (m := len(seen[r])) > 1:
-                    sq += (s.mean - a[r] - self._expected(d, x[r])) ** 2 * m / (m - 1)
-                    count += 1
-            self.tau2[d] = (sq + w0 * self.prior_spread**2) / (count + w0)
-            m2 = sum(s.m2 for _, s in pairs)  # rows that never measured d add nothing
-            dof = sum(s.n - 1 for _, s in pairs)
-            self.sigma2[d] = (m2 + w0 * self.prior_noise**2) / (dof + w0)
-            # var(b_d): b_d is the mean over the R_d rows that measured d of (mean_rd - a_r - ...),
-            # each off by its own e_row,d and step noise: sum_r (tau_d^2 + sigma_d^2 / n_rd) / R_d^2.
-            ns = [s.n for _, s in pairs]
-            self.b_var[d] = sum(self.tau2[d] + self.sigma2[d] / n for n in ns) / len(ns) ** 2 if ns else 0.0
-            self.ended[d] = sum(1 for r, _ in pairs if r not in self.live)
+        several = w * (cells > 1)[:, None]  # [R, D]
+        residual = mean - a[:, None] - b - c * dx
+        scale = (cells / np.maximum(cells - 1, 1))[:, None]
+        tau2 = ((residual * residual * scale * several).sum(axis=0) + w0 * self.prior_spread**2) / (
+            several.sum(axis=0) + w0
+        )
+        sigma2 = ((m2 * w).sum(axis=0) + w0 * self.prior_noise**2) / (((n - 1) * w).sum(axis=0) + w0)
+        # var(b_d): b_d is the mean over the R_d rows that measured d of (mean_rd - a_r - ...),
+        # each off by its own e_row,d and step noise: sum_r (tau_d^2 + sigma_d^2 / n_rd) / R_d^2.
+        b_var = (tau2 * per + sigma2 * (w / np.maximum(n, 1)).sum(axis=0)) / np.maximum(per, 1) ** 2
+        self.tau2, self.sigma2, self.b_var = tau2.tolist(), sigma2.tolist(), b_var.tolist()
+        ended = np.array([r not in self.live for r in ids], dtype=float)  # [R]
+        self.ended = [int(v) for v in ended @ w]
 
     def _expected(self, drafter: int, x: float | None) -> float:
         """b_d + c_d (x - x_d): drafter d's effect on a row of log prompt length x (None: unknown, b_d)."""
@@ -196,12 +227,12 @@ class TokensModel:
         a lot between requests (prompt lookup) says little about a_row."""
         self.fit()
         precision, total = 1.0 / self.a_var, self.a_mean / self.a_var
-        x = self.x.get(row_id)
-        for d, stats in enumerate(self.rows.get(row_id, [])):
-            if d != exclude and stats.n and self.b[d] is not None:
-                v = self.tau2[d] + self.sigma2[d] / stats.n + self.b_var[d]
+        ns, means, x = self._row(row_id)
+        for d, (n, mean) in enumerate(zip(ns, means)):
+            if d != exclude and n and self.b[d] is not None:
+                v = self.tau2[d] + self.sigma2[d] / n + self.b_var[d]
                 precision += 1.0 / v
-                total += (stats.mean - self._expected(d, x)) / v
+                total += (mean - self._expected(d, x)) / v
         return total / precision, 1.0 / precision
 
     def predict(self, row_id: int, drafter: int) -> tuple[float, float] | None:
@@ -218,11 +249,8 @@ class TokensModel:
         if self.b[drafter] is None:
             return None
         a, a_var = self.row_effect(row_id, exclude=drafter)
-        prior, prior_var = (
-            a + self._expected(drafter, self.x.get(row_id)),
-            a_var + self.tau2[drafter] + self.b_var[drafter],
-        )
-        stats = self.rows.get(row_id)
-        n, mean = (stats[drafter].n, stats[drafter].mean) if stats is not None else (0, 0.0)
+        ns, means, x = self._row(row_id)
+        n, mean = ns[drafter], means[drafter]
+        prior, prior_var = a + self._expected(drafter, x), a_var + self.tau2[drafter] + self.b_var[drafter]
         precision = 1.0 / prior_var + n / self.sigma2[drafter]
         return (prior / prior_var + n * mean / self.sigma2[drafter]) / precision, precision**-0.5
