@@ -276,6 +276,32 @@ def test_prompt_lookup_reports_the_length_of_the_match_it_continues():
     assert (draft.tokens, draft.match_lengths) == ([[8, 5], []], [3, 0])
 
 
+def test_prompt_lookup_finds_what_a_scan_of_every_ngram_finds():
+    """The lookup searches the tokens' 4-byte words: a hit off a word boundary (ids whose bytes run across two
+    tokens: 0x0100 beside 0x01, ids past 2^16 and 2^24) must not count, and every branch, its order and its match
+    length must be a plain scan's: every earlier n-gram with a successor, longest n first, latest first."""
+    import random
+
+    def scan(seq, k, branches, max_ngram, min_ngram):
+        found = []
+        for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+            for hit in range(len(seq) - 1 - n, -1, -1):
+                if seq[hit : hit + n] == seq[-n:] and seq[hit + n : hit + n + k] not in [c for c, _ in found]:
+                    found.append((seq[hit + n : hit + n + k], n))
+                    if len(found) == branches:
+                        return found, found[0][1]
+        return found, found[0][1] if found else 0
+
+    rng = random.Random(0)
+    alphabets = [[1, 256, 65536, 16777216], [0, 1, 2], [1, 257, 65793, 2**31 + 1], list(range(2**32 - 3, 2**32))]
+    for _ in range(3000):
+        seq = [rng.choice(rng.choice(alphabets)) for _ in range(rng.randint(0, 40))]
+        max_ngram = rng.randint(1, 4)
+        lookup = hf_spin.drafters.PromptLookupDrafter(max_ngram, rng.randint(1, max_ngram), 4)
+        k, branches = rng.randint(1, 6), rng.randint(1, 4)
+        assert lookup.find_all(seq, k, branches) == scan(seq, k, branches, max_ngram, lookup.min_ngram), seq
+
+
 class ShadowingPolicy(hf_spin.policies.Policy):
     """Serves every row with drafter 0 and asks prompt lookup (drafter 1) for a shadow draft; records
     each row's sequence at plan time to recompute what the shadow should have been."""

@@ -1182,6 +1182,25 @@ def test_plain_goodput_is_measured_where_the_fit_extrapolates_wrongly():
     assert linear.plain_goodput(4) == pytest.approx(before, rel=0.02)
 
 
+def test_tokens_model_drops_requests_past_its_history_and_reuses_their_slots():
+    """A request past the kept history leaves no trace: its steps count for no drafter, and the row that takes its
+    slot starts from nothing (not the dropped row's steps, prompt length or row effect)."""
+    from hf_spin.policies.tokens_model import TokensModel
+
+    model = TokensModel(2, prior_spread=0.3, prior_rows=2.0, prior_noise=0.5, history=2)
+    for row in range(3):
+        model.start(row, 1000)
+        for _ in range(4):
+            model.add(row, row % 2, 8.0 if row == 0 else 2.0)
+        model.end(row)
+    assert model.requests(0) == 1 and model.requests(1) == 1  # row 0 (drafter 0, 8 tokens a step) is gone
+    model.start(3)  # takes the dropped row's slot
+    assert math.exp(model.predict(3, 0)[0]) == pytest.approx(2.0, rel=0.05)  # the kept rows' 2 tokens a step
+    assert model.slots[3] not in (model.slots[1], model.slots[2])
+    assert model.steps(3, 0) == 0 and model.steps(3, 1) == 0
+    assert model._row(3) == ([0.0, 0.0], [0.0, 0.0], None)
+
+
 def test_cached_estimates_follow_new_evidence():
     """The fits' coefficients and TokensModel's posteriors are read many times a step and cached:
     each read after new evidence must equal a fresh computation on it."""
