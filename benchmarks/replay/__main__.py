@@ -97,6 +97,13 @@ def parser() -> argparse.ArgumentParser:
     host.add_argument("trace", type=Path, nargs="+", help="one trace, or several recorded alike, replayed as one")
     host.add_argument("--structure", default="flat", choices=STRUCTURES, help="the costs the pools decide on")
     host.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    host.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="each workload's requests this many times over, one pool learning from them all: a server's steady "
+        "state (the policies' history full past 64 requests) rather than a fresh pool's",
+    )
     host.add_argument("--threads", type=int, default=2)
     host.add_argument("--out", type=Path, default=Path("benchmarks/results/replay"))
     return p

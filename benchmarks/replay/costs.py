@@ -105,13 +105,14 @@ def run_structures(trace: Trace, structures: list[str], batch_sizes: list[int]) 
     return records
 
 
-def run_host(trace: Trace, structure: str, batch_sizes: list[int]) -> list[dict]:
+def run_host(trace: Trace, structure: str, batch_sizes: list[int], repeat: int = 1) -> list[dict]:
     """Records of `run.bench` on the stand-ins by the wall clock, each pool deciding on `structure`'s injected
     costs (flat: a GPU's): what the engine's own work a step costs (`host_ms`), with the real drafting the trace
-    makes (prompt lookup and suffix on the real ids, the model drafters' recorded proposals)."""
+    makes (prompt lookup and suffix on the real ids, the model drafters' recorded proposals). repeat: each
+    workload's requests that many times over, through one pool (`run.bench`)."""
     target, drafters, shares = stand_ins(trace)
     fn = STRUCTURES[structure]
-    return bench(trace, target, drafters, batch_sizes, profile=injected(fn, draft_costs(fn, shares)))
+    return bench(trace, target, drafters, batch_sizes, profile=injected(fn, draft_costs(fn, shares)), repeat=repeat)
 
 
 def shortfalls(records: list[dict], floor: float) -> list[str]:
@@ -129,12 +130,12 @@ def host_main(args) -> int:
     """`python -m benchmarks.replay host TRACE`: the engine's own milliseconds a step, plain and drafting."""
     torch.set_num_threads(args.threads)
     trace = merge([load(path) for path in args.trace])
-    records = run_host(trace, args.structure, args.batch_sizes)
+    records = run_host(trace, args.structure, args.batch_sizes, args.repeat)
     env = {**machine(), "trace": [str(path) for path in args.trace], "structure": args.structure}
     md = markdown(records) + (
         f"\n\nhost ms / step: the engine's own work beyond the target's forward and the drafters' calls "
         f"(CostProfile.host_seconds), by the wall clock on {env['machine']}, {env['threads']} threads; the pools "
-        f"decide on the {args.structure} structure's injected costs"
+        f"decide on the {args.structure} structure's injected costs; each workload's requests {args.repeat}x"
     )
     print(md)
     write_results(Path(args.out), "host", {"env": env, "records": records}, md + "\n")

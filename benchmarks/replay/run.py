@@ -170,6 +170,7 @@ def bench(
     on_record=None,
     static: StaticOptions | None = None,
     forced: ForcedTarget | None = None,
+    repeat: int = 1,
 ) -> list[dict]:
     """One record per (workload, batch size, method): tokens, seconds, forwards, per-drafter counts, identical.
 
@@ -180,11 +181,12 @@ def bench(
     pool's first call compiles its graphs on the static layout: minutes on a GPU with inductor);
     on_record: called with the records so far after each one (a run stopped from outside keeps what it did).
     forced: the target's `ForcedTarget`, told each call's batch (`ForcedTarget.expect`: forwards replayed from
-    CUDA graphs run no hook)."""
+    CUDA graphs run no hook). repeat: each workload's requests that many times over, one method's pool learning
+    from them all (a server's steady state rather than a fresh pool's)."""
     eos, pad = trace.target["eos_token_id"], trace.target["pad_token_id"]
     now = clock if clock is not None else lambda: _sync(target.device) or time.perf_counter()
     by_workload = defaultdict(list)
-    for r in trace.requests:
+    for r in trace.requests * repeat:
         by_workload[r.workload].append(r)
     records, longest = [], 0.0  # the longest method so far, seconds, warm-up included
 
