@@ -1576,3 +1576,30 @@ def test_lbss_ranks_a_shadowed_drafter_at_shadow_optimism(shadow_optimism, expec
     choice = [None]
     policy._match(view, [row], [policy.stage(row.age)], [1, 1], choice)
     assert choice == [expected]
+
+
+def test_lbss_assignment_is_scipys_matching():
+    """`assign` takes each row's best slot where no drafter runs out of slots, else scipy's matching: either way
+    the rows get what scipy's maximum-weight matching gives them, ties included (weights drawn from {0, 1, 2}),
+    with drafters offering every row a slot, fewer slots than rows, or none."""
+    from scipy.optimize import linear_sum_assignment
+
+    from hf_spin.policies.lbss.matching import assign
+    from hf_spin.policies.lbss.state import PLAIN
+
+    rng = np.random.default_rng(0)
+    fast = 0
+    for _ in range(3000):
+        drafters, rows = int(rng.integers(1, 5)), int(rng.integers(1, 6))
+        caps = [int(rng.integers(0, rows + 1)) if rng.random() < 0.3 else rows for _ in range(drafters)]
+        slots = [d for d in range(drafters) for _ in range(caps[d])] + [PLAIN] * rows
+        entry = (
+            rng.integers(0, 3, size=(rows, drafters + 1)).astype(float)
+            if rng.random() < 0.5
+            else rng.random((rows, drafters + 1))
+        )  # [R, drafters + plain]: a row weighs every slot of an entry alike
+        weights = entry[:, [e if e != PLAIN else drafters for e in slots]]
+        _, columns = linear_sum_assignment(weights, maximize=True)
+        assert assign(weights, slots) == [slots[j] for j in columns]
+        fast += all(c == rows for c in caps)
+    assert fast > 1000  # the per-row path ran

@@ -39,9 +39,9 @@ def linear_sum_assignment(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def assign(weights: np.ndarray, slots: list[int]) -> list[int]:
     """[R] the slot entry (a drafter, or PLAIN) each row takes in a maximum-weight matching of `weights` [R, S]
-    (columns: `slots`). Each row's own best column where no entry is taken more often than it has slots (no row
-    then gives anything up: the matching, and scipy's, the common case: every drafter offers every row a slot);
-    else scipy's matching."""
+    (columns: `slots`): each row's best column where that takes no entry more often than it has slots (no row gives
+    anything up, so it is a maximum matching, and scipy's; the usual case: every drafter offers every row a slot),
+    else scipy's matching. Scipy costs tens of microseconds a call, and the matching runs every step."""
     best = [slots[j] for j in weights.argmax(axis=1)]
     if all(best.count(e) <= slots.count(e) for e in set(best)):
         return best
