@@ -16,7 +16,7 @@ from array import array
 from ..verify.token_tree import TokenTree
 from .base import Draft, Drafter, DraftRequest
 
-WORD = next(t for t in "IL" if array(t).itemsize == 4)  # an unsigned 4-byte word: any vocabulary's ids
+WORD = next(t for t in "il" if array(t).itemsize == 4)  # a signed 4-byte word: any vocabulary's ids
 
 
 class PromptLookupDrafter(Drafter):
