@@ -278,8 +278,9 @@ def test_prompt_lookup_reports_the_length_of_the_match_it_continues():
 
 def test_prompt_lookup_finds_what_a_scan_of_every_ngram_finds():
     """The lookup searches the tokens' 4-byte words: a hit off a word boundary (ids whose bytes run across two
-    tokens: 0x0100 beside 0x01, ids past 2^16 and 2^24, negative ones) must not count, and every branch, its order and its match
-    length must be a plain scan's: every earlier n-gram with a successor, longest n first, latest first."""
+    tokens: 0x0100 beside 0x01, ids past 2^16 and 2^24, negative ones) must not count, and every branch, its order
+    and its match length must be a plain scan's: every earlier n-gram with a successor, longest n first, latest
+    first."""
     import random
 
     def scan(seq, k, branches, max_ngram, min_ngram):
