@@ -688,4 +688,22 @@ MUTANTS = (
         "        return self.target.verify(n_tokens, rows)\n",
         ("tests/test_exploration.py::test_a_drafting_steps_own_host_work_is_priced[0.25]",),
     ),
+    Mutant(
+        "prompt_lookup_unaligned_hits",
+        "prompt lookup takes a byte match that straddles two tokens for an n-gram: it proposes continuations from the "
+        "middle of a token, drafts the target rejects (lossless, slower)",
+        "hf_spin/drafters/prompt_lookup.py",
+        "                if at % 4:\n                    continue\n",
+        "",
+        ("tests/test_engine.py::test_prompt_lookup_finds_what_a_scan_of_every_ngram_finds",),
+    ),
+    Mutant(
+        "tokens_model_keeps_every_request",
+        "LBSS's tokens model never drops ended requests past its history: old requests steer every new one's prior "
+        "for good, and each step's fit grows with the whole run",
+        "hf_spin/policies/tokens_model.py",
+        "        for r in ended[: max(0, len(ended) - self.history)]:\n",
+        "        for r in ended[:0]:\n",
+        ("tests/test_policies.py::test_tokens_model_drops_requests_past_its_history_and_reuses_their_slots",),
+    ),
 )
