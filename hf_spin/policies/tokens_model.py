@@ -109,9 +109,7 @@ class TokensModel:
         self.live.discard(row_id)
         ended = [r for r in self.slots if r not in self.live]
         for r in ended[: max(0, len(ended) - self.history)]:
-            slot = self.slots.pop(r)
-            self.n[slot] = 0.0  # a free slot measures nothing: the fit skips it
-            self.free.append(slot)
+            self.free.append(self.slots.pop(r))  # `start` clears it for the row that takes it
         self.stale = True
 
     def add(self, row_id: int, drafter: int, tokens: float) -> None:
@@ -159,17 +157,17 @@ class TokensModel:
         self.predictions = {}
         D, w0 = self.num_drafters, self.prior_rows
         kept = np.fromiter(self.slots.values(), dtype=int, count=len(self.slots))
-        measured = self.n[kept].any(axis=1).tolist()
-        ids = [r for r, m in zip(self.slots, measured) if m]  # [R] the kept rows that measured any drafter
-        slots = kept[np.array(measured, dtype=bool)] if ids else kept[:0]
+        measured = self.n[kept].any(axis=1)  # [kept] rows that measured any drafter
+        ids = [r for r, m in zip(self.slots, measured.tolist()) if m]  # [R]
+        if not ids:
+            self.b, self.ended, self.a_mean, self.a_var = [None] * D, [0] * D, 0.0, PRIOR_REQUEST_SPREAD**2
+            self.tau2, self.sigma2, self.b_var = [self.prior_spread**2] * D, [self.prior_noise**2] * D, [0.0] * D
+            return
+        slots = kept[measured]
         n, mean, m2, x = self.n[slots], self.mean[slots], self.m2[slots], self.x[slots]  # [R, D], [R]
         w = (n > 0).astype(float)  # [R, D] measured
         per = w.sum(axis=0)  # [D] rows that measured each drafter
         known = per > 0
-        if not len(ids):
-            self.b, self.ended, self.a_mean, self.a_var = [None] * D, [0] * D, 0.0, PRIOR_REQUEST_SPREAD**2
-            self.tau2, self.sigma2, self.b_var = [self.prior_spread**2] * D, [self.prior_noise**2] * D, [0.0] * D
-            return
         wx = w * ~np.isnan(x)[:, None]  # [R, D] measured, with a known x
         x0 = np.nan_to_num(x)  # [R]
         x_mean = np.where(known, (wx * x0[:, None]).sum(axis=0) / np.maximum(wx.sum(axis=0), 1), self.x_mean)
