@@ -294,7 +294,7 @@ def test_profile_is_cached_per_model_and_threads(tmp_path, monkeypatch):
     measured = len(forwards)
     assert measured > 0 and first.source == "measured" and first.drafters[1] is None
     second = build_profile(target, [drafter, None], ["drafter", "prompt_lookup"])
-    assert len(forwards) == measured and second.source == "cached"  # no forward: read from disk
+    assert len(forwards) == measured + 2 and second.source == "cached"  # read from disk: one warm-up forward each
     assert second.target.seconds == first.target.seconds
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)

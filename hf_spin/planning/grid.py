@@ -141,6 +141,16 @@ def _static_point(model, forward, width: int, rows: int, tokens: int, generator:
 
 
 @torch.no_grad()
+def warm_up(model) -> None:
+    """One forward over one token after GRID_CONTEXT positions of random KV, on the eager path (the grid's first,
+    untimed): a freshly loaded model's first forward reads its weights in (from_pretrained memory-maps safetensors
+    on a CPU: a 0.5B model in float32 took 1.2-3.0 s more than its next forward from a cold disk cache, AMD EPYC)
+    and makes its first allocations. A cost read from the cache is a warm model's, so each model it prices runs
+    this first (`profiling.build_profile`); else a drafter's first probe costs seconds its price never saw."""
+    _eager_point(model, 1, 1, torch.Generator().manual_seed(0))[1]()
+
+
+@torch.no_grad()
 def measure(
     model, budget: float = GRID_BUDGET, clock: Callable[[], float] = perf_counter, progress=None, static=None
 ) -> ForwardCost:

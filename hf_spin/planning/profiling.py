@@ -9,7 +9,8 @@ the dtype, the thread count, the torch / transformers / hf_spin versions, and ho
 (`forward`: "eager", or "static-compiled:<backend>" on the static layout with compile on, measured
 through the compiled fixed-shape forward the engine runs; a drafter's apart). Any of these changing
 measures anew. A path instead keeps the whole profile in that one file (read if it matches, else
-measured and written), for a machine-specific profile shipped with a deployment.
+measured and written), for a machine-specific profile shipped with a deployment. A model whose cost is
+read from either runs one forward first (`grid.warm_up`): its costs are a warm model's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..cache.static_forward import StaticOptions, check_static_support, run_stat
 from ..drafters.model import COMPILED_CHUNK
 from ..version import __version__
 from .cost_profile import CostProfile, ForwardCost
-from .grid import GRID_BUDGET, GRID_VERSION, measure
+from .grid import GRID_BUDGET, GRID_VERSION, measure, warm_up
 from .machine import describe
 
 
@@ -178,7 +179,7 @@ def build_profile(
         return measure(m, budget(m), progress=progress, static=static_forwards(m, layout(m), m is not target))
 
     costs: dict[int, ForwardCost] = {}
-    source = "cached"
+    read: list = []  # the models whose cost came from the cache: not run yet in this process, maybe
     if spec != "auto":
         path = Path(spec)
         stored = json.loads(path.read_text()) if path.exists() else {}
@@ -186,17 +187,21 @@ def build_profile(
             entry = stored.get(key(m))
             if entry is not None and complete(m, entry):
                 costs[id(m)] = ForwardCost.from_dict(entry)
+                read.append(m)
             else:
                 costs[id(m)] = measured(m)
-                source = "measured"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({key(m): costs[id(m)].to_dict() for m in unique}, indent=1))
-        source = f"{source}, {path}"
     else:
         for m in unique:
             costs[id(m)], hit = cached_cost(m, budget(m), progress, layout(m), drafter=m is not target)
-            source = source if hit else "measured"
+            read += [m] if hit else []
+    for m in read:  # priced warm: its first forward must not read its weights in mid-call (`warm_up`)
+        progress(f"warming {type(m).__name__}")
+        warm_up(m)
     bar.close()
+    source = "cached" if len(read) == len(unique) else "measured"
+    source = source if spec == "auto" else f"{source}, {spec}"
     # A model serving as target and drafter (self-speculation) gets its own copy: each is refined by its own forwards.
     drafters = [ForwardCost.from_dict(costs[id(m)].to_dict()) if m is not None else None for m in drafter_models]
     return CostProfile(

@@ -706,4 +706,13 @@ MUTANTS = (
         "        for r in ended[:0]:\n",
         ("tests/test_policies.py::test_tokens_model_drops_requests_past_its_history_and_reuses_their_slots",),
     ),
+    Mutant(
+        "cached_profile_leaves_models_cold",
+        "a cost read from the cache is used without running its model once: a drafter's first probe reads its "
+        "memory-mapped weights in mid-call, seconds no price saw",
+        "hf_spin/planning/profiling.py",
+        "    for m in read:  # priced warm",
+        "    for m in read[:0]:  # priced warm",
+        ("tests/test_planning.py::test_profile_is_cached_per_model_and_threads",),
+    ),
 )
