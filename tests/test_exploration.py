@@ -193,3 +193,28 @@ def test_a_drafting_steps_own_host_work_is_priced(monkeypatch, acceptance):
         assert spin <= 1.03 * plain_seconds, f"{spin:.2f}s against plain {plain_seconds:.2f}s"
     else:
         assert spin < 0.7 * plain_seconds, f"{spin:.2f}s against plain {plain_seconds:.2f}s"
+
+
+@pytest.mark.parametrize("structure", ["avx2_fp32", "small_gemm_fp32"])
+def test_a_probe_is_charged_what_it_cost_where_the_profile_under_reads(structure):
+    """The profile says one thing and the machine does another (a stale cached profile, a busy neighbour): here every
+    forward over more than one position, and every drafter forward, costs 4x its excess over the profile's. Drafts that
+    are never right: the probes' seconds the budget counts (charged, less refunds, on the call's account and what the
+    pool's lent it) are what they cost on the clock beyond plain `generate`, not what they were priced at, so the
+    budget stops buying them once they have spent it."""
+    lie, new_tokens = 4.0, 100
+    target, prompts, plain, _ = case(batch=1, new_tokens=new_tokens)
+    fn = STRUCTURES[structure]
+    clock = CostClock()
+    clock.hook(target, table(lambda n: fn(1) + lie * (fn(n) - fn(1))))
+    drafter = tiny_model("llama", seed=1)  # unrelated weights: its guesses are almost never the target's
+    clock.hook(drafter, table(lambda n: lie * DRAFT_TOKEN * fn(n)))
+    profile = profile_of(table(fn), [table(lambda n: DRAFT_TOKEN * fn(n))], ["drafter"])
+    pool = hf_spin.AssistantPool([drafter], profile=profile)
+    out = run(target, prompts, pool, clock, new_tokens=new_tokens)
+    assert torch.equal(out, plain)
+    spin = clock.now
+    lost = spin - plain_clock(target, prompts, clock, new_tokens)
+    budget = pool.planner.budget
+    assert pool.last_stats.drafters[pool.names[0]].drafted > 0  # probes ran
+    assert lost == pytest.approx(budget.spent + budget.lent, abs=0.005 * spin), (lost, budget.spent, budget.lent)

@@ -21,14 +21,19 @@ has decoded enough, and what it learns serves every later call. The account lend
 call's own share, so no call loses more than twice its share: a first probe that costs 10% of a
 32-token request on a CPU waits for a request long enough to afford it. The tokens a probe gets accepted
 beyond the exploit plan are refunded at plain decoding's price (to the account it drew on first), so
-a probe that pays funds the next. A probe is as short as what it must learn: one token tells whether the
-drafter's guesses hold on the request; it grows only while each extra token adds at most `FREE`
-of a plain step (flat verification: a GPU, an AMX CPU, where long probes cost nothing). An idle
+a probe that pays funds the next; and what its step cost beyond the prices it was bought at is charged once the
+step is measured (`Probe.overrun`), so the accounts hold what probes lost, not what they were expected to.
+A probe is as short as what it must learn: one token tells whether the drafter's guesses hold on the
+request; it grows only while each extra token adds at most `FREE` of a plain step (flat verification: a
+GPU, an AMX CPU, where long probes cost nothing). An idle
 catch-up the evidence does not pay for is bought from the same budget (`spend`). The same rule on
 every machine, read from its profile.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 # The share of the plain time so far that probes may lose.
 SHARE = 0.02
@@ -38,7 +43,7 @@ FREE = 0.01
 
 class ExplorationBudget:
     """Seconds the planner may still lose on probes in a call, and what it has lost (charged at each probe's
-    worst case, refunded by what it got accepted)."""
+    worst case, then what its step cost beyond its price (`Probe.overrun`), refunded by what it got accepted)."""
 
     def __init__(self, share: float = SHARE):
         self.share = share
@@ -54,8 +59,8 @@ class ExplorationBudget:
         self.expected_rows: dict[int, float] = {}
         self.spent = 0.0  # probes' seconds, less their refunds
         self.lent = 0.0  # what the learning account has lent this call's first probes, less their refunds
-        # row ids -> (exploit ks, probed ks, seconds drawn on the learning account)
-        self.open: dict[tuple[int, ...], tuple[list[int], list[int], float]] = {}
+        # row ids -> the probe bought for the step of these rows, until the step is settled
+        self.open: dict[tuple[int, ...], Probe] = {}
 
     @property
     def expected(self) -> float:
@@ -98,12 +103,14 @@ class ExplorationBudget:
         probes: list[tuple[list[int], float]],
         plain_step: float,
         learning: bool = False,
+        drafting: Callable[[list[int]], float] | None = None,
     ) -> tuple[list[int], float]:
         """(ks, seconds charged): of `probes` ([(ks, seconds it adds to the exploit plan)], a token a row
         beyond it, two, ...), the longest whose tokens past the first probe's add at most `FREE` of
         `plain_step` each, if the budget covers it; the exploit plan (charged nothing) where not even the
         first probe is covered. learning: a drafter the pool has no evidence of is probed, so the pool's account
-        adds to the call's, and is drawn on first."""
+        adds to the call's, and is drawn on first. drafting: bought before drafting, ks -> the seconds the step's
+        drafting (its catch-ups in full) is priced at (what `settle` holds its measured drafting to); None after."""
         pool = self.lendable if learning else 0.0
         chosen = (exploit, 0.0)
         for ks, seconds in probes:
@@ -116,11 +123,13 @@ class ExplorationBudget:
             self.learning_spent += drawn
             self.lent += drawn
             self.spent += chosen[1] - drawn
-            before = self.open.get(tuple(row_ids), (exploit, exploit, 0.0))  # bought before drafting, trimmed after
-            self.open[tuple(row_ids)] = (
-                [min(a, b) for a, b in zip(before[0], exploit)],
-                [max(a, b) for a, b in zip(before[1], chosen[0])],
-                before[2] + drawn,
+            before = self.open.get(tuple(row_ids), Probe(exploit, exploit))  # bought before drafting, trimmed after
+            self.open[tuple(row_ids)] = Probe(
+                [min(a, b) for a, b in zip(before.exploit, exploit)],
+                [max(a, b) for a, b in zip(before.probed, chosen[0])],
+                before.drawn + drawn,
+                before.charged + chosen[1],
+                before.drafting if drafting is None else drafting(chosen[0]),
             )
         return chosen
 
@@ -134,19 +143,58 @@ class ExplorationBudget:
 
     def bought(self, row_ids: list[int]) -> list[int]:
         """[B] the sizes a probe bought for this step's rows (0 where none)."""
-        return self.open.get(tuple(row_ids), (None, [0] * len(row_ids), 0.0))[1]
+        probe = self.open.get(tuple(row_ids))
+        return probe.probed if probe is not None else [0] * len(row_ids)
 
-    def settle(self, row_ids: list[int], accepted: list[int], plain_step: float) -> None:
+    def settle(
+        self,
+        row_ids: list[int],
+        accepted: list[int],
+        plain_step: float,
+        verify: tuple[float, float] = (0.0, 0.0),
+        drafting: float = 0.0,
+    ) -> None:
         """A step of `len(row_ids)` rows accepted `accepted` ([B]) draft tokens: earn its share of the plain
-        time of what it committed, and refund a probe its tokens accepted beyond the exploit plan."""
+        time of what it committed; a probe's, charge what it cost beyond its price (`Probe.overrun`: verify is the
+        step's forward (priced, measured), drafting its measured drafting) and refund its tokens accepted beyond
+        the exploit plan."""
         B = len(row_ids)
         earned = (sum(accepted) + B) / B * plain_step
         self.plain_seconds += earned
         self.pool_plain_seconds += earned
-        exploit, probed, drawn = self.open.pop(tuple(row_ids), (None, None, 0.0))
-        if probed is not None:
-            refund = sum(max(0, min(a, p) - e) for a, p, e in zip(accepted, probed, exploit)) / B * plain_step
-            back = min(refund, drawn)  # to the learning account first, what it lent
-            self.learning_spent -= back
-            self.lent -= back
-            self.spent -= refund - back
+        probe = self.open.pop(tuple(row_ids), None)
+        if probe is None:
+            return
+        extra = probe.overrun(verify, drafting, plain_step)
+        lent = extra * probe.drawn / probe.charged if probe.charged > 0 else 0.0  # as the price was drawn
+        self.learning_spent += lent
+        self.lent += lent
+        self.spent += extra - lent
+        refund = sum(max(0, min(a, p) - e) for a, p, e in zip(accepted, probe.probed, probe.exploit)) / B * plain_step
+        back = min(refund, probe.drawn)  # to the learning account first, what it lent
+        self.learning_spent -= back
+        self.lent -= back
+        self.spent -= refund - back
+
+
+@dataclass
+class Probe:
+    """A probe bought for a step: the sizes the exploit plan and the probe gave its rows ([B] each), the seconds
+    charged for it (`drawn` of them on the learning account), and, bought before drafting, the drafting's price."""
+
+    exploit: list[int]
+    probed: list[int]
+    drawn: float = 0.0
+    charged: float = 0.0
+    drafting: float | None = None
+
+    def overrun(self, verify: tuple[float, float], drafting: float, plain_step: float) -> float:
+        """Seconds the probe cost beyond its charge: the step's forward and drafting (where it bought the drafting)
+        measured against their prices (`verify`: (priced, measured)), the probe's part of it: its charge over what
+        the step was priced beyond a plain one (all of it where the exploit plan was plain). Negative where the step
+        cost less, never below refunding the charge. Charged at its price alone, a probe that a machine's stale
+        profile or a busy neighbour made dearer would be bought again and again at that price."""
+        over = verify[1] - verify[0] + (drafting - self.drafting if self.drafting is not None else 0.0)
+        excess = verify[0] + (self.drafting or 0.0) - plain_step  # what the step was priced beyond a plain one
+        share = min(self.charged / excess, 1.0) if excess > self.charged else 1.0
+        return max(over * share, -self.charged)

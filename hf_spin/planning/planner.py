@@ -258,28 +258,33 @@ class Planner:
             probes.append(min((added(trial) for trial in one), key=lambda p: p[1]))
         for extra in range(1, max((k - e for k, e in zip(wanted, exploit)), default=0) + 1):
             probes.append(added([max(e, min(k, e + extra)) for k, e in zip(wanted, exploit)]))
-        return self.budget.afford(row_ids, exploit, probes, self.profile.plain_seconds(len(wanted)), learning)
+        drafting = (lambda ks: self._drafting_seconds(ks, chosen, padded, catch_up)) if catch_up is not None else None
+        plain = self.profile.plain_seconds(len(wanted))
+        return self.budget.afford(row_ids, exploit, probes, plain, learning, drafting)
 
     def _seconds(
         self, ks: list[int], chosen: list[tuple[int, ...]], padded: bool, catch_up: list[dict[int, float]] | None
     ) -> float:
         """Predicted seconds of a step drafting ks ([B]): its verify forward and, before drafting (catch_up
-        given: [B] drafter -> seconds), each drafter's longest draft over the rows it serves and the catch-ups of
-        the rows that draft; as `_best` prices it."""
-        if catch_up is None:
-            catch_up, chosen = [{}] * len(ks), [()] * len(ks)
-        B, longest, served, caught = len(ks), {}, {}, {}
+        given), its drafting (`_drafting_seconds`); as `_best` prices it."""
+        B = len(ks)
+        tokens = B * (1 + max(ks, default=0)) if padded else B + sum(ks)
+        drafting = self._drafting_seconds(ks, chosen, padded, catch_up) if catch_up is not None else 0.0
+        return self.profile.verify_seconds(B, tokens) + drafting
+
+    def _drafting_seconds(
+        self, ks: list[int], chosen: list[tuple[int, ...]], padded: bool, catch_up: list[dict[int, float]]
+    ) -> float:
+        """Predicted seconds of a step's drafting of ks ([B]): each drafter's longest draft over the rows it serves
+        and the catch-ups (`catch_up`: [B] drafter -> seconds) of the rows that draft."""
+        longest, served, caught = {}, {}, {}
         for k, ds, c in zip(ks, chosen, catch_up):
             for d in ds if k > 0 else ():
                 longest[d], served[d] = max(longest.get(d, 0), k), served.get(d, 0) + 1
             if k > 0:
                 self._add_catch_up(caught, c, padded)
-        tokens = B * (1 + max(ks, default=0)) if padded else B + sum(ks)
-        return (
-            self.profile.verify_seconds(B, tokens)
-            + sum(self.profile.draft_seconds_for_rows(d, longest[d], served[d]) for d in longest)
-            + sum(caught.values())
-        )
+        drafts = sum(self.profile.draft_seconds_for_rows(d, longest[d], served[d]) for d in longest)
+        return drafts + sum(caught.values())
 
     @staticmethod
     def _add_catch_up(caught: dict[int, float], row: dict[int, float], padded: bool) -> None:
@@ -455,6 +460,7 @@ class Planner:
         self.lengths.committed(feedback.row_ids, [a + 1 for a in feedback.accepted])
         acceptance.decay()
         B = feedback.batch_size
+        priced = profile.target.predict(feedback.verified_tokens(), B)  # before this step teaches it
         if feedback.verify_seconds > 0:
             profile.observe_verify(B, feedback.verified_tokens(), feedback.verify_seconds)
         drafting = set()
@@ -478,7 +484,9 @@ class Planner:
             outcome = feedback.alternatives[b] if feedback.alternatives else None
             if outcome is not None and len(feedback.proposed[b]) == 1:  # one drafter's tree
                 acceptance.observe_alternatives(next(iter(feedback.proposed[b])), outcome)
-        self.budget.settle(feedback.row_ids, feedback.accepted, profile.plain_seconds(B))
+        measured = (priced, feedback.verify_seconds) if feedback.verify_seconds > 0 else (0.0, 0.0)
+        drafting = sum(feedback.draft_seconds)
+        self.budget.settle(feedback.row_ids, feedback.accepted, profile.plain_seconds(B), measured, drafting)
         if self.journal is not None:
             self.journal.close(
                 feedback.row_ids,

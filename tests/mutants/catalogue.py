@@ -715,4 +715,16 @@ MUTANTS = (
         "    for m in read[:0]:  # priced warm",
         ("tests/test_planning.py::test_profile_is_cached_per_model_and_threads",),
     ),
+    Mutant(
+        "probes_charged_their_price",
+        "a probe is charged what it was priced at, never what it cost: where the profile under-reads, the budget keeps "
+        "buying probes it has spent",
+        "hf_spin/planning/exploration.py",
+        "        extra = probe.overrun(verify, drafting, plain_step)\n",
+        "        extra = 0.0\n",
+        (
+            "tests/test_exploration.py::test_a_probe_is_charged_what_it_cost_where_the_profile_under_reads[avx2_fp32]",
+            "tests/test_exploration.py::test_a_probe_is_charged_what_it_cost_where_the_profile_under_reads[small_gemm_fp32]",
+        ),
+    ),
 )
