@@ -177,6 +177,30 @@ def test_an_idle_catch_up_teaches_the_drafters_cost_at_its_length(monkeypatch):
     assert learned.predict(1) == pytest.approx(0.01, rel=0.1)  # one position, as the grid said
 
 
+def test_a_drafters_first_draft_on_a_row_teaches_its_catch_up_cost():
+    """A draft model's first draft on a row reads the prompt first (its catch-up inside its first forward), and a
+    draft model that does not pay sits out the steps between its probes, so every probe carries a catch-up. Its
+    seconds beyond the draft's one-token forwards are that catch-up's cost at the row's lag: learned, the next
+    catch-up of that length is priced at what it took, not at the grid's flat extrapolation."""
+    from .test_plans import Scripted as Fixed
+
+    target, prompts, plain, _ = case(batch=1, new_tokens=12, prompt_length=150)
+    drafter = tiny_model("llama", seed=1)
+    real = lambda n: 0.01 * max(1.0, n / 4)  # noqa: E731 - compute-bound past 4 positions
+    clock = CostClock()
+    clock.hook(target, table(flat))
+    clock.hook(drafter, table(real, knots=(1, 2, 4, 8, 16, 32, 64, 128, 256)))
+    grid = table(lambda n: 0.01, knots=(1, 2, 4, 8))  # what a short grid measured: flat
+    pool = hf_spin.AssistantPool([drafter], policy=Fixed((0,)), profile=profile_of(table(flat), [grid], ["drafter"]))
+    assert grid.bound(150) < 0.25 * real(150)  # the grid's reading
+    out = run(target, prompts, pool, clock, new_tokens=12)
+    assert torch.equal(out, plain)
+    assert pool.last_stats.drafters[pool.names[0]].steps >= 1  # it drafted, its first draft reading the prompt
+    learned = pool.planner.profile.drafters[0]
+    assert learned.bound(150) == pytest.approx(real(150), rel=0.15)
+    assert learned.predict(1) == pytest.approx(0.01, rel=0.1)  # one position, as the grid said
+
+
 def test_measure_reads_the_injected_costs_within_its_budget():
     model = tiny_model("llama", seed=0)
     clock = CostClock()

@@ -110,6 +110,10 @@ class StepFeedback:
     alternatives: list[bool | None] = field(
         default_factory=list
     )  # [B] a token tree's siblings of its heaviest path where that path failed: accepted or not, None if none
+    # [B] drafter -> the committed tokens its state lacked before it drafted (its first forward reads them: a catch-up
+    # inside its draft), for the drafters the planner sized, their own encoder run before (`Drafter.unencoded`) left out
+    lags: list[dict[int, int]] = field(default_factory=list)
+    idle_seconds: float = 0.0  # the idle catch-ups' seconds (`Plan.catch_up`) inside `draft_seconds`
 
     @property
     def batch_size(self) -> int:

@@ -330,6 +330,16 @@ class Planner:
                     self.journal.event("idle_catch_up", row=r, drafter=name, lag=lag, seconds=seconds, paid_by=paid_by)
             return out
 
+    def _learn_catch_up(self, drafter: int, lag: int, forwards: int, seconds: float) -> None:
+        """A model drafter's draft of `forwards` tokens on one row took `seconds`, its first forward reading the
+        `lag` committed tokens it lacked: that forward's cost at `lag` positions is learned (`observe_catch_up`), the
+        rest priced at its one-token forwards. A draft model sits out most steps where it does not pay, so a probe's
+        draft is where its catch-ups show what they cost; the default pool runs no idle catch-ups, and without this
+        its catch-ups stayed priced from the grid (`ForwardCost.bound`) however they ran."""
+        cost = self.profile.drafters[drafter]
+        if cost is not None and lag > 1:
+            self.profile.observe_catch_up(drafter, lag, max(seconds - (forwards - 1) * cost.predict(1), 1e-6))
+
     def observe_host(self, rows: int, drafted: bool, seconds: float) -> None:
         """A step of `rows` rows that drafted or not spent `seconds` in the engine's own work: every step is priced
         with it from now on (`CostProfile.host_seconds`)."""
@@ -471,6 +481,8 @@ class Planner:
             # after a step it sat out, a drafter first catches up on every token since: not a draft's cost
             if lengths and seconds > 0 and d in self.drafted_last:
                 profile.observe_draft(d, max(lengths), len(lengths), seconds)
+            elif lengths and seconds > 0 and B == 1 and d not in feedback.plan.catch_up:
+                self._learn_catch_up(d, feedback.lags[0].get(d, 0) if feedback.lags else 0, max(lengths), seconds)
         self.drafted_last = drafting
         for b in range(B):
             committed = feedback.accepted[b] + 1
@@ -485,7 +497,7 @@ class Planner:
             if outcome is not None and len(feedback.proposed[b]) == 1:  # one drafter's tree
                 acceptance.observe_alternatives(next(iter(feedback.proposed[b])), outcome)
         measured = (priced, feedback.verify_seconds) if feedback.verify_seconds > 0 else (0.0, 0.0)
-        drafting = sum(feedback.draft_seconds)
+        drafting = sum(feedback.draft_seconds) - feedback.idle_seconds  # the drafting the step's plan priced
         self.budget.settle(feedback.row_ids, feedback.accepted, profile.plain_seconds(B), measured, drafting)
         if self.journal is not None:
             self.journal.close(

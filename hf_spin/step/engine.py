@@ -30,7 +30,7 @@ read as arguments and return what happened (`DrafterCall`s); the engine alone up
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 
 import torch
@@ -75,6 +75,8 @@ class Proposal:
     # [B] drafter -> the match its draft (served or shadow) continued, where it reports one
     match_lengths: list[dict[int, int]]
     trees: list[TokenTree | None] | None = None  # [B] a vote's whole token tree per row (tree_step.py); None: chains
+    lags: list[dict[int, int]] = field(default_factory=list)  # [B] `StepFeedback.lags`
+    idle_seconds: float = 0.0  # `StepFeedback.idle_seconds`
 
 
 @dataclass
@@ -370,12 +372,12 @@ class SpinEngine:
     def propose(self) -> Proposal:
         """Plan which drafters and how many tokens per row, and draft. Touches drafters only."""
         B, rows = len(self.rows), self.rows
-        draft_seconds = [0.0] * len(self.drafters)
+        draft_seconds, idle, lagging = [0.0] * len(self.drafters), 0.0, []
         if self._deferred_catch_up:
             by_id = {r.id: b for b, r in enumerate(rows)}
             deferred = {d: [by_id[i] for i in ids if i in by_id] for d, ids in self._deferred_catch_up.items()}
             self._deferred_catch_up = {}
-            self._catch_up_idle(deferred, draft_seconds)
+            idle = self._catch_up_idle(deferred, draft_seconds)
         # 3. Plan: the policy picks drafters and caps k; `plan_k` sizes k within the cap and each row's room.
         plan = self.policy.plan(self._view()) if self.policy is not None else None
         if plan is None:
@@ -386,10 +388,11 @@ class SpinEngine:
             ]
 
             def lags() -> list[dict[int, int]]:  # [B] drafter -> committed tokens its state lacks (read by the planner)
-                return [
+                lagging[:] = [
                     {d: len(r.sequence) - n for d in chosen[b] if (n := self.drafters[d].synced(b)) is not None}
                     for b, r in enumerate(rows)
                 ]
+                return lagging
 
             def unencoded() -> list[set[int]]:  # [B] chosen drafters whose own encoder has yet to read the row
                 return [{d for d in chosen[b] if self.drafters[d].unencoded(b)} for b in range(B)]
@@ -425,6 +428,8 @@ class SpinEngine:
             shadows,
             match_lengths,
             trees if any(t is not None for t in trees) else None,
+            [{d: n for d, n in lag.items() if not self.drafters[d].unencoded(b)} for b, lag in enumerate(lagging)],
+            idle,
         )
 
     # -- 5-7. Verify, commit, catch up ----------------------------------------------------------------
@@ -457,7 +462,7 @@ class SpinEngine:
             if self.defer_idle_catch_up:
                 self._deferred_catch_up = {d: [rows[b].id for b in bs] for d, bs in proposal.plan.catch_up.items()}
             else:
-                self._catch_up_idle(proposal.plan.catch_up, proposal.draft_seconds)
+                proposal.idle_seconds += self._catch_up_idle(proposal.plan.catch_up, proposal.draft_seconds)
         self.stats.steps += 1
         if self.policy is not None:
             executed = Plan(
@@ -483,6 +488,8 @@ class SpinEngine:
                 padded=self._padded,
                 positions=outcome.positions,
                 alternatives=outcome.alternatives,
+                lags=proposal.lags,
+                idle_seconds=proposal.idle_seconds,
             )
             self.policy.update(feedback)
             if self.planner is not None:
@@ -664,9 +671,9 @@ class SpinEngine:
         stops = row.host_stop.stops(len(row.request.padding) + len(row.sequence), token) if row.host_stop else None
         return stops if stops is not None else bool(criteria(row.as_tensor(), scores).any())
 
-    def _catch_up_idle(self, catch_up: dict[int, list[int]], draft_seconds: list[float]) -> None:
-        """Drafter -> batch rows (indices) it catches up on; its time added to `draft_seconds`."""
-        rows = self.rows
+    def _catch_up_idle(self, catch_up: dict[int, list[int]], draft_seconds: list[float]) -> float:
+        """Drafter -> batch rows (indices) it catches up on; its time added to `draft_seconds`. Returns the seconds."""
+        rows, spent = self.rows, 0.0
         sequences = [r.sequence for r in rows]
         for d_idx, wanted in catch_up.items():
             bs = [b for b in wanted if d_idx not in rows[b].banned]
@@ -688,9 +695,11 @@ class SpinEngine:
                 call = self._call_drafter(d_idx, lambda: drafter.catch_up(bs, sequences), bs)
                 if call.ok:
                     draft_seconds[d_idx] += call.seconds
+                    spent += call.seconds
                     if self.planner is not None and not fresh:
                         positions = padded * max(lags[b] for b in bs) if padded > 1 else sum(lags[b] for b in bs)
                         self.planner.observe_catch_up(d_idx, positions, call.seconds)
+        return spent
 
     # -- drafter calls: guarded by the fault policy, what they did applied here ---------------------------
     def _drafter_scope(self) -> DrafterScope:

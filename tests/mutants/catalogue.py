@@ -727,4 +727,13 @@ MUTANTS = (
             "tests/test_exploration.py::test_a_probe_is_charged_what_it_cost_where_the_profile_under_reads[small_gemm_fp32]",
         ),
     ),
+    Mutant(
+        "a_drafts_catch_up_is_not_learned",
+        "a drafter's draft after a step it sat out (a catch-up in its first forward) teaches nothing: a draft model's "
+        "catch-ups stay priced from the grid's extrapolation however they run",
+        "hf_spin/planning/planner.py",
+        "            elif lengths and seconds > 0 and B == 1 and d not in feedback.plan.catch_up:\n",
+        "            elif False:\n",
+        ("tests/test_planning.py::test_a_drafters_first_draft_on_a_row_teaches_its_catch_up_cost",),
+    ),
 )
