@@ -56,7 +56,7 @@ MUTANTS = (
         "every step decodes plainly: lossless, but no speculation at all",
         "hf_spin/step/engine.py",
         "            plan,\n            chosen,\n            ks,\n            drafts,\n            qs,\n            proposals,\n            draft_seconds,\n            shadows,\n            match_lengths,\n            trees if any(t is not None for t in trees) else None,",
-        "            plan, chosen, ks, [[] for _ in drafts], [None] * B, proposals, draft_seconds, shadows, match_lengths",
+        "            plan, chosen, ks, [[] for _ in drafts], [None] * B, proposals, draft_seconds, shadows, match_lengths, None,",
         (
             EQ + "test_greedy_equivalence[llama-prompt_lookup-1]",
             EQ + "test_greedy_equivalence[llama-self-4]",
