@@ -5,12 +5,14 @@ injected cost (t(N) over the N positions it ran), nothing else does. So the engi
 say, the cost profile's online refinement sees them, and a run's clock total is what the run would take on a
 machine with those costs. The tests of the planner (tests/test_planning.py, tests/test_exploration.py) and the
 replay on cost structures (benchmarks/replay/costs.py) run on it; docs/planning.md says why decisions are tested
-this way.
+this way. `pace` is the wall clock's counterpart: every forward of a hooked model lasts its injected cost in real
+time, so the host's own work counts beside it (a GPU's forwards, waited on by this CPU's host).
 """
 
 from __future__ import annotations
 
 import importlib
+import time
 from contextlib import contextmanager
 from typing import Callable
 
@@ -63,6 +65,35 @@ class CostClock:
         finally:
             for m, original in zip(modules, saved):
                 m.perf_counter = original
+
+
+def pace(model, cost: ForwardCost) -> list:
+    """Make every forward of `model` (input_ids [B, T]) last cost.predict(B x T, B) seconds of wall time (longer
+    only where its own work takes longer): a device whose forwards cost what `cost` says, waited on by a real host.
+    Unlike a `CostClock`, the host's own work (the engine's, `generate`'s loop) counts as it runs. Returns the
+    hooks' handles (`.remove()` each to undo)."""
+    due = []  # the ends of the forwards in flight (a stack: a forward may run inside another's hooks)
+
+    def begin(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        due.append(time.perf_counter() + cost.predict(ids.numel(), ids.shape[0]))
+
+    def wait(module, args, kwargs, out):
+        end = due.pop()
+        left = end - time.perf_counter()
+        if left > SPIN_SECONDS:  # sleep to near the end, then spin: a sleep alone overshoots
+            time.sleep(left - SPIN_SECONDS)
+        while time.perf_counter() < end:
+            pass
+
+    return [
+        model.register_forward_pre_hook(begin, with_kwargs=True),
+        model.register_forward_hook(wait, with_kwargs=True),
+    ]
+
+
+# `pace` sleeps until this many seconds before a forward's end and spins the rest (a sleep overshoots by ~0.1 ms).
+SPIN_SECONDS = 3e-4
 
 
 def table(fn: Callable[[float], float], knots=(1, 2, 4, 8, 16, 32, 64)) -> ForwardCost:

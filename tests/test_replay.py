@@ -5,12 +5,14 @@ target one position off fails the check (the lossy control)."""
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
 from transformers import CompileConfig, DynamicCache
 
 import hf_spin
+from benchmarks.injected_costs import pace, table
 from benchmarks.replay.__main__ import main
 from benchmarks.replay.checks import CheckConfig, generated, left_pad
 from benchmarks.replay.costs import FLOOR, run_host, run_structures, shortfalls
@@ -18,7 +20,7 @@ from benchmarks.replay.forced import force, match, replay_drafters
 from benchmarks.replay.record import continuation, record
 from benchmarks.replay.run import TARGET_SHAPES, check
 from benchmarks.replay.run import table as markdown
-from benchmarks.replay.trace import Request, Trace, load, merge
+from benchmarks.replay.trace import Request, Trace, compact, load, merge
 from hf_spin.planning.grid import _context_cache
 
 from .archs import VOCAB, tiny_model
@@ -237,6 +239,42 @@ def test_host_times_the_engines_own_work_a_step_by_the_wall_clock(trace):
     clocked = run_structures(trace, ["flat"], [1])
     assert all(r["host_ms"] == {"plain": 0.0, "drafting": 0.0} for r in clocked if r["method"].startswith("hf_spin"))
     assert "host ms / step" in markdown(records) and "host ms / step" not in markdown(clocked)
+
+
+def test_a_compact_trace_renumbers_every_id_one_to_one(trace):
+    """`compact`: every id the trace holds (prompts, continuations, tails, model drafters' chains and trees, the
+    special ids) renumbered in id order onto 0..n-1, so the text each drafter and the forced target see is the
+    same text over a vocabulary of n."""
+    small, n = compact(trace)
+    back = {}  # new id -> the original it stands for
+    for r, c in zip(trace.requests, small.requests):
+        for a, b in zip(r.prompt + r.continuation + r.tail, c.prompt + c.continuation + c.tail):
+            assert back.setdefault(b, a) == a  # one original a new id
+    new = sorted(back)
+    assert new[-1] < n and [back[b] for b in new] == sorted(set(back.values()))  # one to one, in id order
+    for d, c in zip(trace.drafters, small.drafters):
+        if d.chains is not None:
+            assert ((d.chains < 0) == (c.chains < 0)).all() and c.chains.max() < n
+            assert all(back.get(b, a) == a for a, b in zip(d.chains[d.chains >= 0], c.chains[c.chains >= 0]))
+    assert small.target["pad_token_id"] < n and max(small.target["eos_token_id"]) < n
+
+
+def test_paced_forwards_last_their_injected_cost_beside_the_hosts_own_work(trace):
+    """`host --step-ms`: every forward of the (compact-vocabulary) stand-ins lasts its injected cost in wall time
+    (`pace`), so plain `generate` takes at least its forwards' cost and the pools still commit the recording."""
+    step = 0.004
+    records = run_host(trace, "flat", [1], step_ms=step * 1e3)
+    assert all(r["identical"] == r["requests"] for r in records)
+    plain = next(r for r in records if r["method"] == "generate")
+    assert plain["seconds"] >= plain["tokens"] * step  # one forward a token at batch 1, the first the prefill's
+    assert all(r["host_ms"]["plain"] > 0 for r in records if r["method"].startswith("hf_spin"))
+    model = tiny_model("llama")
+    handles = pace(model, table(lambda n: 0.01 * n))
+    start = time.perf_counter()
+    model(torch.ones(1, 3, dtype=torch.long))
+    assert 0.03 <= time.perf_counter() - start < 0.06  # three positions at 10 ms each
+    for h in handles:
+        h.remove()
 
 
 def test_pools_replay_on_the_static_layout_and_a_budget_skips_what_starts_late(trace_file, trace, tmp_path):

@@ -104,6 +104,13 @@ def parser() -> argparse.ArgumentParser:
         help="each workload's requests this many times over, one pool learning from them all: a server's steady "
         "state (the policies' history full past 64 requests) rather than a fresh pool's",
     )
+    host.add_argument(
+        "--step-ms",
+        type=float,
+        help="every forward lasts its cost on --structure at a plain step of this many ms, the host's work beside it "
+        "(a GPU's step with this machine's host: the never-slower rule where the host's work counts); default: "
+        "the stand-ins' own forwards",
+    )
     host.add_argument("--threads", type=int, default=2)
     host.add_argument("--out", type=Path, default=Path("benchmarks/results/replay"))
     return p

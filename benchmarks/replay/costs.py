@@ -25,12 +25,12 @@ import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 from benchmarks.common import machine, write_results
-from benchmarks.injected_costs import STRUCTURES, CostClock, profile_of, table
+from benchmarks.injected_costs import STRUCTURES, CostClock, pace, profile_of, table
 
 from .forced import build_model, force, replay_drafters
 from .run import bench
 from .run import table as markdown
-from .trace import Trace, load, merge
+from .trace import Trace, compact, load, merge
 
 FLOOR = 0.97  # the never-slower goal: every pool at >= 0.97x plain generate on every structure
 STAND_IN = {  # the stand-ins' shape: small, so a run is quick; their cost comes from the clock, not from them
@@ -43,10 +43,12 @@ STAND_IN = {  # the stand-ins' shape: small, so a run is quick; their cost comes
 }
 
 
-def stand_in(config: dict) -> dict:
-    """`config` (a `to_dict()`) shrunk to `STAND_IN` (its vocabulary kept: the forced logits index it), layer
-    types cut to match."""
+def stand_in(config: dict, vocab: int | None = None) -> dict:
+    """`config` (a `to_dict()`) shrunk to `STAND_IN` (its vocabulary kept, the forced logits index it, or `vocab`
+    for a `compact` trace's ids), layer types cut to match."""
     small = {**config, **{k: v for k, v in STAND_IN.items() if k in config or k == "head_dim"}}
+    if vocab is not None:  # the special ids live in the trace (`force` sets them), not in the stand-in's config
+        small.update(vocab_size=vocab, pad_token_id=None, bos_token_id=None, eos_token_id=None)
     if config.get("layer_types"):
         small["layer_types"] = config["layer_types"][: STAND_IN["num_hidden_layers"]]
     return small
@@ -63,12 +65,13 @@ def parameter_share(config: dict, target_config: dict) -> float:
     return count(config) / count(target_config)
 
 
-def stand_ins(trace: Trace) -> tuple:
-    """(target, drafters, shares): the forced target's and the replay drafters' stand-ins, and each model
-    drafter's cost per forward as a share of the target's (name -> share)."""
-    target = build_model(stand_in(trace.target["config"]), torch.float32, "cpu")
+def stand_ins(trace: Trace, vocab: int | None = None) -> tuple:
+    """(target, drafters, shares): the forced target's and the replay drafters' stand-ins (of `vocab` tokens where
+    given: a `compact` trace's), and each model drafter's cost per forward as a share of the target's (name ->
+    share, the real models')."""
+    target = build_model(stand_in(trace.target["config"], vocab), torch.float32, "cpu")
     force(target, trace)
-    drafters = replay_drafters(trace, torch.float32, "cpu", reshape=stand_in)
+    drafters = replay_drafters(trace, torch.float32, "cpu", reshape=lambda config: stand_in(config, vocab))
     shares = {d.name: parameter_share(d.config, trace.target["config"]) for d in trace.drafters if not d.live}
     return target, drafters, shares
 
@@ -105,14 +108,36 @@ def run_structures(trace: Trace, structures: list[str], batch_sizes: list[int]) 
     return records
 
 
-def run_host(trace: Trace, structure: str, batch_sizes: list[int], repeat: int = 1) -> list[dict]:
+def scaled(fn, step_seconds: float):
+    """`fn` (a structure's t(N), its plain step 0.1 s) rescaled to a plain step of `step_seconds`."""
+    return lambda n: fn(n) * step_seconds / fn(1)
+
+
+def run_host(
+    trace: Trace, structure: str, batch_sizes: list[int], repeat: int = 1, step_ms: float | None = None
+) -> list[dict]:
     """Records of `run.bench` on the stand-ins by the wall clock, each pool deciding on `structure`'s injected
     costs (flat: a GPU's): what the engine's own work a step costs (`host_ms`), with the real drafting the trace
     makes (prompt lookup and suffix on the real ids, the model drafters' recorded proposals). repeat: each
-    workload's requests that many times over, through one pool (`run.bench`)."""
-    target, drafters, shares = stand_ins(trace)
-    fn = STRUCTURES[structure]
-    return bench(trace, target, drafters, batch_sizes, profile=injected(fn, draft_costs(fn, shares)), repeat=repeat)
+    workload's requests that many times over, through one pool (`run.bench`). step_ms: every forward lasts its
+    cost on the structure scaled to a plain step of this many milliseconds (`pace`), so the records' times are a
+    machine's whose device runs those forwards and whose host is this one (None: the stand-ins' own time, the
+    pools deciding on the structure's 0.1 s step)."""
+    vocab = None
+    if step_ms is not None:  # the stand-ins' own work a position, over ~150k logits, would outlast a device's step
+        trace, vocab = compact(trace)
+    target, drafters, shares = stand_ins(trace, vocab)
+    fn = STRUCTURES[structure] if step_ms is None else scaled(STRUCTURES[structure], step_ms / 1e3)
+    costs = draft_costs(fn, shares)
+    handles = []
+    if step_ms is not None:
+        models = {r.name: d.model for r, d in zip(trace.drafters, drafters) if not r.live}
+        handles = pace(target, table(fn)) + [h for n, m in models.items() for h in pace(m, costs[n])]
+    try:
+        return bench(trace, target, drafters, batch_sizes, profile=injected(fn, costs), repeat=repeat)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def shortfalls(records: list[dict], floor: float) -> list[str]:
@@ -130,12 +155,24 @@ def host_main(args) -> int:
     """`python -m benchmarks.replay host TRACE`: the engine's own milliseconds a step, plain and drafting."""
     torch.set_num_threads(args.threads)
     trace = merge([load(path) for path in args.trace])
-    records = run_host(trace, args.structure, args.batch_sizes, args.repeat)
-    env = {**machine(), "trace": [str(path) for path in args.trace], "structure": args.structure}
+    records = run_host(trace, args.structure, args.batch_sizes, args.repeat, args.step_ms)
+    env = {
+        **machine(),
+        "trace": [str(path) for path in args.trace],
+        "structure": args.structure,
+        "step_ms": args.step_ms,
+    }
+    paced = (
+        f"every forward lasting its cost on that structure at a plain step of {args.step_ms:g} ms (a device's, "
+        "this machine the host)"
+        if args.step_ms is not None
+        else "the forwards the stand-ins' own"
+    )
     md = markdown(records) + (
         f"\n\nhost ms / step: the engine's own work beyond the target's forward and the drafters' calls "
         f"(CostProfile.host_seconds), by the wall clock on {env['machine']}, {env['threads']} threads; the pools "
-        f"decide on the {args.structure} structure's injected costs; each workload's requests {args.repeat}x"
+        f"decide on the {args.structure} structure's injected costs, {paced}; each workload's requests "
+        f"{args.repeat}x"
     )
     print(md)
     write_results(Path(args.out), "host", {"env": env, "records": records}, md + "\n")

@@ -25,7 +25,7 @@ recorded: they run live on the replayed ids. 48 requests x 128 tokens with a tre
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -239,6 +239,53 @@ def merge(traces: list[Trace]) -> Trace:
         pools=first.pools,
         env={"merged": [t.env for t in traces]},
     )
+
+
+def compact(trace: Trace) -> tuple[Trace, int]:
+    """(the trace with every token id renumbered 0..n-1 in id order, n): the same text to every drafter that
+    matches ids (prompt lookup, suffix) and to the forced target, over a vocabulary of only the ids it holds, so a
+    stand-in's per-position work over its vocabulary (logits, forcing) is a few thousand wide rather than the real
+    model's ~150k. The configs are kept (the drafters' cost shares are the real models')."""
+    special = [trace.target["pad_token_id"], *_as_list(trace.target["eos_token_id"])]
+    tokens = [t for r in trace.requests for t in r.prompt + r.continuation + r.tail]
+    drafted = [a for d in trace.drafters for a in [d.chains, *_tree_tokens(d.trees).values()] if a is not None]
+    known = np.unique(np.concatenate([np.asarray(special + tokens, dtype=np.int64)] + [a[a != PAD] for a in drafted]))
+
+    def renumber(values):  # ids -> their index in `known`; PAD stays in arrays
+        if isinstance(values, np.ndarray):
+            return np.where(values != PAD, np.searchsorted(known, values), PAD).astype(values.dtype)
+        return np.searchsorted(known, np.asarray(values, dtype=np.int64)).tolist()
+
+    eos = trace.target["eos_token_id"]
+    target = {
+        **trace.target,
+        "eos_token_id": renumber(eos) if isinstance(eos, list) else renumber([eos])[0],
+        "pad_token_id": renumber([trace.target["pad_token_id"]])[0],
+    }
+    drafters = [
+        replace(
+            d,
+            chains=None if d.chains is None else renumber(d.chains),
+            trees=None
+            if d.trees is None
+            else {**d.trees, **{k: renumber(v) for k, v in _tree_tokens(d.trees).items()}},
+        )
+        for d in trace.drafters
+    ]
+    requests = [
+        replace(r, prompt=renumber(r.prompt), continuation=renumber(r.continuation), tail=renumber(r.tail))
+        for r in trace.requests
+    ]
+    return replace(trace, target=target, drafters=drafters, requests=requests), len(known)
+
+
+def _tree_tokens(trees: dict | None) -> dict:
+    """The arrays of a drafter's recorded trees that hold token ids (parents and weights do not)."""
+    return {k: v for k, v in (trees or {}).items() if k in ("tokens", "chain")}
+
+
+def _as_list(value) -> list[int]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _split(ids: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
