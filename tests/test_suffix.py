@@ -14,7 +14,7 @@ import torch
 
 import hf_spin
 from hf_spin.drafters import DraftRequest
-from hf_spin.drafters.suffix_index import SuffixIndex
+from hf_spin.drafters.suffix_index import SequenceIndex, SuffixIndex
 
 from .archs import ARCHS, tiny_model
 from .speculation import assert_speculated, greedy_case, perturbed
@@ -68,6 +68,29 @@ def test_longest_match_and_continuations_agree_with_brute_force():
             seen = _brute_continuations(sequences, tuple(context[-match.length :]))
             firsts = {t: p for t, parent, p in index.continuations(match, 99, 1, 0.0) if parent == -1}
             assert firsts == pytest.approx({t: c / sum(seen.values()) for t, c in seen.items()})
+
+
+def test_a_rows_sequence_index_answers_as_a_suffix_index_of_its_sequence():
+    """`SequenceIndex` (a row's own tokens, scanned) gives `SuffixIndex`'s answers over the same one sequence,
+    built in pieces as a row grows: the same longest match for every context (the row's own, as the drafter asks,
+    and others), the same continuations, nodes, order and probabilities, for trees and chains."""
+    rng = random.Random(3)
+    for _ in range(300):
+        depth = rng.randint(2, 8)
+        sequence = [rng.randint(0, rng.choice((2, 4, 9))) for _ in range(rng.randint(0, 40))]
+        trie, scanned = SuffixIndex(depth), SequenceIndex(depth)
+        cut = rng.randint(0, len(sequence))
+        for part in (sequence[:cut], sequence[cut:]):
+            trie.extend(0, part)
+            scanned.extend(0, part)
+        assert scanned.length(0) == trie.length(0) == len(sequence)
+        for context in (sequence, sequence[: rng.randint(0, len(sequence))], [rng.randint(0, 4) for _ in range(9)]):
+            max_length, min_length = rng.randint(0, 9), rng.randint(1, 3)
+            want, got = (i.longest_match(context, max_length, min_length) for i in (trie, scanned))
+            assert (got.length if got else None) == (want.length if want else None), (sequence, context)
+            if want:
+                ask = (rng.randint(1, 12), rng.randint(1, depth), rng.choice((0.0, 0.1, 0.3)), rng.random() < 0.5)
+                assert scanned.continuations(got, *ask) == trie.continuations(want, *ask)  # same counts, same sums
 
 
 def test_continuations_are_best_first_bounded_and_cut_by_probability():

@@ -6,7 +6,8 @@ model drafting cannot (CPUs, large batches, a busy server) and wherever text rep
 rewrites, agent loops with the same schemas, code edits, answers quoting their context.
 
 Two suffix indexes (hf_spin/drafters/suffix_index.py) serve each row: its own (prompt + committed tokens,
-extended as tokens commit, dropped when the row ends) and the drafter's global one (the outputs of
+extended as tokens commit, dropped when the row ends; a `SequenceIndex`, scanned, so admitting a long prompt costs
+a copy) and the drafter's global one (the outputs of
 the rows that ended, kept across `generate` calls and server requests, the oldest evicted past
 `max_requests` or `max_tokens`; `reset()` empties it). For a row the drafter finds each index's
 longest suffix match (at most max_depth - k tokens, so k tokens fit below it), takes its likeliest
@@ -27,7 +28,7 @@ import math
 
 from ..verify.token_tree import TokenTree
 from .base import Draft, Drafter, DraftRequest
-from .suffix_index import SuffixIndex
+from .suffix_index import SequenceIndex, SuffixIndex
 
 
 class SuffixDrafter(Drafter):
@@ -55,7 +56,7 @@ class SuffixDrafter(Drafter):
         self.spec_factor = spec_factor
         self.index = SuffixIndex(max_depth)  # earlier requests' outputs, across calls
         self._keys = itertools.count()
-        self._rows: list[SuffixIndex] = []  # per row of the running batch: its own prompt + output
+        self._rows: list[SequenceIndex] = []  # per row of the running batch: its own prompt + output
 
     def draft(self, request: DraftRequest) -> Draft:
         tokens, trees, matches = [], [], []
@@ -72,7 +73,7 @@ class SuffixDrafter(Drafter):
         )
 
     def propose(
-        self, index: SuffixIndex, sequence: list[int], k: int, branching: bool
+        self, index: SuffixIndex | SequenceIndex, sequence: list[int], k: int, branching: bool
     ) -> tuple[list[int], TokenTree, int]:
         """(the likeliest chain, the proposal as a tree: the chain again unless `branching`, the length
         of the match it continues, 0 without one) for a row's sequence from one index, k nodes at most."""
@@ -108,8 +109,8 @@ class SuffixDrafter(Drafter):
     def finish(self) -> None:
         self._rows = []
 
-    def _own(self, sequence: list[int]) -> SuffixIndex:
-        index = SuffixIndex(self.max_depth)
+    def _own(self, sequence: list[int]) -> SequenceIndex:
+        index = SequenceIndex(self.max_depth)
         index.extend(0, sequence)
         return index
 

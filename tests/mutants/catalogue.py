@@ -192,6 +192,15 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "row_index_matches_its_own_end",
+        "a row's own suffix index counts the context's own occurrence at the sequence's end: every suffix matches "
+        "itself, and the longest match has nothing after it",
+        "hf_spin/drafters/suffix_index.py",
+        "starts, at, end = [], 0, 4 * len(self.tokens) - 4",
+        "starts, at, end = [], 0, 4 * len(self.tokens)",
+        ("tests/test_suffix.py::test_a_rows_sequence_index_answers_as_a_suffix_index_of_its_sequence",),
+    ),
+    Mutant(
         "suffix_learns_nothing_across_calls",
         "rows that end never reach the drafters' end_rows: the suffix index stays empty across requests",
         "hf_spin/step/engine.py",
