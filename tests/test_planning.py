@@ -468,16 +468,18 @@ def test_a_request_that_holds_the_pools_evidence_is_not_counted_twice():
     alone = Acceptance(1)
     for _ in range(3):
         alone.observe(0, row=0, proposed=4, matched=0, committed=1)
-    assert alone.conditional(0, 0, 1) == pytest.approx(
-        alone.conditional(0, 1, 1)
+    assert alone.conditionals(0, 0, 1)[0] == pytest.approx(
+        alone.conditionals(0, 1, 1)[0]
     )  # as a request with no evidence of its own
-    assert alone.conditional(0, 0, 1) > 0.3  # counted twice: 0.20
+    assert alone.conditionals(0, 0, 1)[0] > 0.3  # counted twice: 0.20
     among = Acceptance(1)
     for _ in range(30):
         among.observe(0, row=1, proposed=4, matched=2, committed=3)
     for _ in range(3):
         among.observe(0, row=0, proposed=4, matched=0, committed=1)
-    assert among.conditional(0, 0, 1) < 0.8 * among.conditional(0, 2, 1)  # below a request the pool knows nothing of
+    assert (
+        among.conditionals(0, 0, 1)[0] < 0.8 * among.conditionals(0, 2, 1)[0]
+    )  # below a request the pool knows nothing of
 
 
 def test_each_level_reads_its_own_counts_once():
@@ -491,7 +493,9 @@ def test_each_level_reads_its_own_counts_once():
             acc.observe(0, row=0, proposed=1, matched=matched, committed=committed)
         a, r = acc.counts[(0, None, 1)]
         assert (a, r) in ((0.0, 3.0), (3.0, 0.0))
-        assert acc.conditional(0, 1, 1) == pytest.approx(acceptance_with_prior(a, r, PRIOR_ACCEPTANCE, LEVEL_WEIGHT))
+        assert acc.conditionals(0, 1, 1)[0] == pytest.approx(
+            acceptance_with_prior(a, r, PRIOR_ACCEPTANCE, LEVEL_WEIGHT)
+        )
 
 
 def test_planner_sizes_zero_and_full():

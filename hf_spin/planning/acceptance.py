@@ -102,33 +102,40 @@ class Acceptance:
         """Decayed observations of the drafter (all positions)."""
         return sum(self.pooled[drafter])
 
-    def conditional(
+    def conditionals(
         self,
         drafter: int,
         row: int,
-        position: int,
+        k: int,
         match: int | None = None,
         optimism: float = 0.0,
         prior: tuple[float, float] = (PRIOR_ACCEPTANCE, PRIOR_WEIGHT),
-    ) -> float:
-        """P(position accepted | positions before it accepted) on request `row`, `optimism` posterior sds up;
-        `prior`: (acceptance, pseudo-observations) assumed before evidence (`EVIDENCE_ONLY`: a pessimistic one)."""
-        above = self.pooled[drafter]
-        pooled = mean = acceptance_with_prior(*above, *prior)
+    ) -> list[float]:
+        """[k] P(position i accepted | positions before it accepted) on request `row`, i = 1..k, `optimism` posterior
+        sds up; `prior`: (acceptance, pseudo-observations) assumed before evidence (`EVIDENCE_ONLY`: a pessimistic
+        one). What does not depend on the position (the pool's mean, the request's own share) is read once."""
+        pooled = acceptance_with_prior(*self.pooled[drafter], *prior)
         if pooled == 0:
-            return 0.0
-        for m in (None, self.bucket(match)) if match is not None else (None,):
-            a, r = self.counts.get((drafter, m, position), (0.0, 0.0))
-            # the level's prior: the level above without this level's own counts (else counted twice)
-            rest = (max(above[0] - a, 0.0), max(above[1] - r, 0.0))
-            prior = (acceptance_with_prior(*rest, *prior), LEVEL_WEIGHT)
-            mean, above = acceptance_with_prior(a, r, *prior), (a, r)
+            return [0.0] * k
+        levels = (None, self.bucket(match)) if match is not None else (None,)
         a, r = self.rows.get((drafter, row), (0.0, 0.0))
         share = (a + r) / max(self.evidence(drafter), a + r, 1e-9)  # of the pool's evidence, the request's own
-        mean = min(mean * (acceptance_with_prior(a, r, pooled, LEVEL_WEIGHT) / pooled) ** (1.0 - share), 0.999)
-        if optimism:  # the request's own evidence (with the pool's mean as LEVEL_WEIGHT pseudo-observations)
-            mean += optimism * math.sqrt(mean * (1 - mean) / (a + r + LEVEL_WEIGHT + 1))
-        return min(max(mean, 0.0), 0.999)
+        own = (acceptance_with_prior(a, r, pooled, LEVEL_WEIGHT) / pooled) ** (1.0 - share)
+        seen = a + r + LEVEL_WEIGHT + 1  # the request's own evidence, the pool's mean as LEVEL_WEIGHT observations
+        out = []
+        for position in range(1, k + 1):
+            above, mean, level_prior = self.pooled[drafter], pooled, prior
+            for m in levels:
+                la, lr = self.counts.get((drafter, m, position), (0.0, 0.0))
+                # the level's prior: the level above without this level's own counts (else counted twice)
+                rest = (max(above[0] - la, 0.0), max(above[1] - lr, 0.0))
+                level_prior = (acceptance_with_prior(*rest, *level_prior), LEVEL_WEIGHT)
+                mean, above = acceptance_with_prior(la, lr, *level_prior), (la, lr)
+            mean = min(mean * own, 0.999)
+            if optimism:
+                mean += optimism * math.sqrt(mean * (1 - mean) / seen)
+            out.append(min(max(mean, 0.0), 0.999))
+        return out
 
     def survival(
         self,
@@ -141,7 +148,7 @@ class Acceptance:
     ) -> list[float]:
         """[k] S(i): the probability that a draft for request `row` survives to position i (1..k)."""
         out, s = [], 1.0
-        for i in range(1, k + 1):
-            s *= self.conditional(drafter, row, i, match, optimism, prior)
+        for c in self.conditionals(drafter, row, k, match, optimism, prior):
+            s *= c
             out.append(s)
         return out

@@ -103,7 +103,9 @@ class Planner:
             for d in drafters
             if self.paying[d]
         ]
-        return [max(c[i] for c in curves) for i in range(k)] if curves else []
+        if len(curves) <= 1:
+            return curves[0] if curves else []
+        return [max(c[i] for c in curves) for i in range(k)]
 
     def _best(
         self,
@@ -145,21 +147,22 @@ class Planner:
         ks, value, total, longest, caught = [0] * B, float(B), 0, 0, {}
         longest_of, served, draft_of = {}, {}, {}  # per drafter: its longest draft, rows served, predicted seconds
         best_rate, best_m = MIN_GAIN * B / profile.plain_seconds(B), 0
+        verify = {}  # positions -> the verification's seconds: a prefix's verifications repeat
         for m, (s, i, b) in enumerate(slots, 1):
             if catch_up is not None:
                 if ks[b] == 0:
                     self._add_catch_up(caught, catch_up[b], padded)
                 for d in chosen[b]:
-                    served[d] = served.get(d, 0) + (ks[b] == 0)
-                    longest_of[d] = max(longest_of.get(d, 0), i)
-                    draft_of[d] = profile.draft_seconds_for_rows(d, longest_of[d], served[d])
+                    rows, longest_d = served.get(d, 0) + (ks[b] == 0), max(longest_of.get(d, 0), i)
+                    if (rows, longest_d) != (served.get(d), longest_of.get(d)):  # priced again only if it grew
+                        served[d], longest_of[d] = rows, longest_d
+                        draft_of[d] = profile.draft_seconds_for_rows(d, longest_d, rows)
             total, longest, value = total + i - ks[b], max(longest, i), value + s
             ks[b] = i
-            seconds = (
-                profile.verify_seconds(B, B * (1 + longest) if padded else B + total)
-                + sum(draft_of.values())
-                + sum(caught.values())
-            )
+            positions = B * (1 + longest) if padded else B + total
+            if positions not in verify:
+                verify[positions] = profile.verify_seconds(B, positions)
+            seconds = verify[positions] + sum(draft_of.values()) + sum(caught.values())
             if value / seconds > best_rate:
                 best_rate, best_m = value / seconds, m
         return best_rate, slots[:best_m]
@@ -209,13 +212,16 @@ class Planner:
         """[B] the optimistic sizes `ks` cut to what the exploration budget affords (exploration.py): the
         plan the evidence pays for (a pessimistic prior), and beyond it probes, shortest first.
         catch_up: [B] drafter -> seconds charged a step for the row's catch-up (`size`); full: the whole of it."""
-        bounds = [
-            self._curve(r, ds, k, None, 0.0, EVIDENCE_ONLY) if ds and k > 0 else []
-            for r, ds, k in zip(row_ids, chosen, caps)
-        ]
-        exploit = self._best(bounds, chosen, padded, catch_up)  # [B]
-        # a failed probe wastes its rows' catch-ups: charged in full, a drafter the pool has never seen too
-        sized, probe = self._probe(row_ids, exploit, ks, chosen, padded, full)
+        if any(ks):  # the evidence's plan, within the optimistic one (what nothing pays one sd up, nothing does)
+            bounds = [
+                self._curve(r, ds, k, None, 0.0, EVIDENCE_ONLY) if ds and k > 0 else []
+                for r, ds, k in zip(row_ids, chosen, caps)
+            ]
+            exploit = [min(e, k) for e, k in zip(self._best(bounds, chosen, padded, catch_up), ks)]  # [B]
+            # a failed probe wastes its rows' catch-ups: charged in full, a drafter the pool has never seen too
+            sized, probe = self._probe(row_ids, exploit, ks, chosen, padded, full)
+        else:  # a plain step (most steps where drafting does not pay): no second pass, no probe
+            exploit, sized, probe = ks, ks, 0.0
         B = len(ks)
         if self.journal is not None:
             self.journal.note(
