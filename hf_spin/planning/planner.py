@@ -212,12 +212,12 @@ class Planner:
         """[B] the optimistic sizes `ks` cut to what the exploration budget affords (exploration.py): the
         plan the evidence pays for (a pessimistic prior), and beyond it probes, shortest first.
         catch_up: [B] drafter -> seconds charged a step for the row's catch-up (`size`); full: the whole of it."""
-        if any(ks):  # the evidence's plan, within the optimistic one (what nothing pays one sd up, nothing does)
+        if any(ks):  # lower curves over the same slots pay no better: nothing one sd up, no evidence plan, no probe
             bounds = [
                 self._curve(r, ds, k, None, 0.0, EVIDENCE_ONLY) if ds and k > 0 else []
                 for r, ds, k in zip(row_ids, chosen, caps)
             ]
-            exploit = [min(e, k) for e, k in zip(self._best(bounds, chosen, padded, catch_up), ks)]  # [B]
+            exploit = self._best(bounds, chosen, padded, catch_up)  # [B]
             # a failed probe wastes its rows' catch-ups: charged in full, a drafter the pool has never seen too
             sized, probe = self._probe(row_ids, exploit, ks, chosen, padded, full)
         else:  # a plain step (most steps where drafting does not pay): no second pass, no probe
