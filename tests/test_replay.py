@@ -259,11 +259,16 @@ def test_a_compact_trace_renumbers_every_id_one_to_one(trace):
     assert small.target["pad_token_id"] < n and max(small.target["eos_token_id"]) < n
 
 
-def test_paced_forwards_last_their_injected_cost_beside_the_hosts_own_work(trace):
+@pytest.mark.parametrize("layout", ["rectangular", "static"])
+def test_paced_forwards_last_their_injected_cost_beside_the_hosts_own_work(trace, layout):
     """`host --step-ms`: every forward of the (compact-vocabulary) stand-ins lasts its injected cost in wall time
-    (`pace`), so plain `generate` takes at least its forwards' cost and the pools still commit the recording."""
+    (`pace`), so plain `generate` takes at least its forwards' cost and the pools (on either layout, `--cache`)
+    still commit the recording."""
     step = 0.004
-    records = run_host(trace, "flat", [1], step_ms=step * 1e3)
+    records = run_host(trace, "flat", [1], step_ms=step * 1e3, layout=layout)
+    assert all(
+        r["method"] in ("generate", "transformers_lookup") or r["method"].endswith("_static") for r in records
+    ) == (layout == "static")
     assert all(r["identical"] == r["requests"] for r in records)
     plain = next(r for r in records if r["method"] == "generate")
     assert plain["seconds"] >= plain["tokens"] * step  # one forward a token at batch 1, the first the prefill's

@@ -111,6 +111,9 @@ def parser() -> argparse.ArgumentParser:
         "(a GPU's step with this machine's host: the never-slower rule where the host's work counts); default: "
         "the stand-ins' own forwards",
     )
+    host.add_argument(
+        "--cache", choices=("rectangular", "packed", "static"), default="rectangular", help="the pools' KV cache layout"
+    )
     host.add_argument("--threads", type=int, default=2)
     host.add_argument("--out", type=Path, default=Path("benchmarks/results/replay"))
     return p

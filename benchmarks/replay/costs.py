@@ -114,7 +114,12 @@ def scaled(fn, step_seconds: float):
 
 
 def run_host(
-    trace: Trace, structure: str, batch_sizes: list[int], repeat: int = 1, step_ms: float | None = None
+    trace: Trace,
+    structure: str,
+    batch_sizes: list[int],
+    repeat: int = 1,
+    step_ms: float | None = None,
+    layout: str = "rectangular",
 ) -> list[dict]:
     """Records of `run.bench` on the stand-ins by the wall clock, each pool deciding on `structure`'s injected
     costs (flat: a GPU's): what the engine's own work a step costs (`host_ms`), with the real drafting the trace
@@ -122,7 +127,8 @@ def run_host(
     workload's requests that many times over, through one pool (`run.bench`). step_ms: every forward lasts its
     cost on the structure scaled to a plain step of this many milliseconds (`pace`), so the records' times are a
     machine's whose device runs those forwards and whose host is this one (None: the stand-ins' own time, the
-    pools deciding on the structure's 0.1 s step)."""
+    pools deciding on the structure's 0.1 s step). layout: the pools' KV cache (`AssistantPool(cache=...)`; static:
+    the GPU's layout, its forwards eager here)."""
     vocab = None
     if step_ms is not None:  # the stand-ins' own work a position, over ~150k logits, would outlast a device's step
         trace, vocab = compact(trace)
@@ -134,7 +140,7 @@ def run_host(
         models = {r.name: d.model for r, d in zip(trace.drafters, drafters) if not r.live}
         handles = pace(target, table(fn)) + [h for n, m in models.items() for h in pace(m, costs[n])]
     try:
-        return bench(trace, target, drafters, batch_sizes, profile=injected(fn, costs), repeat=repeat)
+        return bench(trace, target, drafters, batch_sizes, profile=injected(fn, costs), layout=layout, repeat=repeat)
     finally:
         for h in handles:
             h.remove()
@@ -155,12 +161,13 @@ def host_main(args) -> int:
     """`python -m benchmarks.replay host TRACE`: the engine's own milliseconds a step, plain and drafting."""
     torch.set_num_threads(args.threads)
     trace = merge([load(path) for path in args.trace])
-    records = run_host(trace, args.structure, args.batch_sizes, args.repeat, args.step_ms)
+    records = run_host(trace, args.structure, args.batch_sizes, args.repeat, args.step_ms, args.cache)
     env = {
         **machine(),
         "trace": [str(path) for path in args.trace],
         "structure": args.structure,
         "step_ms": args.step_ms,
+        "cache": args.cache,
     }
     paced = (
         f"every forward lasting its cost on that structure at a plain step of {args.step_ms:g} ms (a device's, "
