@@ -67,6 +67,10 @@ class CostClock:
                 m.perf_counter = original
 
 
+# `pace` sleeps until this many seconds before a forward's end and spins the rest (a sleep overshoots by ~0.1 ms).
+SPIN_SECONDS = 3e-4
+
+
 def pace(model, cost: ForwardCost) -> list:
     """Make every forward of `model` (input_ids [B, T]) last cost.predict(B x T, B) seconds of wall time (longer
     only where its own work takes longer): a device whose forwards cost what `cost` says, waited on by a real host.
@@ -90,10 +94,6 @@ def pace(model, cost: ForwardCost) -> list:
         model.register_forward_pre_hook(begin, with_kwargs=True),
         model.register_forward_hook(wait, with_kwargs=True),
     ]
-
-
-# `pace` sleeps until this many seconds before a forward's end and spins the rest (a sleep overshoots by ~0.1 ms).
-SPIN_SECONDS = 3e-4
 
 
 def table(fn: Callable[[float], float], knots=(1, 2, 4, 8, 16, 32, 64)) -> ForwardCost:

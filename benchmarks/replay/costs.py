@@ -129,11 +129,11 @@ def run_host(
     machine's whose device runs those forwards and whose host is this one (None: the stand-ins' own time, the
     pools deciding on the structure's 0.1 s step). layout: the pools' KV cache (`AssistantPool(cache=...)`; static:
     the GPU's layout, its forwards eager here)."""
-    vocab = None
+    vocab, fn = None, STRUCTURES[structure]
     if step_ms is not None:  # the stand-ins' own work a position, over ~150k logits, would outlast a device's step
         trace, vocab = compact(trace)
+        fn = scaled(fn, step_ms / 1e3)
     target, drafters, shares = stand_ins(trace, vocab)
-    fn = STRUCTURES[structure] if step_ms is None else scaled(STRUCTURES[structure], step_ms / 1e3)
     costs = draft_costs(fn, shares)
     handles = []
     if step_ms is not None:
