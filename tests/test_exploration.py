@@ -188,7 +188,7 @@ def test_a_drafting_steps_own_host_work_is_priced(monkeypatch, acceptance):
     assert torch.equal(out, plain)
     spin = clock.now
     plain_seconds = plain_clock(target, prompts, clock, new_tokens)
-    assert pool.cost_profile.host_seconds(1, True) == pytest.approx(host, rel=0.01)
+    assert pool.cost_profile.host_seconds(1, "drafting") == pytest.approx(host, rel=0.01)
     if acceptance < 0.5:
         assert spin <= 1.03 * plain_seconds, f"{spin:.2f}s against plain {plain_seconds:.2f}s"
     else:

@@ -20,7 +20,7 @@ import hf_spin
 from benchmarks.injected_costs import STRUCTURES, CostClock, profile_of, table
 from hf_spin.drafters import Draft, Drafter
 from hf_spin.planning.acceptance import EVIDENCE_ONLY, LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance
-from hf_spin.planning.cost_profile import UNMEASURED_PREMIUM, CostProfile, ForwardCost
+from hf_spin.planning.cost_profile import DRAFTING, PLAIN, UNMEASURED_PREMIUM, CostProfile, ForwardCost
 from hf_spin.planning.estimates import acceptance_with_prior
 from hf_spin.planning.grid import measure
 from hf_spin.planning.planner import Planner, plan_k
@@ -846,15 +846,15 @@ def test_the_engines_own_work_a_step_shrugs_off_a_stall():
     garbage collection, a call's first step) moves it by a bounded amount, and never seeds it: the first
     observations answer with their least, then their median seeds the mean."""
     profile = CostProfile(ForwardCost.from_table({1: 0.1}), [], [])
-    assert profile.host_seconds(1, True) == 0.0
-    profile.observe_host(1, False, 0.040)  # a first step doing lazy set-up
-    profile.observe_host(1, False, 0.001)
-    assert profile.host_seconds(1, False) == pytest.approx(0.001)
+    assert profile.host_seconds(1, DRAFTING) == 0.0
+    profile.observe_host(1, PLAIN, 0.040)  # a first step doing lazy set-up
+    profile.observe_host(1, PLAIN, 0.001)
+    assert profile.host_seconds(1, PLAIN) == pytest.approx(0.001)
     for _ in range(20):
-        profile.observe_host(1, False, 0.001)
-        profile.observe_host(4, True, 0.004)
-    assert profile.host_seconds(1, False) == pytest.approx(0.001)
-    profile.observe_host(1, False, 0.025)
-    assert profile.host_seconds(1, False) < 0.0012
-    assert profile.host_seconds(1, True) == 0.0 and profile.host_seconds(5, True) == pytest.approx(0.004)
-    assert profile.plain_seconds(1) == pytest.approx(0.1 + profile.host_seconds(1, False))
+        profile.observe_host(1, PLAIN, 0.001)
+        profile.observe_host(4, DRAFTING, 0.004)
+    assert profile.host_seconds(1, PLAIN) == pytest.approx(0.001)
+    profile.observe_host(1, PLAIN, 0.025)
+    assert profile.host_seconds(1, PLAIN) < 0.0012
+    assert profile.host_seconds(1, DRAFTING) == 0.0 and profile.host_seconds(5, DRAFTING) == pytest.approx(0.004)
+    assert profile.plain_seconds(1) == pytest.approx(0.1 + profile.host_seconds(1, PLAIN))

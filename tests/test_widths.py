@@ -12,6 +12,7 @@ import hf_spin
 from benchmarks.injected_costs import CostClock, profile_of, table
 from hf_spin.cache.forward import FILLER_TOKEN as F
 from hf_spin.drafters.base import Draft
+from hf_spin.planning.cost_profile import WIDENED
 from hf_spin.step.widths import widen
 
 from .archs import EOS
@@ -119,3 +120,43 @@ def test_a_plain_step_runs_at_a_cheaper_width_too(cache):
             prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS
         )
     assert spin < 0.87 * (clock.now - start), f"{spin:.2f}s against plain {clock.now - start:.2f}s"
+
+
+@pytest.mark.parametrize("cache", ["rectangular", "packed"])
+def test_a_plain_step_widens_only_where_its_rollback_leaves_a_saving(monkeypatch, cache):
+    """Flat forwards, the wider one 3% cheaper (a GPU's launch-bound step read through a few percent of noise), and
+    a widened step's rollback of its fillers costing 10% of a step of the engine's own work: the first plain step
+    widens, the profile learns what a widened step costs beyond its forward (`CostProfile.host_seconds`, WIDENED),
+    and every later one runs at one position a row. Priced by its forward alone, every step would widen and the
+    call run 7% slower than plain `generate`."""
+    from hf_spin.cache.packed import PackedCache
+    from hf_spin.cache.rectangular import RectangularCache
+
+    new_tokens, rollback_seconds = 30, 0.01
+    target, prompts, plain, refs = case(batch=1, new_tokens=new_tokens)
+    clock = CostClock()
+    cost = table(lambda n: 0.1 if n <= 1 else 0.097)
+    clock.hook(target, cost)
+    widths = []
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    for layout in (RectangularCache, PackedCache):
+        rollback = layout.rollback
+
+        def costly_rollback(self, keep, rollback=rollback):  # the engine's own work, on the clock
+            clock.now += rollback_seconds
+            return rollback(self, keep)
+
+        monkeypatch.setattr(layout, "rollback", costly_rollback)
+    pool = hf_spin.AssistantPool([Mute(refs, [0.0])], profile=profile_of(cost, [None], ["scripted"]), cache=cache)
+    out = run(target, prompts, pool, clock, new_tokens=new_tokens)
+    assert torch.equal(out, plain)
+    assert widths[1:-1].count(2) <= 1 and set(widths[1:-1]) <= {1, 2}, widths
+    assert pool.cost_profile.host_seconds(1, WIDENED) >= rollback_seconds
+    spin, start = clock.now, clock.now
+    with clock.installed():
+        target.generate(
+            prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS
+        )
+    assert spin < 1.01 * (clock.now - start), f"{spin:.2f}s against plain {clock.now - start:.2f}s"

@@ -25,6 +25,7 @@ import hf_spin
 from benchmarks.common import machine
 from hf_spin.cache import CACHE_ARG
 from hf_spin.cache.static_forward import StaticOptions
+from hf_spin.planning.cost_profile import DRAFTING, PLAIN
 
 from .checks import CheckConfig, compare, generated, left_pad, run_check
 from .forced import ForcedTarget, build_model, force, replay_drafters
@@ -260,7 +261,7 @@ def host_ms(pool, batch: int) -> dict[str, float] | None:
     profile = getattr(pool, "cost_profile", None)
     if profile is None:
         return None
-    return {"plain": 1e3 * profile.host_seconds(batch, False), "drafting": 1e3 * profile.host_seconds(batch, True)}
+    return {"plain": 1e3 * profile.host_seconds(batch, PLAIN), "drafting": 1e3 * profile.host_seconds(batch, DRAFTING)}
 
 
 def _host_cell(host: dict[str, float] | None) -> str:

@@ -251,6 +251,10 @@ class StepWork:
         self.seconds = self.mean.mean
 
 
+# The kinds of step whose own work (`CostProfile.host_seconds`) is learned apart: a plain step at one position a
+# row, one widened to a cheaper width (`ForwardCost.width`: its fillers rolled back after), and one that drafted.
+PLAIN, WIDENED, DRAFTING = "plain", "widened", "drafting"
+
 # A drafter whose break-even per-token acceptance (`CostProfile.break_even`) is above this cannot
 # pay on this machine in practice: the planner never drafts with it, and a pool left with none
 # decodes plainly after saying so once. Same-family draft models reach 0.6-0.8 on chat and code.
@@ -276,8 +280,8 @@ class CostProfile:
     other_dtypes: dict[str, ForwardCost] = field(
         default_factory=dict
     )  # the target in other dtypes, where a cache file knows it
-    # (batch-size bucket, drafted) -> the engine's own seconds a step (`observe_host`); learned online, never saved
-    host: dict[tuple[int, bool], StepWork] = field(default_factory=dict)
+    # (batch-size bucket, step kind) -> the engine's own seconds a step (`observe_host`); learned online, never saved
+    host: dict[tuple[int, str], StepWork] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.calls:
@@ -287,24 +291,41 @@ class CostProfile:
     def verify_seconds(self, rows: int, n_tokens: float) -> float:
         """A step verifying `n_tokens` positions in `rows` rows: the target's forward (at its `ForwardCost.width`)
         and the engine's own work around it (`host_seconds`, a drafting step's where n_tokens > rows)."""
-        return self.target.verify(n_tokens, rows) + self.host_seconds(rows, n_tokens > rows)
+        return self.target.verify(n_tokens, rows) + self.host_seconds(rows, DRAFTING if n_tokens > rows else PLAIN)
 
     def plain_seconds(self, rows: int) -> float:
-        """A plain step: one position a row, at the width the engine runs it (`ForwardCost.width`: on an AVX-512
-        bf16 CPU two positions cost less than one), and the engine's own work around it."""
-        return self.target.verify(rows, rows) + self.host_seconds(rows, False)
+        """A plain step: one position a row, or at a wider width where the whole step is cheaper there
+        (`plain_width`), and the engine's own work around it."""
+        return self._plain(rows)[0]
 
-    def host_seconds(self, rows: int, drafted: bool) -> float:
-        """The engine's own seconds in a step of `rows` rows that drafted or not, beyond the target's forward and
-        the drafters' calls (planning, merging drafts, the verdict, committing, learning): measured online
-        (`observe_host`, `StepWork`), 0 before. Next to a forward on a CPU it is noise; on a GPU, whose captured
-        1.5B step takes 4-5 ms, a drafting step's few milliseconds of Python decide whether a draft pays."""
-        work = self.host.get((bucket(rows), drafted))
+    def plain_width(self, rows: int) -> int:
+        """The positions a plain step of `rows` rows runs over: a cheaper width of the target's (`ForwardCost.width`:
+        on an AVX-512 bf16 CPU two positions cost less than one) where the widened step, its own work included
+        (its fillers rolled back after), costs less than the narrow one; else one a row. Its forward alone would
+        decide on a few percent of noise where the forwards are flat (a GPU's launch-bound step), and, widened,
+        the narrow width is never measured again."""
+        return self.target.width(rows, rows) if self._plain(rows)[1] else rows
+
+    def _plain(self, rows: int) -> tuple[float, bool]:
+        """(seconds of a plain step, whether it widens)."""
+        narrow = self.target.predict(rows, rows) + self.host_seconds(rows, PLAIN)
+        wide = self.target.verify(rows, rows)  # at its cheapest width, rows itself where no wider one is cheaper
+        if wide < self.target.predict(rows, rows) and (wide := wide + self.host_seconds(rows, WIDENED)) < narrow:
+            return wide, True
+        return narrow, False
+
+    def host_seconds(self, rows: int, kind: str) -> float:
+        """The engine's own seconds in a step of `rows` rows of `kind` (PLAIN, WIDENED or DRAFTING), beyond the
+        target's forward and the drafters' calls (planning, merging drafts, the verdict, committing, rolling back,
+        learning): measured online (`observe_host`, `StepWork`), 0 before. Next to a forward on a CPU it is noise;
+        on a GPU, whose captured 1.5B step takes 4-5 ms, a drafting step's few milliseconds of Python decide
+        whether a draft pays, and a widened plain step's rollback whether widening does."""
+        work = self.host.get((bucket(rows), kind))
         return work.seconds if work is not None else 0.0
 
-    def observe_host(self, rows: int, drafted: bool, seconds: float) -> None:
-        """A step of `rows` rows (drafted or not) spent `seconds` outside the target's forward and the drafters."""
-        self.host.setdefault((bucket(rows), drafted), StepWork()).add(seconds)
+    def observe_host(self, rows: int, kind: str, seconds: float) -> None:
+        """A step of `rows` rows of `kind` spent `seconds` outside the target's forward and the drafters."""
+        self.host.setdefault((bucket(rows), kind), StepWork()).add(seconds)
 
     def draft_seconds_for_rows(self, drafter: int, forwards: float, rows: int) -> float:
         """`drafter` drafting for `rows` rows (not row tokens: `CostModel.draft_seconds` takes those) in
@@ -406,8 +427,7 @@ class CostProfile:
             )
         if self.host:
             host = [
-                f"{'drafting' if drafted else 'plain'} {1 << b}+ rows {work.seconds * 1e3:.2f} ms"
-                for (b, drafted), work in sorted(self.host.items())
+                f"{kind} {1 << b}+ rows {work.seconds * 1e3:.2f} ms" for (b, kind), work in sorted(self.host.items())
             ]
             lines.append("engine's own work a step (host_seconds): " + ", ".join(host))
         lines.append(self.outlook())

@@ -346,11 +346,11 @@ class Planner:
         if cost is not None and lag > 1:
             self.profile.observe_catch_up(drafter, lag, max(seconds - (forwards - 1) * cost.predict(1), 1e-6))
 
-    def observe_host(self, rows: int, drafted: bool, seconds: float) -> None:
-        """A step of `rows` rows that drafted or not spent `seconds` in the engine's own work: every step is priced
-        with it from now on (`CostProfile.host_seconds`)."""
+    def observe_host(self, rows: int, kind: str, seconds: float) -> None:
+        """A step of `rows` rows of `kind` (plain, widened, drafting: cost_profile.py) spent `seconds` in the engine's
+        own work: every step is priced with it from now on (`CostProfile.host_seconds`)."""
         with self.lock:
-            self.profile.observe_host(rows, drafted, seconds)
+            self.profile.observe_host(rows, kind, seconds)
 
     def observe_catch_up(self, drafter: int, positions: int, seconds: float) -> None:
         """An idle catch-up ran: `drafter`'s forward over `positions` positions took `seconds` (its cost past the grid,

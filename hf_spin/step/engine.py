@@ -43,6 +43,7 @@ from ..cache.static_forward import StaticOptions, StaticTarget, forward_static_t
 from ..drafters import Drafter
 from ..drafters.model import ModelDrafter, common_prefix_length
 from ..host_syncs import to_device
+from ..planning.cost_profile import DRAFTING, PLAIN, WIDENED
 from ..planning.plan import BatchView, Plan, StepFeedback, shadow_lengths
 from ..planning.planner import plan_k
 from ..planning.prefill import prefill_groups
@@ -249,10 +250,11 @@ class SpinEngine:
             with host_syncs.phase("step"):
                 start, B = perf_counter(), len(self.rows)
                 proposal = self.propose()
-                verify_seconds = self.verify(proposal)
-                if self.planner is not None and verify_seconds is not None:  # what the step cost beyond its forwards
+                verified = self.verify(proposal)
+                if self.planner is not None and verified is not None:  # what the step cost beyond its forwards
+                    verify_seconds, kind = verified
                     host = perf_counter() - start - verify_seconds - sum(proposal.draft_seconds)
-                    self.planner.observe_host(B, any(proposal.drafts), host)
+                    self.planner.observe_host(B, kind, host)
             self._admitted_last = False
 
     def close(self) -> None:
@@ -434,8 +436,9 @@ class SpinEngine:
 
     # -- 5-7. Verify, commit, catch up ----------------------------------------------------------------
     @torch.no_grad()
-    def verify(self, proposal: Proposal) -> float | None:
-        """Steps 5-7 of `proposal`; returns the seconds of the target's forward and verdict (None: every row failed)."""
+    def verify(self, proposal: Proposal) -> tuple[float, str] | None:
+        """Steps 5-7 of `proposal`; returns the seconds of the target's forward and verdict, and the kind of step it
+        was (`CostProfile.host_seconds`: plain, widened or drafting); None: every row failed."""
         rows = self.rows
         if proposal.trees is not None:
             self._drop_ahead()  # a tree's root is fed with its nodes
@@ -495,7 +498,7 @@ class SpinEngine:
             if self.planner is not None:
                 self.planner.update(feedback)
         self.steps += 1
-        return verify_seconds
+        return verify_seconds, DRAFTING if any(proposal.drafts) else WIDENED if outcome.filled else PLAIN
 
     def _verify_trees(self, proposal: Proposal) -> StepOutcome | None:
         """Step 5 over token trees (a row without one verifies its chain as a one-branch tree): tree_step.py."""
@@ -625,13 +628,15 @@ class SpinEngine:
     def _widened(self, chunks: list[list[int]]) -> tuple[list[list[int]], int]:
         """(the chunks to feed, the positions the forward runs over): where the target's cost profile verifies
         cheaper at a wider knot (`ForwardCost.width`), the chunks filled out to it with filler tokens (step/widths.py;
-        the rollback drops them); else as given. A plain step too: on an AVX-512 bf16 CPU one position runs a GEMV
-        slower than a two-position GEMM (AMD EPYC, bf16, 1.5B: 192 / 172 ms)."""
+        the rollback drops them); else as given. A plain step too, where the whole step is cheaper so, its rollback
+        included (`CostProfile.plain_width`): on an AVX-512 bf16 CPU one position runs a GEMV slower than a
+        two-position GEMM (AMD EPYC, bf16, 1.5B: 192 / 172 ms)."""
         packed = isinstance(self.cache, PackedCache)
         B, positions = len(chunks), sum(len(c) for c in chunks) if packed else len(chunks) * max(map(len, chunks))
         if self.planner is None:
             return chunks, positions
-        wide = self.planner.profile.target.width(positions, B)
+        profile = self.planner.profile
+        wide = profile.plain_width(B) if positions == B else profile.target.width(positions, B)
         if wide == positions:  # ragged rows keep their holes
             return chunks, positions
         widened = widen(chunks, wide, [r.draft_room + 1 for r in self.rows], packed)

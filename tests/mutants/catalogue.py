@@ -526,7 +526,7 @@ MUTANTS = (
         "the planner prices a verification at the cheaper wider width the profile found, and the engine runs it at "
         "the drafts' own (a CPU's slow 2-15 token GEMM): each step costs what the planner never expected",
         "hf_spin/step/engine.py",
-        "        wide = self.planner.profile.target.width(positions, B)",
+        "        wide = profile.plain_width(B) if positions == B else profile.target.width(positions, B)",
         "        wide = positions",
         (WIDTHS + "[1-rectangular]", "tests/test_widths.py::test_a_plain_step_runs_at_a_cheaper_width_too[packed]"),
     ),
@@ -693,9 +693,21 @@ MUTANTS = (
         "the planner prices a drafting step by its forwards alone: on a GPU, where a captured step takes a few "
         "milliseconds, a draft that pays its forwards but not the engine's own work around it runs slower than plain",
         "hf_spin/planning/cost_profile.py",
-        "        return self.target.verify(n_tokens, rows) + self.host_seconds(rows, n_tokens > rows)\n",
+        "        return self.target.verify(n_tokens, rows) + self.host_seconds(rows, DRAFTING if n_tokens > rows else PLAIN)\n",
         "        return self.target.verify(n_tokens, rows)\n",
         ("tests/test_exploration.py::test_a_drafting_steps_own_host_work_is_priced[0.25]",),
+    ),
+    Mutant(
+        "widening_host_unpriced",
+        "a plain step widens by its forward alone: where forwards are flat (a GPU's launch-bound step), a few percent of "
+        "noise widens every step, and each pays its fillers' rollback",
+        "hf_spin/planning/cost_profile.py",
+        "(wide := wide + self.host_seconds(rows, WIDENED))",
+        "(wide := wide)",
+        (
+            "tests/test_widths.py::test_a_plain_step_widens_only_where_its_rollback_leaves_a_saving[rectangular]",
+            "tests/test_widths.py::test_a_plain_step_widens_only_where_its_rollback_leaves_a_saving[packed]",
+        ),
     ),
     Mutant(
         "prompt_lookup_unaligned_hits",
