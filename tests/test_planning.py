@@ -841,6 +841,48 @@ def test_a_kept_verification_price_follows_every_observation():
     assert cost.verify(8, rows=4) == pytest.approx(cost.verify(8) + 0.03)
 
 
+def test_the_bound_that_skips_ranking_never_changes_a_plan(monkeypatch):
+    """`Planner._nothing_pays` answers most steps of a drafter that is rarely right without ranking every slot: it
+    must only ever skip where `_best_prefix` finds nothing. 400 random cases (jagged target and drafter grids,
+    host work, model drafters and model-free ones, before and after drafting, padded rows and packed ones): `_best`
+    plans the same with the bound as without it, and the bound decides a sixth of them (a quarter of those where
+    nothing pays: it is loose where verification grows with its positions)."""
+    # prompt lookup (free) on a row it copies, a draft model on one it does not: the cheap drafter's row pays
+    planner = Planner(profile_of(table(flat), [None, table(lambda n: 0.05)], ["lookup", "model"]))
+    assert planner._best([[0.9, 0.8, 0.7, 0.6], [0.1]], [(0,), (1,)], True, [{0: 0.0}, {1: 0.0}]) == [4, 0]
+    rng = random.Random(0)
+    decided, plain, bound = 0, 0, Planner._nothing_pays
+    for case_ in range(400):
+        knots = [1, 2, 4, 8, 16]
+        target = ForwardCost.from_table({n: rng.uniform(0.05, 0.1) * (1 + rng.uniform(0, 1) * n / 8) for n in knots})
+        drafters = [
+            None if rng.random() < 0.3 else ForwardCost.from_table({n: rng.uniform(0.001, 0.06) for n in knots})
+            for _ in range(2)
+        ]
+        planner = Planner(profile_of(target, drafters, ["a", "b"]))
+        planner.profile.observe_host(4, DRAFTING, rng.uniform(0, 0.02))
+        for d in range(2):
+            planner.profile.calls[d].add(rng.uniform(0, 0.01))
+        B = rng.choice([1, 2, 4])
+        chosen = [tuple(rng.sample([0, 1], rng.choice([1, 2]))) for _ in range(B)]
+        curves = []
+        for _ in range(B):
+            survival, curve = 1.0, []
+            for _ in range(rng.randint(0, 8)):
+                survival *= rng.uniform(0.0, 0.9) if case_ % 2 else rng.uniform(0.0, 0.3)
+                curve.append(survival)
+            curves.append(curve)
+        catch_up = [{d: rng.uniform(0, 0.05) for d in ds} for ds in chosen] if rng.random() < 0.5 else None
+        padded = rng.random() < 0.5
+        with_bound = planner._best(curves, chosen, padded, catch_up)
+        monkeypatch.setattr(Planner, "_nothing_pays", lambda *args: False)
+        assert planner._best(curves, chosen, padded, catch_up) == with_bound, case_
+        monkeypatch.setattr(Planner, "_nothing_pays", bound)
+        decided += bound(planner, curves, chosen, catch_up is not None)
+        plain += not any(with_bound)
+    assert decided >= 50, (decided, plain)  # 67 of the 275 plain plans
+
+
 def test_the_engines_own_work_a_step_shrugs_off_a_stall():
     """`CostProfile.observe_host`: a step's own work, plain and drafting apart, per batch-size bucket. A stall (a
     garbage collection, a call's first step) moves it by a bounded amount, and never seeds it: the first

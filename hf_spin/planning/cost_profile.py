@@ -158,6 +158,11 @@ class ForwardCost:
             seconds = self._verified[key] = self.predict(self.width(n_tokens, rows), rows)
         return seconds
 
+    def floor(self, rows: int = 1) -> float:
+        """The least a forward over `rows` rows may cost, at any positions: the cheapest knot (between knots the cost
+        is interpolated, past the last it does not fall) and the per-row overhead (`Planner._best`'s bound)."""
+        return min(self.values()) + self.per_row * max(rows - 1, 0)
+
     def bound(self, n_tokens: float) -> float:
         """Seconds of a forward over `n_tokens` positions in one row, read pessimistically past the last knot:
         growing by at least the grid's mean slope (first to last knot) from there. A grid that ends flat (a
@@ -326,6 +331,11 @@ class CostProfile:
     def observe_host(self, rows: int, kind: str, seconds: float) -> None:
         """A step of `rows` rows of `kind` spent `seconds` outside the target's forward and the drafters."""
         self.host.setdefault((bucket(rows), kind), StepWork()).add(seconds)
+
+    def least_draft_seconds(self, drafter: int) -> float:
+        """The least one forward of `drafter` may cost (0 for a model-free drafter, whose call may be free)."""
+        cost = self.drafters[drafter]
+        return cost.floor() if cost is not None else 0.0
 
     def draft_seconds_for_rows(self, drafter: int, forwards: float, rows: int) -> float:
         """`drafter` drafting for `rows` rows (not row tokens: `CostModel.draft_seconds` takes those) in

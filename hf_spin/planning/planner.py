@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Callable, Collection
 
 from .acceptance import EVIDENCE_ONLY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, Acceptance
-from .cost_profile import CostProfile
+from .cost_profile import DRAFTING, CostProfile
 from .exploration import ExplorationBudget
 from .journal import StepJournal
 from .plan import StepFeedback
@@ -121,6 +121,8 @@ class Planner:
         one new 300-token prompt, its slots as likely as its neighbours', would otherwise come first and price
         their drafts out with its catch-up."""
         B = len(curves)
+        if self._nothing_pays(curves, chosen, catch_up is not None):
+            return [0] * B
         slots = sorted(
             ((s, i + 1, b) for b, curve in enumerate(curves) for i, s in enumerate(curve)), key=lambda x: (-x[0], x[1])
         )
@@ -133,6 +135,23 @@ class Planner:
         for _, i, b in prefix:
             ks[b] = max(ks[b], i)
         return ks
+
+    def _nothing_pays(self, curves: list[list[float]], chosen: list[tuple[int, ...]], drafting: bool) -> bool:
+        """Whether no prefix of the slots can beat a plain step (`_best_prefix`'s rule), by a bound: a prefix whose
+        deepest slot is at position L earns at most every slot up to L, and costs at least the cheapest verification
+        a drafting step may run and, where drafting is priced, L forwards of the cheapest drafter chosen. Most steps
+        of a drafter that is rarely right end here, without ranking and pricing every slot."""
+        profile, B = self.profile, len(curves)
+        target = MIN_GAIN * B / profile.plain_seconds(B)
+        verify = profile.target.floor(B) + profile.host_seconds(B, DRAFTING)
+        drafters = {d for ds in chosen for d in ds}
+        forward = min((profile.least_draft_seconds(d) for d in drafters), default=0.0) if drafting else 0.0
+        value = float(B)
+        for depth in range(max(map(len, curves), default=0)):
+            value += sum(c[depth] for c in curves if depth < len(c))
+            if value / (verify + (depth + 1) * forward) > target * (1 - 1e-9):
+                return False
+        return True
 
     def _best_prefix(
         self,

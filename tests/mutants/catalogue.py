@@ -710,6 +710,15 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "nothing_pays_by_the_dearest_drafter",
+        "the planner's bound skips ranking where no prefix could pay at the dearest chosen drafter's forwards: a step "
+        "whose cheapest drafter pays is planned plain",
+        "hf_spin/planning/planner.py",
+        "min((profile.least_draft_seconds(d) for d in drafters), default=0.0)",
+        "max((profile.least_draft_seconds(d) for d in drafters), default=0.0)",
+        ("tests/test_planning.py::test_the_bound_that_skips_ranking_never_changes_a_plan",),
+    ),
+    Mutant(
         "prompt_lookup_unaligned_hits",
         "prompt lookup takes a byte match that straddles two tokens for an n-gram: it proposes continuations from the "
         "middle of a token, drafts the target rejects (lossless, slower)",
