@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Callable, Collection
 
 from .acceptance import EVIDENCE_ONLY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, Acceptance
-from .cost_profile import DRAFTING, CostProfile
+from .cost_profile import CostProfile
 from .exploration import ExplorationBudget
 from .journal import StepJournal
 from .plan import StepFeedback
@@ -143,15 +143,22 @@ class Planner:
         of a drafter that is rarely right end here, without ranking and pricing every slot."""
         profile, B = self.profile, len(curves)
         target = MIN_GAIN * B / profile.plain_seconds(B)
-        verify = profile.target.floor(B) + profile.host_seconds(B, DRAFTING)
+        # the cheapest forward and a drafting step's own work, as `verify_seconds` prices it
+        verify = profile.target.floor(B) + profile.verify_seconds(B, B + 1) - profile.target.verify(B + 1, B)
         drafters = {d for ds in chosen for d in ds}
         forward = min((profile.least_draft_seconds(d) for d in drafters), default=0.0) if drafting else 0.0
         value = float(B)
         for depth in range(max(map(len, curves), default=0)):
             value += sum(c[depth] for c in curves if depth < len(c))
-            if value / (verify + (depth + 1) * forward) > target * (1 - 1e-9):
+            if self._beats(value / (verify + (depth + 1) * forward), target * (1 - 1e-9)):
                 return False
         return True
+
+    @staticmethod
+    def _beats(rate: float, best: float) -> bool:
+        """Whether a plan at `rate` expected tokens a second beats `best` (a plain step's rate raised by MIN_GAIN, or
+        a better plan's)."""
+        return rate > best
 
     def _best_prefix(
         self,
@@ -182,7 +189,7 @@ class Planner:
             if positions not in verify:
                 verify[positions] = profile.verify_seconds(B, positions)
             seconds = verify[positions] + sum(draft_of.values()) + sum(caught.values())
-            if value / seconds > best_rate:
+            if self._beats(value / seconds, best_rate):
                 best_rate, best_m = value / seconds, m
         return best_rate, slots[:best_m]
 

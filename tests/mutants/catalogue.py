@@ -118,8 +118,8 @@ MUTANTS = (
         "planner_ignores_the_profile",
         "the planner takes every draft slot it is offered whatever the measured costs: slower than plain where verification is expensive",
         "hf_spin/planning/planner.py",
-        "if value / seconds > best_rate:",
-        "if True:",
+        "        return rate > best\n",
+        "        return True\n",
         (
             "tests/test_planning.py::test_plain_when_verification_grows_linearly_at_moderate_acceptance",
             "tests/test_planning.py::test_batch_budget_goes_to_the_rows_most_likely_to_survive",
