@@ -313,9 +313,10 @@ class CostProfile:
 
     def _plain(self, rows: int) -> tuple[float, bool]:
         """(seconds of a plain step, whether it widens)."""
-        narrow = self.target.predict(rows, rows) + self.host_seconds(rows, PLAIN)
+        forward = self.target.predict(rows, rows)
+        narrow = forward + self.host_seconds(rows, PLAIN)
         wide = self.target.verify(rows, rows)  # at its cheapest width, rows itself where no wider one is cheaper
-        if wide < self.target.predict(rows, rows) and (wide := wide + self.host_seconds(rows, WIDENED)) < narrow:
+        if wide < forward and (wide := wide + self.host_seconds(rows, WIDENED)) < narrow:
             return wide, True
         return narrow, False
 

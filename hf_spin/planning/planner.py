@@ -142,7 +142,7 @@ class Planner:
         a drafting step may run and, where drafting is priced, L forwards of the cheapest drafter chosen. Most steps
         of a drafter that is rarely right end here, without ranking and pricing every slot."""
         profile, B = self.profile, len(curves)
-        target = MIN_GAIN * B / profile.plain_seconds(B)
+        target = self._plain_rate(B)
         # the cheapest forward and a drafting step's own work, as `verify_seconds` prices it
         verify = profile.target.floor(B) + profile.verify_seconds(B, B + 1) - profile.target.verify(B + 1, B)
         drafters = {d for ds in chosen for d in ds}
@@ -153,6 +153,10 @@ class Planner:
             if self._beats(value / (verify + (depth + 1) * forward), target * (1 - 1e-9)):
                 return False
         return True
+
+    def _plain_rate(self, rows: int) -> float:
+        """Tokens a second a plan must beat: a plain step's, raised by MIN_GAIN."""
+        return MIN_GAIN * rows / self.profile.plain_seconds(rows)
 
     @staticmethod
     def _beats(rate: float, best: float) -> bool:
@@ -172,7 +176,7 @@ class Planner:
         profile, B = self.profile, len(chosen)
         ks, value, total, longest, caught = [0] * B, float(B), 0, 0, {}
         longest_of, served, draft_of = {}, {}, {}  # per drafter: its longest draft, rows served, predicted seconds
-        best_rate, best_m = MIN_GAIN * B / profile.plain_seconds(B), 0
+        best_rate, best_m = self._plain_rate(B), 0
         verify = {}  # positions -> the verification's seconds: a prefix's verifications repeat
         for m, (s, i, b) in enumerate(slots, 1):
             if catch_up is not None:
