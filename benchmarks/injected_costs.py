@@ -71,11 +71,22 @@ class CostClock:
 SPIN_SECONDS = 3e-4
 
 
-def pace(model, cost: ForwardCost) -> list:
+class Overrun:
+    """Seconds the paced forwards' own work ran past their injected cost, summed (`pace`): time a device with
+    those costs would not have taken (a stand-in's prefill over hundreds of positions on this CPU)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __call__(self) -> float:
+        return self.seconds
+
+
+def pace(model, cost: ForwardCost, overrun: Overrun | None = None) -> list:
     """Make every forward of `model` (input_ids [B, T]) last cost.predict(B x T, B) seconds of wall time (longer
-    only where its own work takes longer): a device whose forwards cost what `cost` says, waited on by a real host.
-    Unlike a `CostClock`, the host's own work (the engine's, `generate`'s loop) counts as it runs. Returns the
-    hooks' handles (`.remove()` each to undo)."""
+    only where its own work takes longer, by what `overrun` adds up): a device whose forwards cost what `cost`
+    says, waited on by a real host. Unlike a `CostClock`, the host's own work (the engine's, `generate`'s loop)
+    counts as it runs. Returns the hooks' handles (`.remove()` each to undo)."""
     due = []  # the ends of the forwards in flight (a stack: a forward may run inside another's hooks)
 
     def begin(module, args, kwargs):
@@ -87,6 +98,8 @@ def pace(model, cost: ForwardCost) -> list:
         left = end - time.perf_counter()
         if left > SPIN_SECONDS:  # sleep to near the end, then spin: a sleep alone overshoots
             time.sleep(left - SPIN_SECONDS)
+        elif left < 0 and overrun is not None:
+            overrun.seconds -= left
         while time.perf_counter() < end:
             pass
 

@@ -12,7 +12,7 @@ import torch
 from transformers import CompileConfig, DynamicCache
 
 import hf_spin
-from benchmarks.injected_costs import pace, table
+from benchmarks.injected_costs import Overrun, pace, table
 from benchmarks.replay.__main__ import main
 from benchmarks.replay.checks import CheckConfig, generated, left_pad
 from benchmarks.replay.costs import FLOOR, run_host, run_structures, shortfalls
@@ -272,11 +272,19 @@ def test_paced_forwards_last_their_injected_cost_beside_the_hosts_own_work(trace
     plain = next(r for r in records if r["method"] == "generate")
     assert plain["seconds"] >= plain["tokens"] * step  # one forward a token at batch 1, the first the prefill's
     assert all(r["host_ms"]["plain"] > 0 for r in records if r["method"].startswith("hf_spin"))
+    assert all(r["overrun"] >= 0 for r in records)  # the stand-ins' work past their cost, taken off `seconds`
     model = tiny_model("llama")
-    handles = pace(model, table(lambda n: 0.01 * n))
+    over = Overrun()
+    handles = pace(model, table(lambda n: 0.01 * n), over)
     start = time.perf_counter()
     model(torch.ones(1, 3, dtype=torch.long))
-    assert 0.03 <= time.perf_counter() - start < 0.06  # three positions at 10 ms each
+    assert 0.03 <= time.perf_counter() - start < 0.06 and over() == 0  # three positions at 10 ms each
+    for h in handles:
+        h.remove()
+    handles = pace(model, table(lambda n: 1e-9), over)  # a device faster than this CPU runs the stand-in
+    start = time.perf_counter()
+    model(torch.ones(1, 3, dtype=torch.long))
+    assert 0 < over() <= time.perf_counter() - start
     for h in handles:
         h.remove()
 

@@ -25,7 +25,7 @@ import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 from benchmarks.common import machine, write_results
-from benchmarks.injected_costs import STRUCTURES, CostClock, pace, profile_of, table
+from benchmarks.injected_costs import STRUCTURES, CostClock, Overrun, pace, profile_of, table
 
 from .forced import build_model, force, replay_drafters
 from .run import bench
@@ -126,7 +126,8 @@ def run_host(
     makes (prompt lookup and suffix on the real ids, the model drafters' recorded proposals). repeat: each
     workload's requests that many times over, through one pool (`run.bench`). step_ms: every forward lasts its
     cost on the structure scaled to a plain step of this many milliseconds (`pace`), so the records' times are a
-    machine's whose device runs those forwards and whose host is this one (None: the stand-ins' own time, the
+    machine's whose device runs those forwards and whose host is this one (a forward whose stand-in work outlasts
+    its cost, a long prefill, is timed at its cost: `Overrun`; None: the stand-ins' own time, the
     pools deciding on the structure's 0.1 s step). layout: the pools' KV cache (`AssistantPool(cache=...)`; static:
     the GPU's layout, its forwards eager here)."""
     vocab, fn = None, STRUCTURES[structure]
@@ -135,12 +136,22 @@ def run_host(
         fn = scaled(fn, step_ms / 1e3)
     target, drafters, shares = stand_ins(trace, vocab)
     costs = draft_costs(fn, shares)
-    handles = []
+    handles, overrun = [], None
     if step_ms is not None:
         models = {r.name: d.model for r, d in zip(trace.drafters, drafters) if not r.live}
-        handles = pace(target, table(fn)) + [h for n, m in models.items() for h in pace(m, costs[n])]
+        overrun = Overrun()
+        handles = pace(target, table(fn), overrun) + [h for n, m in models.items() for h in pace(m, costs[n], overrun)]
     try:
-        return bench(trace, target, drafters, batch_sizes, profile=injected(fn, costs), layout=layout, repeat=repeat)
+        return bench(
+            trace,
+            target,
+            drafters,
+            batch_sizes,
+            profile=injected(fn, costs),
+            layout=layout,
+            repeat=repeat,
+            overrun=overrun,
+        )
     finally:
         for h in handles:
             h.remove()
@@ -171,7 +182,7 @@ def host_main(args) -> int:
     }
     paced = (
         f"every forward lasting its cost on that structure at a plain step of {args.step_ms:g} ms (a device's, "
-        "this machine the host)"
+        "this machine the host; overrun s: the stand-ins' own work past those costs, taken off the times)"
         if args.step_ms is not None
         else "the forwards the stand-ins' own"
     )

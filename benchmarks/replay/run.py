@@ -172,6 +172,7 @@ def bench(
     static: StaticOptions | None = None,
     forced: ForcedTarget | None = None,
     repeat: int = 1,
+    overrun=None,
 ) -> list[dict]:
     """One record per (workload, batch size, method): tokens, seconds, forwards, per-drafter counts, identical.
 
@@ -183,9 +184,12 @@ def bench(
     on_record: called with the records so far after each one (a run stopped from outside keeps what it did).
     forced: the target's `ForcedTarget`, told each call's batch (`ForcedTarget.expect`: forwards replayed from
     CUDA graphs run no hook). repeat: each workload's requests that many times over, one method's pool learning
-    from them all (a server's steady state rather than a fresh pool's)."""
+    from them all (a server's steady state rather than a fresh pool's). overrun: the paced forwards' `Overrun`
+    (benchmarks/injected_costs.py): seconds are then the wall clock's less the stand-ins' work past their cost,
+    the device's time, and each record says how much it took off (`overrun`)."""
     eos, pad = trace.target["eos_token_id"], trace.target["pad_token_id"]
-    now = clock if clock is not None else lambda: _sync(target.device) or time.perf_counter()
+    late = overrun if overrun is not None else lambda: 0.0
+    now = clock if clock is not None else lambda: _sync(target.device) or time.perf_counter() - late()
     by_workload = defaultdict(list)
     for r in trace.requests * repeat:
         by_workload[r.workload].append(r)
@@ -228,7 +232,7 @@ def bench(
                     "drafters": defaultdict(lambda: [0, 0]),
                     "graphs": 0,  # graphs torch.compile built during the timed calls (0: warm-ups built them all)
                 }
-                graphs = _graphs()
+                graphs, late_before = _graphs(), late()
                 for chunk in tqdm(batches, desc=f"{workload} b{bs} {name}", leave=False):
                     ids, mask = left_pad([r.prompt for r in chunk], pad, target.device)
                     expect(chunk)
@@ -247,6 +251,7 @@ def bench(
                             rec["drafters"][d][1] += s.accepted
                 rec["drafters"] = dict(rec["drafters"])
                 rec["graphs"] = _graphs() - graphs
+                rec["overrun"] = late() - late_before
                 rec["host_ms"] = host_ms(getattr(fn, "pool", None), bs)
                 records.append(rec)
                 longest = max(longest, time.perf_counter() - began)
@@ -275,11 +280,17 @@ def table(records: list[dict]) -> str:
     records = [r for r in records if "skipped" not in r]
     structured = any("costs" in r for r in records)
     hosted = any(any((r.get("host_ms") or {}).values()) for r in records)  # the wall clock's (a CostClock reads 0)
+    paced = any("overrun" in r for r in records) and hosted  # `bench(overrun=...)`: forwards paced to their cost
     lines = [
         ("| costs " if structured else "")
         + "| workload | batch | method | tok/s | x generate | x static | tokens / forward | acceptance per drafter "
-        "| identical | graphs |" + (" host ms / step, plain / drafting |" if hosted else ""),
-        ("|---" if structured else "") + "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if hosted else ""),
+        "| identical | graphs |"
+        + (" host ms / step, plain / drafting |" if hosted else "")
+        + (" overrun s |" if paced else ""),
+        ("|---" if structured else "")
+        + "|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|" if hosted else "")
+        + ("---|" if paced else ""),
     ]
     base, static = (
         {(r.get("costs"), r["workload"], r["batch"]): r["tokens"] / r["seconds"] for r in records if r["method"] == m}
@@ -297,6 +308,7 @@ def table(records: list[dict]) -> str:
             + f"| {r['workload']} | {r['batch']} | {r['method']} | {rate:.1f} | {speedup:.2f} | {over_static} "
             f"| {per_forward} | {accept} | {r['identical']}/{r['requests']} | {r.get('graphs', '-')} |"
             + (f" {_host_cell(r.get('host_ms'))} |" if hosted else "")
+            + (f" {r['overrun']:.3f} |" if paced else "")
         )
     if skipped:
         lines.append(
