@@ -137,7 +137,7 @@ class AssistantPool:
         with cache="static".
     tree: token trees (docs/design.md, "token tree"): "auto" (default) verifies a vote's whole merged
         tree, prompt lookup's several continuations, suffix drafting's likeliest ones and a model
-        drafter's grown tree (on a rectangular cache) in one forward, False chains only (a vote's
+        drafter's grown tree (on a rectangular or static cache) in one forward, False chains only (a vote's
         heaviest path), N at most the tree's N heaviest nodes. Packed rows use the kernel's tree masks,
         the rectangular and static caches a 4D mask (models whose masks come from transformers'
         create_causal_mask, eager or SDPA attention); chains for sliding-window, chunked and

@@ -43,33 +43,41 @@ def record(monkeypatch) -> tuple[list, list]:
     return caches, drafts
 
 
-def drafted(arch: str, batch: int, cache: str, **options) -> None:
+def drafted(arch: str, batch: int, cache: str, tree=False, **options) -> None:
     """A greedy call drafting with the arch's model drafter on `cache`: equal to plain generate's, with speculation."""
     target, other = _models(arch)
     inputs, reference = _case(arch, batch)
     static = dict(compile=StaticOptions(**{"compile": False, **options})) if cache == "static" else {}
-    pool = spin_pool([other], tree=False, cache=cache, **static)
+    pool = spin_pool([other], tree=tree, cache=cache, **static)
     out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
     assert torch.equal(out, reference), f"\n{out}\n{reference}"
     assert_speculated(pool.last_stats)
 
 
+@pytest.mark.parametrize("tree", (False, "auto"), ids=("chains", "trees"))
 @pytest.mark.parametrize("compiled", (False, True), ids=("eager", "compiled"))
 @pytest.mark.parametrize("batch", (1, 4))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_static_drafter_is_lossless_and_drafts_as_on_its_dynamic_cache(
-    arch, batch, compiled, monkeypatch, fresh_dynamo
+    arch, batch, compiled, tree, monkeypatch, fresh_dynamo
 ):
     """Greedy output equals plain generate's; every draft forward ran on a StaticRowCache, and the drafter
-    drafted exactly what it drafts on the rectangular cache (same k, same greedy drafts, step by step)."""
+    drafted exactly what it drafts on the rectangular cache (same k, same greedy drafts, step by step): chains,
+    and token trees grown depth by depth (tree_expansion.py), node for node."""
     caches, drafts = record(monkeypatch)
-    drafted(arch, batch, "static", **(EAGER_DYNAMO if compiled else {}))
+    drafted(arch, batch, "static", tree, **(EAGER_DYNAMO if compiled else {}))
     assert caches and all(isinstance(c, StaticRowCache) for c in caches)
-    static = [d.tokens for d in drafts]
+    static = [(d.tokens, _nodes(d)) for d in drafts]
     drafts.clear()
-    drafted(arch, batch, "rectangular")
-    assert static == [d.tokens for d in drafts]
+    drafted(arch, batch, "rectangular", tree)
+    assert static == [(d.tokens, _nodes(d)) for d in drafts]
+    assert any(t for _, nodes in static for t in nodes or ()) == bool(tree)  # trees grew where asked
     assert (graphs(run_static_draft) > 0) == compiled
+
+
+def _nodes(draft) -> list | None:
+    """A draft's trees as (parent, token) lists, None where it drafted chains."""
+    return None if draft.trees is None else [t and list(zip(t.parents, t.tokens)) for t in draft.trees]
 
 
 def test_compiled_drafter_compiles_once_per_width_and_never_again(fresh_dynamo):
@@ -81,6 +89,18 @@ def test_compiled_drafter_compiles_once_per_width_and_never_again(fresh_dynamo):
     compiled = fresh_dynamo["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
         drafted("llama", 4, "static", **EAGER_DYNAMO)
+    assert fresh_dynamo["stats"]["unique_graphs"] == compiled
+
+
+def test_compiled_tree_drafting_compiles_a_few_widths_and_never_again(fresh_dynamo):
+    """Growing trees, the drafter's frontier forwards (and catch-ups no longer than them) run compiled over a
+    sticky query width: besides the chain's widths, one graph per width the trees reached (query buckets up
+    to width x k + k), and a second call compiles nothing."""
+    drafted("llama", 4, "static", "auto", **EAGER_DYNAMO)
+    assert COMPILED_CHUNK < graphs(run_static_draft) <= COMPILED_CHUNK + 4  # 3, 5, 9, 17: k = DRAFT_TOKENS
+    compiled = fresh_dynamo["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        drafted("llama", 4, "static", "auto", **EAGER_DYNAMO)
     assert fresh_dynamo["stats"]["unique_graphs"] == compiled
 
 

@@ -1,6 +1,7 @@
 """A model drafter's token trees (hf_spin/drafters/tree_expansion.py), against plain forwards of the
 drafter: every node's children are the drafter's likeliest tokens after the node's path, each weighs its
-path probability, the cache afterwards drafts as a fresh drafter does, and width 1 is the chain."""
+path probability, the cache afterwards drafts as a fresh drafter does, and width 1 is the chain; on the
+drafter's rectangular cache and on its static one (`AssistantPool(cache="static")`)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,29 @@ import math
 import pytest
 import torch
 
+from hf_spin.cache import RectangularCache
+from hf_spin.cache.static import StaticRowCache
+from hf_spin.cache.static_forward import StaticOptions
 from hf_spin.drafters import DraftRequest, ModelDrafter
 from hf_spin.verify.token_tree import TokenTree
 
 from .archs import tiny_model
 
+STATIC_ARCHS = ("llama", "qwen2")  # models the static layout takes (full attention, explicit positions)
+LAYOUTS = ("rectangular", "static")
 
-def _drafter(arch: str, width: int, sequences: list[list[int]]) -> ModelDrafter:
+
+def _drafter(arch: str, width: int, sequences: list[list[int]], layout: str = "rectangular") -> ModelDrafter:
     drafter = ModelDrafter(tiny_model(arch, seed=3), tree_width=width)
+    if layout == "static":
+        drafter.static = StaticOptions()  # as the engine sets it on the static layout (eager forwards)
     drafter.start(drafter.model, sequences)  # the drafter as its own target: the same vocabulary
+    assert isinstance(drafter.cache, StaticRowCache if layout == "static" else RectangularCache)
     return drafter
+
+
+def _cases(archs=("llama", "qwen2", "gpt2", "phi3")) -> list:
+    return [(a, "rectangular") for a in archs] + [(a, "static") for a in STATIC_ARCHS if a in archs]
 
 
 def _request(sequences, rows, k, trees=True, min_confidence=0.0) -> DraftRequest:
@@ -34,8 +48,8 @@ def _next_logp(model, ids: list[int]) -> torch.Tensor:
 SEQUENCES = [[5, 9, 14, 3, 77, 41, 9, 14], [60, 61, 8, 9], [30, 31, 32, 33, 34, 35]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "phi3"])
-def test_children_are_the_drafters_likeliest_tokens_after_their_path(arch, monkeypatch):
+@pytest.mark.parametrize("arch, layout", _cases())
+def test_children_are_the_drafters_likeliest_tokens_after_their_path(arch, layout, monkeypatch):
     """Rows of different lengths and depths, one of them not served, the whole grown tree (not cut):
     each node with children has the drafter's `width` likeliest next tokens, in order, weighing their
     path probability; the chain follows the heaviest child down; trees branch and reach their row's k.
@@ -43,7 +57,7 @@ def test_children_are_the_drafters_likeliest_tokens_after_their_path(arch, monke
     width, rows, ks = 3, [0, 2], [4, 2]
     with monkeypatch.context() as m:
         m.setattr(TokenTree, "pruned", lambda self, n, by=None: self)
-        draft = _drafter(arch, width, SEQUENCES).draft(_request(SEQUENCES, rows, ks))
+        draft = _drafter(arch, width, SEQUENCES, layout).draft(_request(SEQUENCES, rows, ks))
     model = tiny_model(arch, seed=3)
     for row, k, tree, chain in zip(rows, ks, draft.trees, draft.tokens):
         assert max(tree.depths()) == k
@@ -64,7 +78,7 @@ def test_children_are_the_drafters_likeliest_tokens_after_their_path(arch, monke
             node = max(kids, key=lambda c: tree.weights[c])
             heaviest.append(tree.tokens[node])
         assert chain == heaviest and 1 <= len(chain) <= k
-    cut = _drafter(arch, width, SEQUENCES).draft(_request(SEQUENCES, rows, ks))
+    cut = _drafter(arch, width, SEQUENCES, layout).draft(_request(SEQUENCES, rows, ks))
     for k, tree, chain in zip(ks, cut.trees, cut.tokens):
         assert len(tree) == width * k and tree.tokens[0] == chain[0]
 
@@ -75,12 +89,16 @@ def logp_at(model, sequence, tree, node) -> float:
     return float(_next_logp(model, prefix)[tree.tokens[node]])
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_after_a_tree_the_drafter_drafts_as_a_fresh_one(arch):
+@pytest.mark.parametrize("arch, layout", _cases(("llama", "gpt2")))
+def test_after_a_tree_the_drafter_drafts_as_a_fresh_one(arch, layout):
     """The cache keeps only the heaviest path's KV: a next step (some of the path accepted, a new token
-    after it) drafts the same chain as a drafter that never grew a tree."""
-    drafter = _drafter(arch, 3, SEQUENCES)
+    after it) drafts the same chain as a drafter that never grew a tree. On the static cache the kept path
+    is what it holds after its committed tokens (`cached`), which the next catch-up builds on."""
+    drafter = _drafter(arch, 3, SEQUENCES, layout)
     draft = drafter.draft(_request(SEQUENCES, [0, 1, 2], [4, 3, 2]))
+    if layout == "static":
+        assert drafter.cache.lengths == [len(c) for c in drafter.cached]
+        assert any(len(c) > len(s) for c, s in zip(drafter.cached, SEQUENCES))  # some path's KV kept
     later = [
         s + c[:a] + [50 + a] for s, c, a in zip(SEQUENCES, draft.tokens, (2, 0, 1))
     ]  # accepted 2 / 0 / 1, then a new token
@@ -89,27 +107,31 @@ def test_after_a_tree_the_drafter_drafts_as_a_fresh_one(arch):
     assert again.tokens == fresh.tokens
 
 
-def test_width_one_grows_the_chain_and_stops_where_the_chain_does():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_width_one_grows_the_chain_and_stops_where_the_chain_does(layout):
     """The expansion at width 1 (a drafter at width 1 drafts chains itself: called directly here)."""
     from hf_spin.drafters.tree_expansion import grow_trees
 
     rows, ks = [0, 1, 2], [5, 3, 5]
     for confidence in (0.0, 0.05):
         request = _request(SEQUENCES, rows, ks, min_confidence=confidence)
-        chain = _drafter("llama", 1, SEQUENCES).draft(
+        chain = _drafter("llama", 1, SEQUENCES, layout).draft(
             _request(SEQUENCES, rows, ks, trees=False, min_confidence=confidence)
         )
-        drafter = _drafter("llama", 1, SEQUENCES)
+        drafter = _drafter("llama", 1, SEQUENCES, layout)
         grown = grow_trees(drafter, request, *drafter._catch_up(rows, SEQUENCES))
         assert grown.tokens == chain.tokens and [t.tokens for t in grown.trees] == chain.tokens
         assert drafter.cached == [s + c[:-1] for s, c in zip(SEQUENCES, chain.tokens)]  # the chain's fed tokens
+        if layout == "static":  # the rows that stopped early were fed their path again: the cache holds it
+            assert drafter.cache.lengths == [len(c) for c in drafter.cached]
     assert any(len(c) < k for c, k in zip(chain.tokens, ks)), "the confidence stop never stopped a chain"
 
 
 def test_only_drafters_that_can_grow_trees_do():
     """Packed caches, fuzzy or sparse forwards, other vocabularies and slot-biased models draft chains."""
+    for layout in LAYOUTS:
+        assert _drafter("llama", 3, SEQUENCES, layout).grows_trees()
     drafter = _drafter("llama", 3, SEQUENCES)
-    assert drafter.grows_trees()
     drafter.tree_width = 1
     assert not drafter.grows_trees()
     packed = ModelDrafter(tiny_model("llama"), tree_width=3)

@@ -10,11 +10,11 @@ which only changes how sequences and drafts cross between the two vocabularies.
 
 On the static layout (`AssistantPool(cache="static")`) the drafter keeps its KV in its own `StaticRowCache`
 and runs every forward as the target verifies, `forward_static` (one query slot per draft token, so one
-graph for all of them; chunks bucketed), compiled when the pool's `compile` says so; rollback lowers
-the rows' lengths. There, on an accelerator, a greedy draft keeps its tokens on the device and reads
-them once (`_draft_on_device`; docs/design.md, "Host syncs"). Subclasses with their own forwards or
-caches (fuzzy.py, streaming.py) and models that `check_static_support` refuses keep the eager path on a
-dynamic cache, with no error (`_static_run`).
+graph for all of them; chunks bucketed; a tree's depths over a sticky width), compiled when the pool's
+`compile` says so; rollback lowers the rows' lengths. There, on an accelerator, a greedy draft keeps
+its tokens on the device and reads them once (`_draft_on_device`; docs/design.md, "Host syncs").
+Subclasses with their own forwards or caches (fuzzy.py, streaming.py) and models that
+`check_static_support` refuses keep the eager path on a dynamic cache, with no error (`_static_run`).
 
 Subclasses change the mechanism through three hooks, never by copying `draft`:
     _new_cache(B)          the cache a call starts with (a sparse one in streaming.py)
@@ -125,13 +125,13 @@ class ModelDrafter(Drafter):
 
     def grows_trees(self) -> bool:
         """Whether this drafter can grow token trees: `tree_width` > 1, the target's vocabulary, its own
-        forwards (not a subclass's fuzzy or sparse ones) over a rectangular cache, and a model that takes
-        4D masks at consecutive-or-not slots."""
+        forwards (not a subclass's fuzzy or sparse ones) over a rectangular or static cache, and a model that
+        takes 4D masks at consecutive-or-not slots."""
         return (
             self.tree_width > 1
             and self.shares_vocab
             and type(self)._forward is ModelDrafter._forward
-            and isinstance(self.cache, RectangularCache)
+            and isinstance(self.cache, (RectangularCache, StaticRowCache))
             and takes_4d_masks(self.model)
             and not needs_contiguous_slots(self.model.config)
         )
@@ -173,13 +173,21 @@ class ModelDrafter(Drafter):
         at each row's last chunk token. keep: [B] tokens each row kept before a catch-up; None for a draft step."""
         if self.static_run is None:
             return forward_ragged(self.model, self.cache, chunks, all_logits=False)
-        longest = max(len(c) for c in chunks)
-        width = query_bucket(longest)
-        self._reserve(width)
-        run = self.static_run if longest <= COMPILED_CHUNK else run_static
-        logits = forward_static(self.model, self.cache, chunks, run, width)  # [B, T, V_draft]
+        logits = self._forward_static(chunks)  # [B, T, V_draft]
         last = to_device([max(len(c) - 1, 0) for c in chunks], logits.device, torch.long)  # [B] (empty: a hole)
         return logits[torch.arange(len(chunks), device=logits.device), last][:, None]  # [B, 1, V_draft]
+
+    def _forward_static(self, chunks: list[list[int]], trees: list | None = None) -> torch.Tensor:
+        """`forward_static` on the drafter's StaticRowCache: logits `[B, T, V_draft]`. A chunk runs compiled up to
+        COMPILED_CHUNK tokens; a tree's frontier (trees: `forward_static`'s layouts, tree_expansion.py) and a
+        catch-up no longer than the trees so far (accepted nodes the cache did not keep) always, over the
+        cache's sticky query width, so a few graphs serve every depth."""
+        longest = max(len(c) for c in chunks)
+        sticky = self.static_compiles and (trees is not None or COMPILED_CHUNK < longest <= self.cache.width)
+        width = self.cache.query_width(longest) if sticky else query_bucket(longest)
+        self._reserve(width)
+        run = self.static_run if longest <= COMPILED_CHUNK or sticky else run_static
+        return forward_static(self.model, self.cache, chunks, run, width, trees)
 
     def _reserve(self, width: int) -> None:
         """Room in the static cache for a forward of `width` query slots, at least the target's capacity (so that

@@ -26,6 +26,7 @@ SAMPLING = "tests/test_sampling.py::"
 WIDTHS = "tests/test_widths.py::test_a_widened_verification_commits_what_plain_generate_does_and_pays"
 RUN_AHEAD = "tests/test_run_ahead.py::"
 STATIC_DRAFTER = "tests/test_static_drafter.py::test_static_drafter_is_lossless_and_drafts_as_on_its_dynamic_cache"
+TREE_CHILDREN = "tests/test_tree_expansion.py::test_children_are_the_drafters_likeliest_tokens_after_their_path"
 
 MUTANTS = (
     Mutant(
@@ -215,11 +216,33 @@ MUTANTS = (
         "drafter_tree_nodes_see_their_cousins",
         "a model drafter growing a tree lets each node attend to every node fed before it, not only its ancestors: its children are drafted after the wrong context",
         "hf_spin/drafters/tree_expansion.py",
-        "                allowed[\n                    row, t, torch.tensor([column[row][a] for a in trees[row].path(node)[:-1]], dtype=torch.long)\n                ] = True",
-        "                allowed[row, t, start:S] = True",
+        "                allowed[row, t, torch.tensor([column[a] for a in trees[row].path(node)[:-1]], dtype=torch.long)] = True",
+        "                allowed[row, t, self.start : S] = True",
         (
-            "tests/test_tree_expansion.py::test_children_are_the_drafters_likeliest_tokens_after_their_path[llama]",
-            "tests/test_tree_expansion.py::test_children_are_the_drafters_likeliest_tokens_after_their_path[gpt2]",
+            TREE_CHILDREN + "[llama-rectangular]",
+            TREE_CHILDREN + "[gpt2-rectangular]",
+        ),
+    ),
+    Mutant(
+        "static_tree_nodes_see_every_node_fed",
+        "on the static layout a model drafter growing a tree lets each node fed attend to every node of its forward, "
+        "not only its ancestors: its children are drafted after the wrong context (lossless, wrong drafts)",
+        "hf_spin/drafters/tree_expansion.py",
+        "visible = torch.tensor([[m in path for m in fed] for path in paths], dtype=torch.bool)",
+        "visible = torch.ones(len(fed), len(fed), dtype=torch.bool)",
+        (TREE_CHILDREN + "[llama-static]", STATIC_DRAFTER + "[llama-4-eager-trees]"),
+    ),
+    Mutant(
+        "static_tree_keeps_no_path",
+        "on the static layout a model drafter that grew a tree feeds only the last depth's frontier and its ancestors, "
+        "not its heaviest path: the cache keeps none of the path, and rows that stopped early lose theirs (lossless, "
+        "longer catch-ups)",
+        "hf_spin/drafters/tree_expansion.py",
+        "nodes_of.get(row, []) + self.held(row, _heaviest_path(trees[row]), self.ever)",
+        "nodes_of.get(row, [])",
+        (
+            "tests/test_tree_expansion.py::test_after_a_tree_the_drafter_drafts_as_a_fresh_one[llama-static]",
+            "tests/test_tree_expansion.py::test_width_one_grows_the_chain_and_stops_where_the_chain_does[static]",
         ),
     ),
     Mutant(
@@ -425,7 +448,7 @@ MUTANTS = (
         "        return self._forward(chunks, keep), draft_seqs",
         (
             "tests/test_drafters.py::test_model_drafter_after_rollbacks_drafts_what_a_fresh_one_does[static]",
-            STATIC_DRAFTER + "[llama-4-compiled]",
+            STATIC_DRAFTER + "[llama-4-compiled-chains]",
         ),
     ),
     Mutant(
@@ -437,7 +460,7 @@ MUTANTS = (
         "last = to_device([0 for c in chunks]",
         (
             "tests/test_drafters.py::test_model_drafter_after_rollbacks_drafts_what_a_fresh_one_does[static]",
-            STATIC_DRAFTER + "[qwen2-1-eager]",
+            STATIC_DRAFTER + "[qwen2-1-eager-chains]",
         ),
     ),
     Mutant(
