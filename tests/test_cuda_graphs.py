@@ -121,6 +121,22 @@ def test_captured_forwards_give_plain_generates_output(graphed, arch, drafter):
     assert (draft_graphs >= 1) == (drafter == "model")
 
 
+def test_a_drafters_token_trees_through_captured_forwards_give_plain_generates_output(graphed):
+    """A model drafter growing token trees on the static layout (tree_expansion._StaticFeed): its frontier forwards,
+    tree layouts written in place, replay from graphs of its sticky widths beside the chain's, and greedy output
+    is plain `generate`'s."""
+    from hf_spin.drafters.model import COMPILED_CHUNK
+
+    target, other = _models("llama")
+    inputs, reference = greedy_case(target, 4, PROMPT_LENGTH, MAX_NEW_TOKENS)
+    options = StaticOptions(True, backend=CUDA_GRAPHS, query_slots=5)
+    pool = spin_pool([other], tree="auto", cache="static", compile=options)
+    out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, reference), f"\n{out}\n{reference}"
+    assert_speculated(pool.last_stats)
+    assert graphed()[1] > COMPILED_CHUNK  # a tree's widths captured beside a draft token's and a catch-up's
+
+
 def test_a_second_call_replays_the_first_calls_graphs(graphed):
     """The target's and the drafter's storage is given back at the end of a call and taken by the next one of the
     same row-slot bucket (`take_cache`): nothing is captured again, and the replays read only what they captured."""
@@ -219,6 +235,18 @@ def test_real_captures_give_plain_generates_output_and_replay_across_calls(batch
         out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
         assert torch.equal(out.cpu(), reference)
         assert (graphed.captures > before) == (call == 0), (call, before, graphed.captures)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_real_captures_of_a_drafters_token_trees_give_plain_generates_output():
+    target, other = tiny_model("llama").cuda(), perturbed("llama").cuda()  # fresh: `_models` keeps its on the CPU
+    inputs, reference = greedy_case(target, 4, PROMPT_LENGTH, MAX_NEW_TOKENS)
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    options = StaticOptions(True, backend=CUDA_GRAPHS, query_slots=5)
+    pool = spin_pool([other], tree="auto", cache="static", compile=options)
+    out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out.cpu(), reference)
+    assert_speculated(pool.last_stats)
 
 
 def test_model_drafters_run_under_their_own_backend():
