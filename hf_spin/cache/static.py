@@ -236,8 +236,8 @@ class StaticRowCache(Cache):
         rel = torch.arange(self.capacity, device=self._device)[None, :] - self.slot_lengths[:, None]  # [R, C]
         new = seen.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(-1, width, -1))  # [R, T, C]
         visible = (rel < 0)[:, None, :] | (new & (rel < width)[:, None, :])  # [R, T, C]
-        mask = torch.zeros(visible.shape, dtype=dtype, device=self._device)
-        return positions, mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]
+        zero, lowest = (torch.full((), v, dtype=dtype, device=self._device) for v in (0, torch.finfo(dtype).min))
+        return positions, torch.where(visible, zero, lowest)[:, None]  # one pass: a prefill's [R, T, C] is large
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The longest row (host). Forwards on this cache pass explicit positions and masks, never this."""
