@@ -145,6 +145,25 @@ def test_a_prefill_through_forward_static_equals_the_rectangular_cache(one_threa
 
 
 @torch.no_grad()
+def test_an_eager_forward_for_the_last_tokens_computes_their_logits_alone(one_thread):
+    """`all_logits=False` (a drafter's catch-up): logits `[B, 1, V]` at each row's last chunk token, those of the
+    full forward; an eager forward asks the model for those slots alone (`logits_to_keep`), not `[R, T, V]`."""
+    model = tiny_model("llama")
+    asked = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: asked.append(k.get("logits_to_keep")), with_kwargs=True)
+    full, last = StaticRowCache(), StaticRowCache()
+    for cache in (full, last):
+        cache.add_empty_rows(len(PROMPTS))
+    everything = forward_static(model, full, PROMPTS)  # [B, T, V]
+    ends = forward_static(model, last, PROMPTS, all_logits=False)  # [B, 1, V]
+    hook.remove()
+    want = torch.stack([everything[b, len(p) - 1] for b, p in enumerate(PROMPTS)])[:, None]
+    assert ends.shape == want.shape and torch.allclose(ends, want, atol=1e-5)
+    assert asked[0] is None and sorted(asked[1].tolist()) == sorted({len(p) - 1 for p in PROMPTS})
+    assert last.lengths == full.lengths == [len(p) for p in PROMPTS]
+
+
+@torch.no_grad()
 def test_rollback_then_continue_equals_never_feeding_the_rejected_tokens(one_thread):
     model = tiny_model("qwen2")
     _, rolled = _prefilled(model, PROMPTS)

@@ -48,10 +48,13 @@ def check_static_support(model, role: str = "model") -> None:
         )
 
 
-def run_static(model, cache: StaticRowCache, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def run_static(
+    model, cache: StaticRowCache, input_ids: torch.Tensor, dtype: torch.dtype, keep: torch.Tensor | None = None
+) -> torch.Tensor:
     """The fixed-shape forward: input_ids `[R, T]` (one row per slot) -> logits `[R, T, V]`; each slot's
     T keys and values are written after its length. Reads no host state that changes between steps, so
-    it compiles with fullgraph=True. dtype: the model's, for the additive mask."""
+    it compiles with fullgraph=True. dtype: the model's, for the additive mask. keep: `[U]` the only query
+    slots to compute logits at (`logits_to_keep`; eager forwards only): logits `[R, U, V]`."""
     position_ids, mask = cache.query_inputs(input_ids.shape[1], dtype)  # [R, T], [R, 1, T, C]
     out = model(
         input_ids=input_ids,
@@ -61,6 +64,7 @@ def run_static(model, cache: StaticRowCache, input_ids: torch.Tensor, dtype: tor
         use_cache=True,
         return_dict=True,
         **{CACHE_ARG: cache},
+        **({} if keep is None else {"logits_to_keep": keep}),
     )
     return out.logits
 
@@ -118,6 +122,7 @@ def forward_static(
     forward=run_static,
     width: int | None = None,
     trees: list[tuple[list[int], torch.Tensor] | None] | None = None,
+    all_logits: bool = True,
 ) -> torch.Tensor:
     """Run `model` on one chunk of new tokens per row (B chunks, in the cache's row order), appending them.
 
@@ -127,7 +132,10 @@ def forward_static(
     eagerly.
     trees: [B] a row's chunk as a token tree, (depth of each token `[n]`, which of the chunk each sees
     `[n, n]`), or None for a chain (`StaticRowCache.use_layout`); the same graph runs either.
-    Returns logits `[B, T, V]`, T = the longest chunk (the slots after a row's chunk are padding).
+    Returns logits `[B, T, V]`, T = the longest chunk (the slots after a row's chunk are padding), or `[B, 1, V]`
+    at each row's last chunk token when `all_logits` is False: an eager forward (a prompt, a long catch-up) then
+    computes logits at those slots alone, as `forward_ragged` does, not `[R, T, V]` (a 0.5B drafter's 4 prompts
+    of 700 tokens: 0.9 GB of bf16 logits, and their copy).
     """
     if len(chunks) != len(cache.slot_of):
         raise ValueError(f"{len(chunks)} chunks for a StaticRowCache of {len(cache.slot_of)} rows")
@@ -142,7 +150,7 @@ def forward_static(
     ids = [[FILLER_TOKEN] * width for _ in range(cache.num_slots)]  # [R, T]
     for slot, chunk in zip(cache.slot_of, chunks):
         ids[slot][: len(chunk)] = chunk
-    return _run(model, cache, to_device(ids, model.device, torch.long), counts, forward)
+    return _run(model, cache, to_device(ids, model.device, torch.long), counts, forward, all_logits)
 
 
 def forward_static_tokens(model, cache: StaticRowCache, tokens: torch.Tensor, fed: list[bool], forward=run_static):
@@ -159,14 +167,24 @@ def forward_static_tokens(model, cache: StaticRowCache, tokens: torch.Tensor, fe
     return _run(model, cache, ids, [int(f) for f in fed], forward)
 
 
-def _run(model, cache: StaticRowCache, input_ids: torch.Tensor, counts: list[int], forward) -> torch.Tensor:
+def _run(
+    model, cache: StaticRowCache, input_ids: torch.Tensor, counts: list[int], forward, all_logits: bool = True
+) -> torch.Tensor:
     """`forward` over input_ids `[R, T]` (eagerly where it cannot run compiled), then each row's length
-    advanced by its count; logits `[B, T', V]`, T' = the largest count, rows in the cache's row order."""
+    advanced by its count; logits `[B, T', V]`, T' = the largest count, rows in the cache's row order (or
+    `[B, 1, V]` at each row's last count when not `all_logits`)."""
     if not all(layer.is_initialized for layer in cache.layers) or not cache.layers or model in _UNTRACEABLE:
         forward = run_static  # the first forward allocates the storage: never inside a compiled region
+    last = [max(n - 1, 0) for n in counts]  # [B] each row's last query slot (an empty chunk reads padding)
+    keep = None
+    if not all_logits and forward is run_static and model._supports_logits_to_keep():
+        keep = sorted(set(last))  # [U]: the slots some row ends on
+        last = [keep.index(j) for j in last]  # [B] index into keep
+        keep = to_device(keep, input_ids.device, torch.long)
+    args = (model, cache, input_ids, model.dtype) + (() if keep is None else (keep,))  # keep: run_static's alone
     with _attention(model):
         try:
-            logits = forward(model, cache, input_ids, model.dtype)  # [R, T, V]
+            logits = forward(*args)  # [R, T, V], or [R, U, V] with keep
         except torch._dynamo.exc.Unsupported as e:  # raised while tracing, before anything ran
             if forward in (run_static, run_static_draft):
                 raise
@@ -176,9 +194,11 @@ def _run(model, cache: StaticRowCache, input_ids: torch.Tensor, counts: list[int
                 f"static-layout forwards run eagerly ({str(e).splitlines()[0]})",
                 stacklevel=2,
             )
-            logits = run_static(model, cache, input_ids, model.dtype)
+            logits = run_static(*args)
     cache.advance(counts)
     rows = to_device(cache.slot_of, logits.device, torch.long)  # [B]
+    if not all_logits:
+        return logits[rows, to_device(last, logits.device, torch.long)][:, None]  # [B, 1, V] (a copy)
     return logits[rows, : max(counts)]  # a copy: a CUDA graph's output buffer is reused by its next replay
 
 

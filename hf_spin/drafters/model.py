@@ -173,12 +173,11 @@ class ModelDrafter(Drafter):
         at each row's last chunk token. keep: [B] tokens each row kept before a catch-up; None for a draft step."""
         if self.static_run is None:
             return forward_ragged(self.model, self.cache, chunks, all_logits=False)
-        logits = self._forward_static(chunks)  # [B, T, V_draft]
-        last = to_device([max(len(c) - 1, 0) for c in chunks], logits.device, torch.long)  # [B] (empty: a hole)
-        return logits[torch.arange(len(chunks), device=logits.device), last][:, None]  # [B, 1, V_draft]
+        return self._forward_static(chunks, all_logits=False)  # [B, 1, V_draft] at each row's last token
 
-    def _forward_static(self, chunks: list[list[int]], trees: list | None = None) -> torch.Tensor:
-        """`forward_static` on the drafter's StaticRowCache: logits `[B, T, V_draft]`. A chunk runs compiled up to
+    def _forward_static(self, chunks: list[list[int]], trees: list | None = None, all_logits=True) -> torch.Tensor:
+        """`forward_static` on the drafter's StaticRowCache: logits `[B, T, V_draft]` (`[B, 1, V_draft]` at each row's
+        last token where not `all_logits`, computed at those alone where it runs eagerly). A chunk runs compiled up to
         COMPILED_CHUNK tokens; a tree's frontier (trees: `forward_static`'s layouts, tree_expansion.py) and a
         catch-up no longer than the trees so far (accepted nodes the cache did not keep) always, over the
         cache's sticky query width, so a few graphs serve every depth."""
@@ -187,7 +186,7 @@ class ModelDrafter(Drafter):
         width = self.cache.query_width(longest) if sticky else query_bucket(longest)
         self._reserve(width)
         run = self.static_run if longest <= COMPILED_CHUNK or sticky else run_static
-        return forward_static(self.model, self.cache, chunks, run, width, trees)
+        return forward_static(self.model, self.cache, chunks, run, width, trees, all_logits)
 
     def _reserve(self, width: int) -> None:
         """Room in the static cache for a forward of `width` query slots, at least the target's capacity (so that

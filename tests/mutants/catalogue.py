@@ -455,9 +455,9 @@ MUTANTS = (
         "static_drafter_reads_the_first_chunk_token",
         "on the static layout a model drafter drafts from the logits of each row's first fed token, not its last: "
         "after a catch-up of two tokens (a whole draft accepted) it drafts the token it already fed (lossless)",
-        "hf_spin/drafters/model.py",
-        "last = to_device([max(len(c) - 1, 0) for c in chunks]",
-        "last = to_device([0 for c in chunks]",
+        "hf_spin/cache/static_forward.py",
+        "last = [max(n - 1, 0) for n in counts]",
+        "last = [0 for n in counts]",
         (
             "tests/test_drafters.py::test_model_drafter_after_rollbacks_drafts_what_a_fresh_one_does[static]",
             STATIC_DRAFTER + "[qwen2-1-eager-chains]",
