@@ -238,7 +238,10 @@ def test_real_captures_give_plain_generates_output_and_replay_across_calls(batch
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_real_captures_of_a_drafters_token_trees_give_plain_generates_output():
+def test_real_captures_of_a_drafters_token_trees_give_plain_generates_output(monkeypatch):
+    from hf_spin.drafters import ModelDrafter
+
+    monkeypatch.setattr(ModelDrafter, "read_each_draft_token", True)  # trees on an accelerator: a read a depth
     target, other = tiny_model("llama").cuda(), perturbed("llama").cuda()  # fresh: `_models` keeps its on the CPU
     inputs, reference = greedy_case(target, 4, PROMPT_LENGTH, MAX_NEW_TOKENS)
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}

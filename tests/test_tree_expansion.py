@@ -131,6 +131,9 @@ def test_only_drafters_that_can_grow_trees_do():
     """Packed caches, fuzzy or sparse forwards, other vocabularies and slot-biased models draft chains."""
     for layout in LAYOUTS:
         assert _drafter("llama", 3, SEQUENCES, layout).grows_trees()
+    on_device = _drafter("llama", 3, SEQUENCES, "static")
+    on_device.read_each_draft_token = False  # an accelerator's default: a chain's draft loop reads once
+    assert not on_device.grows_trees()
     drafter = _drafter("llama", 3, SEQUENCES)
     drafter.tree_width = 1
     assert not drafter.grows_trees()

@@ -79,7 +79,9 @@ class ModelDrafter(Drafter):
     static: StaticOptions | None = None  # set by the engine on the static layout: forwards as `_static_run` says
     # On the static layout, whether the draft loop reads each token on the host (to stop a row early) or keeps
     # them on the device and reads once (`_draft_on_device`); None: each token on a CPU, where a read costs
-    # nothing and an early stop saves forwards, once on an accelerator, where each read idles the device.
+    # nothing and an early stop saves forwards, once on an accelerator, where each read idles the device. Trees
+    # grow there only where it reads each token (each depth is read to choose the next frontier): True on an
+    # accelerator trades the chain's one read for a tree's read a depth (which pays there is not yet measured).
     read_each_draft_token: bool | None = None
 
     def __init__(
@@ -125,13 +127,16 @@ class ModelDrafter(Drafter):
 
     def grows_trees(self) -> bool:
         """Whether this drafter can grow token trees: `tree_width` > 1, the target's vocabulary, its own
-        forwards (not a subclass's fuzzy or sparse ones) over a rectangular or static cache, and a model that
-        takes 4D masks at consecutive-or-not slots."""
+        forwards (not a subclass's fuzzy or sparse ones) over a rectangular cache, or a static one where its
+        draft loop reads each token anyway (`reads_each_draft_token`: a tree's depth is read to choose the
+        next frontier, where a chain's loop on an accelerator reads its draft once), and a model that takes 4D
+        masks at consecutive-or-not slots."""
+        static = isinstance(self.cache, StaticRowCache) and self.reads_each_draft_token()
         return (
             self.tree_width > 1
             and self.shares_vocab
             and type(self)._forward is ModelDrafter._forward
-            and isinstance(self.cache, (RectangularCache, StaticRowCache))
+            and (isinstance(self.cache, RectangularCache) or static)
             and takes_4d_masks(self.model)
             and not needs_contiguous_slots(self.model.config)
         )
@@ -284,15 +289,17 @@ class ModelDrafter(Drafter):
             qs.append(torch.stack(q_rows[row][: len(tokens[-1])]) if q_rows.get(row) and tokens[-1] else None)
         return Draft(tokens=tokens, q=qs)
 
+    def reads_each_draft_token(self) -> bool:
+        """`read_each_draft_token`, None resolved: on a CPU, where a read costs nothing."""
+        reads = self.read_each_draft_token
+        return self.model.device.type == "cpu" if reads is None else reads
+
     def _drafts_on_device(self, request: DraftRequest, sample: dict[int, bool]) -> bool:
         """Whether this draft loop keeps its tokens on the device: the static layout's one-token forwards
         (`read_each_draft_token`), greedy proposals, and no logits processor reading the drafted prefix."""
-        reads = self.read_each_draft_token
-        if reads is None:
-            reads = self.model.device.type == "cpu"
         return (
             self.static_run is not None
-            and not reads
+            and not self.reads_each_draft_token()
             and not (self.shares_vocab and (request.score is not None or any(sample.values())))
         )
 
