@@ -295,6 +295,7 @@ def test_pools_replay_on_the_static_layout_and_a_budget_skips_what_starts_late(t
     files are written after each record (a run stopped from outside keeps what it did)."""
     argv = ["run", str(trace_file), "--batch-sizes", "1", "4", "--trees", "both", "--cache", "static"]
     argv += ["--compile-backend", "eager"]  # generate_static too: its step beside the pools' static options
+    argv += ["--read-each-draft-token", "no"]  # a GPU's default: a model drafter's chain read once, no trees
     assert main(argv + ["--threads", "1", "--out", str(tmp_path / "static")]) == 0
     (md,) = (tmp_path / "static").glob("replay-*.md")
     text, n = md.read_text(), len(trace.requests)

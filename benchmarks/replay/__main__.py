@@ -78,6 +78,13 @@ def parser() -> argparse.ArgumentParser:
         help="the model drafters' backend where it differs from --static-backend",
     )
     run.add_argument(
+        "--read-each-draft-token",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="the model drafters' `read_each_draft_token` on the static layout: yes reads each token (trees grow "
+        "there, a read a depth), no keeps a chain on the device (one read); auto: each token on a CPU, once on a GPU",
+    )
+    run.add_argument(
         "--budget-s", type=float, help="seconds; a method is skipped when less is left than the longest one so far took"
     )
     run.add_argument("--threads", type=int, default=2)

@@ -335,6 +335,10 @@ def main(args) -> int:
     )
     forced = force(target, trace)
     drafters = replay_drafters(trace, dtype, device)
+    reads = {"auto": None, "yes": True, "no": False}[args.read_each_draft_token]
+    for d in drafters:
+        if not isinstance(d, str):  # a model drafter's stand-in (a live one is a name)
+            d.read_each_draft_token = reads
     if args.check:
         if not trace.checks:
             print(f"{args.trace} holds no check runs (recorded with --checks none)")
@@ -363,6 +367,7 @@ def main(args) -> int:
         "hf_spin_cache": layout,
         "static_backend": args.static_backend,
         "draft_backend": args.draft_backend or args.static_backend,
+        "read_each_draft_token": args.read_each_draft_token,
         "budget_s": args.budget_s,
     }
 
