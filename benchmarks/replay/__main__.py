@@ -13,7 +13,17 @@ from hf_spin.cache.static_forward import CUDA_GRAPHS
 
 from .checks import DEFAULT_CHECKS
 from .costs import FLOOR
-from .run import CACHES, TARGET_SHAPES, TREE_VARIANTS
+from .run import CACHES, READS, TARGET_SHAPES, TREE_VARIANTS
+
+
+def _reads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--read-each-draft-token",
+        choices=sorted(READS),
+        default="auto",
+        help="the model drafters' `read_each_draft_token` on the static layout: yes reads each token (trees grow "
+        "there, a read a depth), no keeps a chain on the device (one read); auto: each token on a CPU, once on a GPU",
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -77,13 +87,7 @@ def parser() -> argparse.ArgumentParser:
         choices=("inductor", CUDA_GRAPHS),
         help="the model drafters' backend where it differs from --static-backend",
     )
-    run.add_argument(
-        "--read-each-draft-token",
-        choices=("auto", "yes", "no"),
-        default="auto",
-        help="the model drafters' `read_each_draft_token` on the static layout: yes reads each token (trees grow "
-        "there, a read a depth), no keeps a chain on the device (one read); auto: each token on a CPU, once on a GPU",
-    )
+    _reads_argument(run)
     run.add_argument(
         "--budget-s", type=float, help="seconds; a method is skipped when less is left than the longest one so far took"
     )
@@ -118,6 +122,7 @@ def parser() -> argparse.ArgumentParser:
         "(a GPU's step with this machine's host: the never-slower rule where the host's work counts); default: "
         "the stand-ins' own forwards",
     )
+    _reads_argument(host)
     host.add_argument(
         "--cache", choices=("rectangular", "packed", "static"), default="rectangular", help="the pools' KV cache layout"
     )

@@ -28,7 +28,7 @@ from benchmarks.common import machine, write_results
 from benchmarks.injected_costs import STRUCTURES, CostClock, Overrun, pace, profile_of, table
 
 from .forced import build_model, force, replay_drafters
-from .run import bench
+from .run import bench, read_each_draft_token
 from .run import table as markdown
 from .trace import Trace, compact, load, merge
 
@@ -120,6 +120,7 @@ def run_host(
     repeat: int = 1,
     step_ms: float | None = None,
     layout: str = "rectangular",
+    reads: str = "auto",
 ) -> list[dict]:
     """Records of `run.bench` on the stand-ins by the wall clock, each pool deciding on `structure`'s injected
     costs (flat: a GPU's): what the engine's own work a step costs (`host_ms`), with the real drafting the trace
@@ -129,12 +130,14 @@ def run_host(
     machine's whose device runs those forwards and whose host is this one (a forward whose stand-in work outlasts
     its cost, a long prefill, is timed at its cost: `Overrun`; None: the stand-ins' own time, the
     pools deciding on the structure's 0.1 s step). layout: the pools' KV cache (`AssistantPool(cache=...)`; static:
-    the GPU's layout, its forwards eager here)."""
+    the GPU's layout, its forwards eager here). reads: the model drafters' draft loop there (`run.READS`: auto
+    reads each token on this CPU, and grows trees; "no" keeps a chain on the device, a GPU's default)."""
     vocab, fn = None, STRUCTURES[structure]
     if step_ms is not None:  # the stand-ins' own work a position, over ~150k logits, would outlast a device's step
         trace, vocab = compact(trace)
         fn = scaled(fn, step_ms / 1e3)
     target, drafters, shares = stand_ins(trace, vocab)
+    read_each_draft_token(drafters, reads)
     costs = draft_costs(fn, shares)
     handles, overrun = [], None
     if step_ms is not None:
@@ -172,13 +175,16 @@ def host_main(args) -> int:
     """`python -m benchmarks.replay host TRACE`: the engine's own milliseconds a step, plain and drafting."""
     torch.set_num_threads(args.threads)
     trace = merge([load(path) for path in args.trace])
-    records = run_host(trace, args.structure, args.batch_sizes, args.repeat, args.step_ms, args.cache)
+    records = run_host(
+        trace, args.structure, args.batch_sizes, args.repeat, args.step_ms, args.cache, args.read_each_draft_token
+    )
     env = {
         **machine(),
         "trace": [str(path) for path in args.trace],
         "structure": args.structure,
         "step_ms": args.step_ms,
         "cache": args.cache,
+        "read_each_draft_token": args.read_each_draft_token,
     }
     paced = (
         f"every forward lasting its cost on that structure at a plain step of {args.step_ms:g} ms (a device's, "

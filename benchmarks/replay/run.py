@@ -75,6 +75,18 @@ def check(trace: Trace, target, drafters: list) -> dict[str, list[str]]:
     return out
 
 
+# `--read-each-draft-token`: the model drafters' `ModelDrafter.read_each_draft_token` on the static layout
+READS = {"auto": None, "yes": True, "no": False}
+
+
+def read_each_draft_token(drafters: list, choice: str) -> None:
+    """Set the model drafters' draft loop on the static layout (`READS[choice]`): reading each token (and growing
+    trees there) or keeping a chain on the device, read once (a live drafter, named only, has none)."""
+    for d in drafters:
+        if not isinstance(d, str):
+            d.read_each_draft_token = READS[choice]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -335,10 +347,7 @@ def main(args) -> int:
     )
     forced = force(target, trace)
     drafters = replay_drafters(trace, dtype, device)
-    reads = {"auto": None, "yes": True, "no": False}[args.read_each_draft_token]
-    for d in drafters:
-        if not isinstance(d, str):  # a model drafter's stand-in (a live one is a name)
-            d.read_each_draft_token = reads
+    read_each_draft_token(drafters, args.read_each_draft_token)
     if args.check:
         if not trace.checks:
             print(f"{args.trace} holds no check runs (recorded with --checks none)")
