@@ -20,6 +20,7 @@ from .drafters import (
     TranslatingDrafter,
 )
 from .generation import SpinGenerateOutput, disable, enable, generate
+from .heap import freeze_gc
 from .policies import DraftLength, FixedLength, FixedPolicy, Plan, Policy, RoundRobinPolicy
 from .pool import AssistantPool
 from .stats import GenerationStats
@@ -53,5 +54,6 @@ __all__ = [
     "TranslatingDrafter",
     "disable",
     "enable",
+    "freeze_gc",
     "generate",
 ]

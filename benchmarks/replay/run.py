@@ -25,6 +25,7 @@ import hf_spin
 from benchmarks.common import machine
 from hf_spin.cache import CACHE_ARG
 from hf_spin.cache.static_forward import StaticOptions
+from hf_spin.heap import frozen_gc
 from hf_spin.planning.cost_profile import DRAFTING, PLAIN
 
 from .checks import CheckConfig, compare, generated, left_pad, run_check
@@ -388,20 +389,21 @@ def main(args) -> int:
 
     deadline = time.perf_counter() + args.budget_s if args.budget_s else None
     trees = TREE_VARIANTS[args.trees]
-    records = bench(
-        trace,
-        target,
-        drafters,
-        args.batch_sizes,
-        compile_config,
-        None,
-        None,
-        trees,
-        layout,
-        deadline,
-        write,
-        static=StaticOptions("auto", backend=args.static_backend, draft_backend=args.draft_backend),
-        forced=forced,
-    )
+    with frozen_gc():  # a full collection over the loaded models pauses a method for ~0.2 s (hf_spin/heap.py)
+        records = bench(
+            trace,
+            target,
+            drafters,
+            args.batch_sizes,
+            compile_config,
+            None,
+            None,
+            trees,
+            layout,
+            deadline,
+            write,
+            static=StaticOptions("auto", backend=args.static_backend, draft_backend=args.draft_backend),
+            forced=forced,
+        )
     print(write(records))
     return 0
