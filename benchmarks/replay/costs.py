@@ -26,7 +26,6 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 from benchmarks.common import machine, write_results
 from benchmarks.injected_costs import STRUCTURES, CostClock, Overrun, pace, profile_of, table
-from hf_spin.heap import frozen_gc
 
 from .forced import build_model, force, replay_drafters
 from .run import bench, read_each_draft_token
@@ -146,17 +145,16 @@ def run_host(
         overrun = Overrun()
         handles = pace(target, table(fn), overrun) + [h for n, m in models.items() for h in pace(m, costs[n], overrun)]
     try:
-        with frozen_gc():  # a full collection over the loaded models pauses a method for ~0.2 s (hf_spin/heap.py)
-            return bench(
-                trace,
-                target,
-                drafters,
-                batch_sizes,
-                profile=injected(fn, costs),
-                layout=layout,
-                repeat=repeat,
-                overrun=overrun,
-            )
+        return bench(
+            trace,
+            target,
+            drafters,
+            batch_sizes,
+            profile=injected(fn, costs),
+            layout=layout,
+            repeat=repeat,
+            overrun=overrun,
+        )
     finally:
         for h in handles:
             h.remove()

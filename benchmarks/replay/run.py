@@ -199,7 +199,8 @@ def bench(
     CUDA graphs run no hook). repeat: each workload's requests that many times over, one method's pool learning
     from them all (a server's steady state rather than a fresh pool's). overrun: the paced forwards' `Overrun`
     (benchmarks/injected_costs.py): seconds are then the wall clock's less the stand-ins' work past their cost,
-    the device's time, and each record says how much it took off (`overrun`)."""
+    the device's time, and each record says how much it took off (`overrun`). The methods run with the heap
+    frozen (`hf_spin.heap.frozen_gc`), as a server runs."""
     eos, pad = trace.target["eos_token_id"], trace.target["pad_token_id"]
     late = overrun if overrun is not None else lambda: 0.0
     now = clock if clock is not None else lambda: _sync(target.device) or time.perf_counter() - late()
@@ -216,60 +217,61 @@ def bench(
 
     # one static cache length for every workload: transformers compiles its decoding step once per batch size
     cache_len, caches = max(len(r.prompt) for r in trace.requests) + trace.max_new_tokens, {}
-    for bs in batch_sizes:
-        for workload, requests in by_workload.items():
-            batches = [requests[i : i + bs] for i in range(0, len(requests), bs)]
-            fns = methods(
-                trace, target, drafters, bs, cache_len, compile_config, profile, trees, caches, layout, static
-            )
-            for name, fn in fns.items():
-                began = time.perf_counter()
-                if deadline is not None and began + longest > deadline:
-                    records.append({"workload": workload, "batch": bs, "method": name, "skipped": "time budget"})
-                    continue
-                # a first call per batch shape, untimed, as long as the timed ones: allocations, kernels, and the
-                # graphs of every query width the drafts reach (a timed call that meets a wider one compiles it,
-                # which the record's "graphs" counts)
-                for chunk in {len(c): c for c in batches}.values() if clock is None else ():
-                    expect(chunk)
-                    fn(*left_pad([r.prompt for r in chunk], pad, target.device), trace.max_new_tokens)
-                rec = {
-                    "workload": workload,
-                    "batch": bs,
-                    "method": name,
-                    "tokens": 0,
-                    "seconds": 0.0,
-                    "identical": 0,
-                    "requests": 0,
-                    "forwards": 0,
-                    "drafters": defaultdict(lambda: [0, 0]),
-                    "graphs": 0,  # graphs torch.compile built during the timed calls (0: warm-ups built them all)
-                }
-                graphs, late_before = _graphs(), late()
-                for chunk in tqdm(batches, desc=f"{workload} b{bs} {name}", leave=False):
-                    ids, mask = left_pad([r.prompt for r in chunk], pad, target.device)
-                    expect(chunk)
-                    with clock.installed() if clock is not None else nullcontext():
-                        start = now()
-                        out, stats = fn(ids, mask, trace.max_new_tokens)
-                        rec["seconds"] += now() - start
-                    rows = generated(out, ids.shape[1], eos, pad)
-                    rec["tokens"] += sum(map(len, rows))
-                    rec["requests"] += len(chunk)
-                    rec["identical"] += sum(row == r.continuation for row, r in zip(rows, chunk))
-                    if stats is not None:
-                        rec["forwards"] += sum(row.target_forwards for row in stats.rows)
-                        for d, s in stats.drafters.items():
-                            rec["drafters"][d][0] += s.drafted
-                            rec["drafters"][d][1] += s.accepted
-                rec["drafters"] = dict(rec["drafters"])
-                rec["graphs"] = _graphs() - graphs
-                rec["overrun"] = late() - late_before
-                rec["host_ms"] = host_ms(getattr(fn, "pool", None), bs)
-                records.append(rec)
-                longest = max(longest, time.perf_counter() - began)
-                if on_record is not None:
-                    on_record(records)
+    with frozen_gc():  # a full collection over the loaded models pauses a method for ~0.2 s (hf_spin/heap.py)
+        for bs in batch_sizes:
+            for workload, requests in by_workload.items():
+                batches = [requests[i : i + bs] for i in range(0, len(requests), bs)]
+                fns = methods(
+                    trace, target, drafters, bs, cache_len, compile_config, profile, trees, caches, layout, static
+                )
+                for name, fn in fns.items():
+                    began = time.perf_counter()
+                    if deadline is not None and began + longest > deadline:
+                        records.append({"workload": workload, "batch": bs, "method": name, "skipped": "time budget"})
+                        continue
+                    # a first call per batch shape, untimed, as long as the timed ones: allocations, kernels, and the
+                    # graphs of every query width the drafts reach (a timed call that meets a wider one compiles it,
+                    # which the record's "graphs" counts)
+                    for chunk in {len(c): c for c in batches}.values() if clock is None else ():
+                        expect(chunk)
+                        fn(*left_pad([r.prompt for r in chunk], pad, target.device), trace.max_new_tokens)
+                    rec = {
+                        "workload": workload,
+                        "batch": bs,
+                        "method": name,
+                        "tokens": 0,
+                        "seconds": 0.0,
+                        "identical": 0,
+                        "requests": 0,
+                        "forwards": 0,
+                        "drafters": defaultdict(lambda: [0, 0]),
+                        "graphs": 0,  # graphs torch.compile built during the timed calls (0: warm-ups built them all)
+                    }
+                    graphs, late_before = _graphs(), late()
+                    for chunk in tqdm(batches, desc=f"{workload} b{bs} {name}", leave=False):
+                        ids, mask = left_pad([r.prompt for r in chunk], pad, target.device)
+                        expect(chunk)
+                        with clock.installed() if clock is not None else nullcontext():
+                            start = now()
+                            out, stats = fn(ids, mask, trace.max_new_tokens)
+                            rec["seconds"] += now() - start
+                        rows = generated(out, ids.shape[1], eos, pad)
+                        rec["tokens"] += sum(map(len, rows))
+                        rec["requests"] += len(chunk)
+                        rec["identical"] += sum(row == r.continuation for row, r in zip(rows, chunk))
+                        if stats is not None:
+                            rec["forwards"] += sum(row.target_forwards for row in stats.rows)
+                            for d, s in stats.drafters.items():
+                                rec["drafters"][d][0] += s.drafted
+                                rec["drafters"][d][1] += s.accepted
+                    rec["drafters"] = dict(rec["drafters"])
+                    rec["graphs"] = _graphs() - graphs
+                    rec["overrun"] = late() - late_before
+                    rec["host_ms"] = host_ms(getattr(fn, "pool", None), bs)
+                    records.append(rec)
+                    longest = max(longest, time.perf_counter() - began)
+                    if on_record is not None:
+                        on_record(records)
     return records
 
 
@@ -389,21 +391,20 @@ def main(args) -> int:
 
     deadline = time.perf_counter() + args.budget_s if args.budget_s else None
     trees = TREE_VARIANTS[args.trees]
-    with frozen_gc():  # a full collection over the loaded models pauses a method for ~0.2 s (hf_spin/heap.py)
-        records = bench(
-            trace,
-            target,
-            drafters,
-            args.batch_sizes,
-            compile_config,
-            None,
-            None,
-            trees,
-            layout,
-            deadline,
-            write,
-            static=StaticOptions("auto", backend=args.static_backend, draft_backend=args.draft_backend),
-            forced=forced,
-        )
+    records = bench(
+        trace,
+        target,
+        drafters,
+        args.batch_sizes,
+        compile_config,
+        None,
+        None,
+        trees,
+        layout,
+        deadline,
+        write,
+        static=StaticOptions("auto", backend=args.static_backend, draft_backend=args.draft_backend),
+        forced=forced,
+    )
     print(write(records))
     return 0

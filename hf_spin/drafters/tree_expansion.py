@@ -153,7 +153,7 @@ class _StaticFeed:
             self.ever.setdefault(row, set()).update(nodes)
         self.fed = {}
         for row in self.ever:  # a row whose tree stopped growing still feeds its heaviest path, to keep its KV
-            tree, wanted = trees[row], nodes_of.get(row, []) + self.held(row, _heaviest_path(trees[row]), self.ever)
+            tree, wanted = trees[row], nodes_of.get(row, []) + _prefix_in(_heaviest_path(trees[row]), self.ever[row])
             fed = sorted({a for n in wanted for a in tree.path(n)})  # ancestors first: node ids grow by depth
             paths = [set(tree.path(n)) for n in fed]
             visible = torch.tensor([[m in path for m in fed] for path in paths], dtype=torch.bool)  # [n, n]
@@ -163,21 +163,25 @@ class _StaticFeed:
         logits = self.drafter._forward_static(chunks, layouts)  # [B, T, V_draft]
         return logits, {row: [self.fed[row].index(n) for n in nodes] for row, nodes in nodes_of.items()}
 
-    def held(self, row: int, path: list[int], fed: dict[int, set[int]] | None = None) -> list[int]:
-        """The longest prefix of `path` fed (in the last forward, or `fed`'s): both are closed under ancestors."""
-        done = fed.get(row, set()) if fed is not None else set(self.fed.get(row, ()))
-        held = []
-        for n in path:
-            if n not in done:
-                break
-            held.append(n)
-        return held
+    def held(self, row: int, path: list[int]) -> list[int]:
+        """The longest prefix of `path` the last forward fed."""
+        return _prefix_in(path, set(self.fed.get(row, ())))
 
     def keep(self, kept: dict[int, list[int]]) -> None:
         if not self.fed:  # nothing fed: the cache holds the committed tokens alone
             return
         paths = [[self.fed[row].index(n) for n in kept.get(row, [])] for row in range(len(self.lengths))]
         self.cache.keep_paths([n - 1 for n in self.lengths], paths)
+
+
+def _prefix_in(path: list[int], nodes: set[int]) -> list[int]:
+    """The longest prefix of `path` within `nodes` (a set closed under ancestors holds a prefix of each path)."""
+    prefix = []
+    for n in path:
+        if n not in nodes:
+            break
+        prefix.append(n)
+    return prefix
 
 
 def _heaviest_path(tree: TokenTree) -> list[int]:

@@ -238,7 +238,7 @@ MUTANTS = (
         "not its heaviest path: the cache keeps none of the path, and rows that stopped early lose theirs (lossless, "
         "longer catch-ups)",
         "hf_spin/drafters/tree_expansion.py",
-        "nodes_of.get(row, []) + self.held(row, _heaviest_path(trees[row]), self.ever)",
+        "nodes_of.get(row, []) + _prefix_in(_heaviest_path(trees[row]), self.ever[row])",
         "nodes_of.get(row, [])",
         (
             "tests/test_tree_expansion.py::test_after_a_tree_the_drafter_drafts_as_a_fresh_one[llama-static]",
