@@ -19,7 +19,7 @@ import torch
 import hf_spin
 from benchmarks.injected_costs import STRUCTURES, CostClock, profile_of, table
 from hf_spin.drafters import Draft, Drafter
-from hf_spin.planning.acceptance import EVIDENCE_ONLY, LEVEL_WEIGHT, PRIOR_ACCEPTANCE, Acceptance
+from hf_spin.planning.acceptance import EVIDENCE_ONLY, LEVEL_WEIGHT, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, Acceptance
 from hf_spin.planning.cost_profile import DRAFTING, PLAIN, UNMEASURED_PREMIUM, CostProfile, ForwardCost
 from hf_spin.planning.estimates import acceptance_with_prior
 from hf_spin.planning.grid import measure
@@ -471,7 +471,11 @@ def test_a_request_that_holds_the_pools_evidence_is_not_counted_twice():
     assert alone.conditionals(0, 0, 1)[0] == pytest.approx(
         alone.conditionals(0, 1, 1)[0]
     )  # as a request with no evidence of its own
-    assert alone.conditionals(0, 0, 1)[0] > 0.3  # counted twice: 0.20
+    # as the pool's levels read three rejections: the prior (0.6, two observations) against them, 0.24; counted
+    # twice: 0.14
+    assert alone.conditionals(0, 0, 1)[0] == pytest.approx(
+        acceptance_with_prior(0.0, 3.0, PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
+    )
     among = Acceptance(1)
     for _ in range(30):
         among.observe(0, row=1, proposed=4, matched=2, committed=3)
@@ -483,10 +487,12 @@ def test_a_request_that_holds_the_pools_evidence_is_not_counted_twice():
 
 
 def test_each_level_reads_its_own_counts_once():
-    """A level's prior is the level above without the level's own counts: where one position holds all
-    the pool's evidence (a fresh pool whose first drafts died at position 1), the position reads its
-    counts once, against the prior, as the pooled level does; not shrunk toward a pooled value that
-    already holds them (three rejections read as 0.14 that way, three acceptances as 0.91)."""
+    """A level's prior is the level above without the level's own counts, worth at most what that holds: where
+    one position holds all the pool's evidence (a fresh pool whose first drafts died at position 1, a pool whose
+    probes are one token), the position reads its counts once, against the prior at the prior's own weight, as
+    the pooled level does; not shrunk toward a pooled value that already holds them (three rejections read as 0.14
+    that way, three acceptances as 0.91), nor against the prior at LEVEL_WEIGHT pseudo-observations, which it does
+    not hold (the evidence-only prior read four acceptances at position 1 as 0.5, not the pooled level's 0.67)."""
     for matched, committed in ((0, 1), (4, 5)):
         acc = Acceptance(1)
         for _ in range(3):
@@ -494,8 +500,18 @@ def test_each_level_reads_its_own_counts_once():
         a, r = acc.counts[(0, None, 1)]
         assert (a, r) in ((0.0, 3.0), (3.0, 0.0))
         assert acc.conditionals(0, 1, 1)[0] == pytest.approx(
-            acceptance_with_prior(a, r, PRIOR_ACCEPTANCE, LEVEL_WEIGHT)
+            acceptance_with_prior(a, r, PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
         )
+    acc = Acceptance(1)
+    for _ in range(4):
+        acc.observe(0, row=0, proposed=1, matched=1, committed=2)
+    assert acc.conditionals(0, 1, 1, prior=EVIDENCE_ONLY)[0] == pytest.approx(4 / 6)
+    # beside other positions' evidence the level's prior is the rest, at LEVEL_WEIGHT observations
+    acc.observe(0, row=0, proposed=3, matched=2, committed=2)  # positions 1 and 2 right, the third unchecked
+    rest = acceptance_with_prior(5.0, 0.0, *EVIDENCE_ONLY)  # the pool's other counts: position 1's five
+    assert acc.conditionals(0, 1, 2, prior=EVIDENCE_ONLY)[1] == pytest.approx(
+        acceptance_with_prior(1.0, 0.0, rest, LEVEL_WEIGHT)
+    )
 
 
 def test_planner_sizes_zero_and_full():

@@ -40,8 +40,9 @@ class Acceptance:
     Three levels, each the prior of the next: the drafter's pooled acceptance (prior PRIOR_ACCEPTANCE),
     per position (LEVEL_WEIGHT pseudo-observations of the pooled value), per position and match-length
     bucket for drafters that report matches (prompt lookup). A level's prior is read from the level
-    above without the level's own counts, which the level above holds too: so every observation is
-    read once, also where one position holds all the evidence (a fresh pool's first drafts). Then the
+    above without the level's own counts, which the level above holds too, and is worth at most what
+    that holds (its counts and its own prior's weight): so every observation and the prior are read
+    once, also where one position holds all the evidence (a fresh pool's first drafts). Then the
     request: its own pooled acceptance with the drafter (LEVEL_WEIGHT pseudo-observations of the
     drafter's), as a factor on the position's (code copies well, open chat does not), raised to the
     part of the pool's evidence that is not the request's: the levels above already hold the
@@ -127,9 +128,12 @@ class Acceptance:
             above, mean, level_prior = self.pooled[drafter], pooled, prior
             for m in levels:
                 la, lr = self.counts.get((drafter, m, position), (0.0, 0.0))
-                # the level's prior: the level above without this level's own counts (else counted twice)
+                # the level's prior: the level above without this level's own counts (else counted twice), worth at
+                # most what it holds (those counts and its own prior's weight: where this level holds all the
+                # evidence, the prior alone, at its own weight, not LEVEL_WEIGHT)
                 rest = (max(above[0] - la, 0.0), max(above[1] - lr, 0.0))
-                level_prior = (acceptance_with_prior(*rest, *level_prior), LEVEL_WEIGHT)
+                weight = min(LEVEL_WEIGHT, rest[0] + rest[1] + level_prior[1])
+                level_prior = (acceptance_with_prior(*rest, *level_prior), weight)
                 mean, above = acceptance_with_prior(la, lr, *level_prior), (la, lr)
             mean = min(mean * own, 0.999)
             if optimism:

@@ -370,6 +370,16 @@ MUTANTS = (
         ("tests/test_planning.py::test_each_level_reads_its_own_counts_once",),
     ),
     Mutant(
+        "level_prior_outweighs_what_it_holds",
+        "a position's prior weighs LEVEL_WEIGHT observations even where the level above holds nothing beyond the "
+        "position's own counts: the evidence-only read of four acceptances at position 1 is 0.5, not 0.67, and a 0.5B "
+        "drafter right 4 of 4 drafts nothing on a new prompt on an AMX CPU's bf16 profile",
+        "hf_spin/planning/acceptance.py",
+        "weight = min(LEVEL_WEIGHT, rest[0] + rest[1] + level_prior[1])",
+        "weight = LEVEL_WEIGHT",
+        ("tests/test_planning.py::test_each_level_reads_its_own_counts_once",),
+    ),
+    Mutant(
         "cross_attention_rows_stay_when_a_row_retires",
         "an encoder-decoder target's cross-attention K/V do not follow a retired row: the rows after it attend to another row's audio or text",
         "hf_spin/cache/encoder_rows.py",
@@ -382,7 +392,7 @@ MUTANTS = (
     ),
     Mutant(
         "request_counted_twice",
-        "a request's own acceptance scales the position's in full, though the pool's evidence it is built on may be the request's own: at batch 1 three early rejections read as 0.20 where the pool's levels say 0.34",
+        "a request's own acceptance scales the position's in full, though the pool's evidence it is built on may be the request's own: at batch 1 three early rejections read as 0.14 where the pool's levels say 0.24",
         "hf_spin/planning/acceptance.py",
         "/ pooled) ** (1.0 - share)",
         "/ pooled)",
