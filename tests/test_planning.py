@@ -276,6 +276,33 @@ def avx2_fp32(n: float) -> float:
     return 0.39 if n <= 1 else 0.8 if n <= 8 else 0.8 + 0.02 * (n - 8)
 
 
+def test_a_fall_the_grid_reads_by_chance_is_timed_again():
+    """Flat forwards (a GPU, an AMX CPU in bf16) whose first runs over 8 tokens ran while the machine was quieter
+    (20% cheaper): read as a fall, 8 tokens would widen every plain step to 8 positions (on an AMX Xeon those cost a
+    709-token prompt's steps 3-5% more). The grid times the fall's knots again, in turns, and reads them flat, so a
+    plain step runs one position. A real fall (one token a GEMV, dearer than a two-token GEMM) stays a fall."""
+
+    class Noisy:
+        def __init__(self, cost, cheap_runs):
+            self.cost, self.cheap_runs, self.calls = cost, cheap_runs, {}
+
+        def predict(self, n_tokens, rows=1):
+            self.calls[n_tokens] = self.calls.get(n_tokens, 0) + 1
+            lucky = rows == 1 and n_tokens == 8 and self.calls[n_tokens] <= self.cheap_runs
+            return self.cost(n_tokens) * (0.8 if lucky else 1.0)
+
+    clock = CostClock()
+    model = tiny_model("llama", seed=0)
+    clock.hook(model, Noisy(lambda n: 0.2, cheap_runs=2))  # the grid's two runs of N = 8
+    cost = measure(model, budget=3.0, clock=clock)
+    assert cost.predict(8) == pytest.approx(cost.predict(1))
+    assert CostProfile(cost, [], []).plain_width(1) == 1
+    gemv = tiny_model("llama", seed=0)
+    clock.hook(gemv, Noisy(lambda n: 0.192 if n == 1 else 0.172, cheap_runs=0))
+    cost = measure(gemv, budget=3.0, clock=clock)
+    assert CostProfile(cost, [], []).plain_width(1) > 1
+
+
 def test_a_short_grid_brackets_the_draft_widths_instead_of_extrapolating():
     """A slow machine whose GEMV path makes one token cheap and any wider forward cost about two (an AMD
     EPYC in float32: 431 / 913 / 935 / 897 ms for 1 / 2 / 4 / 8 tokens): the grid measures 1, 8, 2 and 32

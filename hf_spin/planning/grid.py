@@ -10,6 +10,7 @@ layout's fixed-shape forward (compiled or not) at its query width. `profiling.py
 
 from __future__ import annotations
 
+import statistics
 from time import perf_counter
 from typing import Callable
 
@@ -33,8 +34,10 @@ GRID_CONTEXT = 128
 GRID_TOKENS = (1, 8, 2, 32, 4, 16, 64)
 GRID_MIN_POINTS = 3
 # What the grid measures, in the profile cache's key: raise it when `measure` changes, so a cost measured the
-# old way is measured again (2: the point past knots that fall).
-GRID_VERSION = 2
+# old way is measured again (2: the point past knots that fall; 3: falls confirmed, `_confirm_falls`).
+GRID_VERSION = 3
+# Times each knot that takes part in a fall (a wider knot read cheaper than a narrower one) is timed again, in turns.
+FALL_REPEATS = 3
 # Rows of the per-row overhead point (measured with one new token per row).
 GRID_ROWS = 4
 # Seconds the grid of the target may take (beyond its first two points, always measured); a drafter
@@ -156,7 +159,8 @@ def measure(
 ) -> ForwardCost:
     """Measure a model's `ForwardCost` on the grid: forwards over N new tokens (in GRID_TOKENS' order:
     1, 8, then the widths between and beyond) after a context of GRID_CONTEXT positions (the cache
-    cropped back after each), each timed twice and the faster kept (the first run pays allocations),
+    cropped back after each), each timed twice and the faster kept (the first run pays allocations; the knots
+    of a fall, a wider knot read cheaper than a narrower one, timed again in turns: `_confirm_falls`),
     skipping a point that would overrun `budget` seconds (a warm-up forward first, outside the budget;
     the first GRID_MIN_POINTS always run, and on the eager path a point past knots that fall: the curve would
     read flat there, a guess; `_past_a_fall`); then GRID_ROWS rows of one token for the per-row overhead.
@@ -199,6 +203,7 @@ def measure(
             if clock() - started + 2 * fit.predict(n) > budget and not forced:  # two runs; a cheaper one may fit
                 continue
         table[n] = timed(1, n)
+    _confirm_falls(table, lambda n: timed(1, n))
     cost = ForwardCost.from_table(dict(sorted(table.items())))
     # always, whatever the budget: every batch > 1 decision reads it (on the static layout from eager forwards)
     if static is None:
@@ -209,6 +214,26 @@ def measure(
     if getattr(model.config, "is_encoder_decoder", False):
         cost.encoder = _encoder_seconds(model, generator, clock)
     return cost
+
+
+def _confirm_falls(table: dict[int, float], timed: Callable[[int], float]) -> None:
+    """Time every knot that takes part in a fall (a wider knot read cheaper than a narrower one) FALL_REPEATS times
+    again, the knots in turns (each time the faster of two runs), and read each at the median of those: a first
+    reading taken while the machine was quieter does not decide alone, and the knots it is compared with are read
+    over the same stretch of the machine's load. A fall decides widths: a plain step and a draft's
+    verification run at a wider knot read cheaper (`ForwardCost.width`). Where the forwards are flat (a GPU, an AMX
+    CPU in bf16) the faster of two runs reads a wider knot cheaper by chance: on an AMX Xeon 8 tokens read 198 ms
+    against 228 for one, every plain step then ran 8 positions, and on a 709-token prompt their forwards cost 3-5%
+    more than one position's. A real fall (an AMD EPYC in bf16: 192 / 172 ms for 1 / 2 tokens, one token a GEMV)
+    stays."""
+    knots = sorted(table)
+    falls = {k for i, n in enumerate(knots) for m in knots[:i] if table[n] < table[m] for k in (m, n)}
+    again: dict[int, list[float]] = {n: [] for n in falls}
+    for _ in range(FALL_REPEATS):
+        for n in sorted(falls):
+            again[n].append(timed(n))
+    for n, seconds in again.items():
+        table[n] = statistics.median(seconds)
 
 
 def _past_a_fall(fit: ForwardCost, n_tokens: int) -> bool:

@@ -380,6 +380,16 @@ MUTANTS = (
         ("tests/test_planning.py::test_each_level_reads_its_own_counts_once",),
     ),
     Mutant(
+        "grid_falls_unconfirmed",
+        "the grid trusts a fall it read once: where forwards are flat a wider knot read cheaper by chance widens every "
+        "plain step (an AMX Xeon, bf16: 8 tokens read 198 ms against 228 for one; on a 709-token prompt those steps "
+        "cost 3-5% more)",
+        "hf_spin/planning/grid.py",
+        "    _confirm_falls(table, lambda n: timed(1, n))",
+        "    table = dict(table)",
+        ("tests/test_planning.py::test_a_fall_the_grid_reads_by_chance_is_timed_again",),
+    ),
+    Mutant(
         "cross_attention_rows_stay_when_a_row_retires",
         "an encoder-decoder target's cross-attention K/V do not follow a retired row: the rows after it attend to another row's audio or text",
         "hf_spin/cache/encoder_rows.py",
