@@ -281,7 +281,8 @@ class StaticRowCache(Cache):
         written). On CUDA from one captured graph (`GraphedMoves`): eagerly they are two indexing ops per layer and
         tensor, a launch each, most likely what a tree step cost more than a chain's on a host-bound H200."""
         layers = [layer for layer in self.layers if layer.is_initialized]
-        if captures_moves(self._device) and all(layer.keys.device == self._device for layer in layers):
+        here = self.slot_lengths.device  # the cache's device with its index ("cuda" is "cuda:0" there)
+        if captures_moves(here) and all(layer.keys.device == here for layer in layers):
             if self._moves is None:
                 self._moves = GraphedMoves(move_slots)
             if self._moves(layers, moves, self.capacity):

@@ -10,7 +10,7 @@ the dtype, the thread count, the torch / transformers / hf_spin versions, and ho
 through the compiled fixed-shape forward the engine runs; a drafter's apart). Any of these changing
 measures anew. A path instead keeps the whole profile in that one file (read if it matches, else
 measured and written), for a machine-specific profile shipped with a deployment. A model whose cost is
-read from either runs one forward first (`grid.warm_up`): its costs are a warm model's.
+read from either runs one forward first (`grid.warm_up`), once per process: its costs are a warm model's.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -30,6 +31,11 @@ from ..version import __version__
 from .cost_profile import CostProfile, ForwardCost
 from .grid import GRID_BUDGET, GRID_VERSION, measure, warm_up
 from .machine import describe
+
+
+# the models that ran a forward of hf_spin's in this process (measured, or warmed): a pool built per call (as a
+# `generate(assistant_model=...)` user builds one) must not pay a warm-up forward each time (~0.16 s on an H200)
+_WARM: weakref.WeakSet = weakref.WeakSet()
 
 
 def cache_dir() -> Path:
@@ -176,6 +182,7 @@ def build_profile(
         return key_hash(model_key(m, forward=forward_kind(m, layout(m), m is not target)))
 
     def measured(m) -> ForwardCost:
+        _WARM.add(m)
         return measure(m, budget(m), progress=progress, static=static_forwards(m, layout(m), m is not target))
 
     costs: dict[int, ForwardCost] = {}
@@ -196,9 +203,12 @@ def build_profile(
         for m in unique:
             costs[id(m)], hit = cached_cost(m, budget(m), progress, layout(m), drafter=m is not target)
             read += [m] if hit else []
+            _WARM.update([] if hit else [m])
     for m in read:  # priced warm: its first forward must not read its weights in mid-call (`warm_up`)
-        progress(f"warming {type(m).__name__}")
-        warm_up(m)
+        if m not in _WARM:
+            progress(f"warming {type(m).__name__}")
+            warm_up(m)
+            _WARM.add(m)
     bar.close()
     source = "cached" if len(read) == len(unique) else "measured"
     source = source if spec == "auto" else f"{source}, {spec}"
