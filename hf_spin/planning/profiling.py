@@ -32,7 +32,6 @@ from .cost_profile import CostProfile, ForwardCost
 from .grid import GRID_BUDGET, GRID_VERSION, measure, warm_up
 from .machine import describe
 
-
 # the models that ran a forward of hf_spin's in this process (measured, or warmed): a pool built per call (as a
 # `generate(assistant_model=...)` user builds one) must not pay a warm-up forward each time (~0.16 s on an H200)
 _WARM: weakref.WeakSet = weakref.WeakSet()
