@@ -849,7 +849,7 @@ def static_spin(
     profile: str,
     compile=True,
     trees=False,
-    run_ahead: bool | str = False,
+    run_ahead: bool | str = "auto",
 ):
     """hf_spin's greedy generate, drafts of k: on the static layout compiled (k + 1 query slots from the
     first verification on, so one graph serves the run; a tree's nodes widen it once; compile=False: the
@@ -1086,7 +1086,7 @@ def compiled_config(check: Check, report: dict, label: str, model, batch: int):
         first: bool = False,
         warm: bool = False,
         draws: int = 1,
-        run_ahead: bool | str = False,
+        run_ahead: bool | str = "auto",
     ):
         """One hf_spin run: timed; before it a first call where it compiles (first), measures its cost
         profile or compiles a tree's wider graph (warm); after it the same run again under `count_syncs`.
@@ -1096,8 +1096,8 @@ def compiled_config(check: Check, report: dict, label: str, model, batch: int):
         r["drafter"] = "0.5B model" if alpha is None else "oracle" if draws == 1 else f"oracle tree of {draws}"
         if compiled:  # whether its plain steps ran ahead (docs/design.md, "Run-ahead")
             r["run_ahead"] = StaticOptions(True, backend=compile_backend(check), run_ahead=run_ahead).runs_ahead(model)
-        if run_ahead:
-            r["variant"] = "run-ahead " + ("on" if r["run_ahead"] else "off here")
+        if run_ahead != "auto":  # not the default pool as users get it
+            r["variant"] = "run-ahead " + ("on" if r["run_ahead"] else "off")
         if check.left() < (reserve if first else 0.03 * budget):
             return record({**r, "skipped": "time budget"})
 
@@ -1166,7 +1166,8 @@ def compiled_config(check: Check, report: dict, label: str, model, batch: int):
     variants = [(0.0, "off"), (0.0, "auto")] + [(a, "off") for a in alphas]
     for i, (alpha, profile) in enumerate(variants[:2]):
         spin_run(True, alpha, profile, first=i == 0, warm=profile == "auto")
-    spin_run(True, 0.0, "auto", run_ahead="auto")  # the default pool's plain decode with run-ahead (CUDA only)
+    # the default pool's plain decode with run-ahead the other way than its default on this backend
+    spin_run(True, 0.0, "auto", run_ahead=not StaticOptions(True, backend=compile_backend(check)).runs_ahead(model))
     if check.left() > 0.1 * budget:  # never slower, beyond one run's noise: the pair again, alternating
 
         def default_pool():

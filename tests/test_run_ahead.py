@@ -9,12 +9,13 @@ turns it on where it could pay: compiled on CUDA.
 from __future__ import annotations
 
 import collections
+import types
 
 import pytest
 import torch
 
 import hf_spin
-from hf_spin.cache.static_forward import StaticOptions
+from hf_spin.cache.static_forward import CUDA_GRAPHS, StaticOptions
 from hf_spin.drafters import Draft, PromptLookupDrafter
 from hf_spin.step.engine import SpinEngine
 
@@ -142,11 +143,15 @@ def test_a_row_stopping_while_a_forward_runs_ahead_leaves_the_others_exact(monke
     assert seen["launched"] > 0, seen
 
 
-def test_run_ahead_is_off_unless_asked_for_and_auto_only_compiled_on_cuda():
+def test_run_ahead_by_default_only_where_cuda_graphs_capture_the_forwards():
     cpu = tiny_model("llama")
     assert not StaticOptions("auto").runs_ahead(cpu) and not StaticOptions(True, run_ahead="auto").runs_ahead(cpu)
-    assert StaticOptions(True).run_ahead is False
+    assert StaticOptions(True).run_ahead == "auto"
     assert StaticOptions(run_ahead=True).runs_ahead(cpu) and not StaticOptions(True, run_ahead=False).runs_ahead(cpu)
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda", 0))  # what runs_ahead reads of a model
+    assert StaticOptions(True, backend=CUDA_GRAPHS).runs_ahead(on_cuda)  # the host's work overlaps the graphs'
+    assert not StaticOptions(True).runs_ahead(on_cuda)  # inductor: measured 3x slower (docs/design.md)
+    assert not StaticOptions(True, backend=CUDA_GRAPHS, run_ahead=False).runs_ahead(on_cuda)
     with pytest.raises(ValueError, match="run_ahead="):
         StaticOptions(run_ahead="always")
     pool = static_pool(["prompt_lookup"])

@@ -221,15 +221,16 @@ class StaticOptions:
         None: the longest chunk so far, bucketed, so a longer draft than any before compiles a wider
         forward (once per bucket).
     run_ahead: a step that drafts nothing launches the next one-token forward before the host reads its
-        tokens (docs/design.md, "Run-ahead"): True, "auto" (where the forwards compile on CUDA, the only
-        place the host's work then overlaps the device's), or False (the default: on an H100 it ran the
-        compiled plain decode 3x slower, for a reason not yet found).
+        tokens (docs/design.md, "Run-ahead"): True, False, or "auto" (the default): where the target's
+        forwards are captured as CUDA graphs (CUDA_GRAPHS, on CUDA), the host's work then overlapping the
+        device's (on an H200 the plain decode 8-25% faster); not under inductor, where on an H100 it ran the
+        compiled plain decode 3x slower, for a reason not yet found.
     """
 
     compile: bool | str = False
     backend: str = "inductor"
     query_slots: int | None = None
-    run_ahead: bool | str = False
+    run_ahead: bool | str = "auto"
     draft_backend: str | None = None
 
     def __post_init__(self):
@@ -254,9 +255,9 @@ class StaticOptions:
         return wanted and (on_cuda or self.backend_for(drafter) != CUDA_GRAPHS)
 
     def runs_ahead(self, model) -> bool:
-        """Whether plain steps of `model` run ahead under these options ("auto": compiled on CUDA)."""
-        on_cuda = self.compiles(model) and model.device.type == "cuda"
-        return self.run_ahead is True or (self.run_ahead == "auto" and on_cuda)
+        """Whether plain steps of `model` run ahead under these options ("auto": captured as CUDA graphs)."""
+        captured = self.compiles(model) and model.device.type == "cuda" and self.backend == CUDA_GRAPHS
+        return self.run_ahead is True or (self.run_ahead == "auto" and captured)
 
     def forward_for(self, model, forward=run_static):
         """`forward` (`run_static` or `run_static_draft`) compiled for `model` as these options say, or as
