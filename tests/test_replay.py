@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from transformers import CompileConfig, DynamicCache
+from transformers import CompileConfig, DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import hf_spin
 from benchmarks.injected_costs import Overrun, pace, table
@@ -366,3 +366,20 @@ def test_a_batch_prefilled_in_groups_replays_through_graphs_that_run_no_hook(mon
         assert shapes[0][0] < 4, shapes  # prefilled in groups (as the profile's costs then say)
         assert torch.equal(out, plain) == (expected is not None), out
         assert (max(rows for rows, _ in shapes) == 4) == (call == 0), shapes  # then no forward of 4 rows runs a hook
+
+    class Recapture(StoppingCriteria):  # the graphs dropped mid-call: the next forward captures, its hook runs
+        calls = 0
+
+        def __call__(self, input_ids, scores, **kwargs):
+            Recapture.calls += 1
+            if Recapture.calls == NEW_TOKENS // 2:
+                static_forward.shared_graphed(static_forward.run_static).graphs.clear()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    # a capture steps after the groups' prefill (a wider draft met mid-call, on a GPU): the hook sees the batch
+    # long past its prompts, and must keep the expected rows the graphs have read since, not regroup them afresh
+    forced.expect([0, 1, 2, 3])
+    shapes.clear()
+    out = run(stopping_criteria=StoppingCriteriaList([Recapture()]))
+    assert Recapture.calls > 3 and max(rows for rows, _ in shapes) == 4, shapes
+    assert torch.equal(out, plain), out

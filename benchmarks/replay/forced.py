@@ -143,7 +143,11 @@ class ForcedTarget:
         else:
             if len(first_ids) > len(self.requests):
                 grouped = self._groups_holding(len(first_ids))
-                if grouped is not None:  # one batch prefilled in groups, now in row order
+                if grouped is not None and self._expected_batch(grouped[0]):
+                    # the caller's batch, in row order: what the forwards since its groups read (`pending`); a
+                    # hook may first run steps later (a graph captured mid-call), its rows then past the groups'
+                    self.requests = list(self.expected)
+                elif grouped is not None:  # one batch prefilled in groups, now in row order
                     self._regroup(*grouped, list(zip(first_ids.tolist(), first_positions.tolist())))
                 else:  # rows that no prefill showed (a cost-profile probe)
                     self.requests = [UNKNOWN] * len(first_ids)
@@ -159,6 +163,10 @@ class ForcedTarget:
             self.prefills = []
         self.cache = weakref.ref(cache) if cache is not None else lambda: None
         self._write_rows(module, [self._row(r) for r in self.requests])
+
+    def _expected_batch(self, requests: list[int]) -> bool:
+        """Whether the caller said which batch this is (`expect`) and `requests`, a batch's groups, are its rows."""
+        return self.expected is not None and sorted(requests) == sorted(self.expected)
 
     def _row(self, request: int) -> int:
         """A request's row of the device table (the last one for UNKNOWN)."""

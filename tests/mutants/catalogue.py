@@ -390,6 +390,16 @@ MUTANTS = (
         ("tests/test_planning.py::test_a_fall_the_grid_reads_by_chance_is_timed_again",),
     ),
     Mutant(
+        "forced_rows_regrouped_after_graphs",
+        "the replay's forced target regroups a batch prefilled in groups by the rows' first tokens when its hook first "
+        "runs steps later (a graph captured mid-call): the rows are past their prompts, nothing fits, and the map the "
+        "graphs read is replaced by the groups' order (an H200 replay: 13/16 identical under LBSS at batch 4)",
+        "benchmarks/replay/forced.py",
+        "                if grouped is not None and self._expected_batch(grouped[0]):",
+        "                if False:",
+        ("tests/test_replay.py::test_a_batch_prefilled_in_groups_replays_through_graphs_that_run_no_hook",),
+    ),
+    Mutant(
         "warm_up_every_pool",
         "each pool built warms its models with one forward again, though they ran in this process: a pool built per "
         "call (as `assistant_model=` users build one) paid ~0.16 s a call on an H200 (1.5B shape, 128 tokens: 0.64x "
