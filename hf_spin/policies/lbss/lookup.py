@@ -69,12 +69,16 @@ class Lookup(Pricing):
         shortest draft continuing it, whose goodput reaches `target` (L tokens commit sum_{i<=L}
         a^i, a its acceptance at that match length, `match_acceptance`, over the row's share
         of a step verifying them); None when no draft it can make does."""
+        seconds: dict[int, float] = {}  # length -> the row's share of a step verifying it: the same at every match
+
+        def share(length: int) -> float:
+            if length not in seconds:
+                seconds[length] = self.row_seconds(drafter, length, drafting, fill=1.0)
+            return seconds[length]
+
         for match, acceptance in self.match_acceptance(row, drafter):
             for length in range(1, row.ks[drafter] + 1):
-                if (
-                    geometric_tokens(acceptance, length) / self.row_seconds(drafter, length, drafting, fill=1.0)
-                    >= target
-                ):
+                if geometric_tokens(acceptance, length) / share(length) >= target:
                     return length, match
         return None
 
