@@ -132,7 +132,8 @@ class StaticRowCache(Cache):
         self.host_lengths: list[int] = []
         self.slot_lengths = torch.zeros(0, dtype=torch.long, device=self._device)  # [R]
         self.width = 0
-        self._layouts: dict[int, list] = {}  # width -> [depths, visible, holds a tree]; per row-slot count
+        # width -> [depths, visible, holds a tree, the chain's layout on the host]; per row-slot count
+        self._layouts: dict[int, list] = {}
         self.query_depths = self.query_visible = None
         self._moves: GraphedMoves | None = None  # keep_paths' captured moves, on CUDA
 
@@ -212,10 +213,12 @@ class StaticRowCache(Cache):
         if width not in self._layouts:
             depths, visible = _chain_layout(self.num_slots, width, self._device)
             _mark_static(depths, visible)
-            self._layouts[width] = [depths, visible, False]
+            self._layouts[width] = [depths, visible, False, None]
         layout = self._layouts[width]
         if trees or layout[2]:
-            depths, visible = _chain_layout(self.num_slots, width)  # on the host, the trees written in
+            if layout[3] is None:  # the chain's layout on the host, copied for each tree step (not rebuilt)
+                layout[3] = _chain_layout(self.num_slots, width)
+            depths, visible = (t.clone() for t in layout[3])  # the trees written in
             for slot, (depth, mask) in (trees or {}).items():
                 n = len(depth)
                 depths[slot, :n] = torch.tensor(depth)
