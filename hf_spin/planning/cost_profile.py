@@ -381,7 +381,7 @@ class CostProfile:
         """(a, k): the lowest per-token acceptance (to 0.01) at which drafting with `drafter` beats a
         plain step at batch 1, and the k that does it; None if not even a = 0.99 does. Every k's expected
         tokens grow with a, so the best rate does: a bisection over the grid (a scan priced 99 x max_k steps,
-        7.5 ms a judgement under the profiler, a GPU step and more)."""
+        7.6 ms a judgement under the profiler, a GPU step and more)."""
         target = target or self.target
         plain, seconds = 1.0 / target.predict(1), self._step_seconds(drafter, target)
         grid = [x / 100 for x in range(1, 100)]

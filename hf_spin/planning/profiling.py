@@ -201,8 +201,10 @@ def build_profile(
     else:
         for m in unique:
             costs[id(m)], hit = cached_cost(m, budget(m), progress, layout(m), drafter=m is not target)
-            read += [m] if hit else []
-            _WARM.update([] if hit else [m])
+            if hit:
+                read.append(m)
+            else:
+                _WARM.add(m)  # measured here, so warm
     for m in read:  # priced warm: its first forward must not read its weights in mid-call (`warm_up`)
         if m not in _WARM:
             progress(f"warming {type(m).__name__}")
