@@ -5,6 +5,7 @@ target one position off fails the check (the lossy control)."""
 from __future__ import annotations
 
 import functools
+import json
 import time
 
 import pytest
@@ -302,6 +303,11 @@ def test_pools_replay_on_the_static_layout_and_a_budget_skips_what_starts_late(t
     for method in ("hf_spin_all_static", "hf_spin_all_chains_static"):
         assert f"| w | 1 | {method} |" in text and f"| w | 4 | {method} |" in text
     assert text.count(f"{n}/{n} |") == 2 + 2 + 4 + 1  # generate and its static twice, the pool's variants twice, lookup
+    assert "ms / step: verify / drafting / rest |" in text
+    (raw,) = (tmp_path / "static").glob("replay-*.json")
+    for r in json.loads(raw.read_text())["records"]:  # a call's time past its prefills: verify, drafting, the rest
+        spent = r["prefill_s"] + r["verify_s"] + r["draft_s"]
+        assert (r["steps"] > 0 and 0 < spent <= r["seconds"]) == r["method"].startswith("hf_spin"), r
     assert main(["run", str(trace_file), "--budget-s", "1e-9", "--threads", "1", "--out", str(tmp_path / "b")]) == 0
     (md,) = (tmp_path / "b").glob("replay-*.md")
     assert "skipped (time budget): w b1 generate, w b1 transformers_lookup, w b1 hf_spin_all, w b4" in md.read_text()

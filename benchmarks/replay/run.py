@@ -246,6 +246,12 @@ def bench(
                         "forwards": 0,
                         "drafters": defaultdict(lambda: [0, 0]),
                         "graphs": 0,  # graphs torch.compile built during the timed calls (0: warm-ups built them all)
+                        # hf_spin's own account of its calls (`GenerationStats`): steps, and seconds in prefill, in
+                        # the target's forward and verdict, in drafting
+                        "steps": 0,
+                        "prefill_s": 0.0,
+                        "verify_s": 0.0,
+                        "draft_s": 0.0,
                     }
                     graphs, late_before = _graphs(), late()
                     for chunk in tqdm(batches, desc=f"{workload} b{bs} {name}", leave=False):
@@ -261,6 +267,10 @@ def bench(
                         rec["identical"] += sum(row == r.continuation for row, r in zip(rows, chunk))
                         if stats is not None:
                             rec["forwards"] += sum(row.target_forwards for row in stats.rows)
+                            rec["steps"] += stats.steps
+                            rec["prefill_s"] += stats.prefill_seconds
+                            rec["verify_s"] += stats.verify_seconds
+                            rec["draft_s"] += sum(d.draft_seconds for d in stats.drafters.values())
                             for d, s in stats.drafters.items():
                                 rec["drafters"][d][0] += s.drafted
                                 rec["drafters"][d][1] += s.accepted
@@ -284,6 +294,16 @@ def host_ms(pool, batch: int) -> dict[str, float] | None:
     return {"plain": 1e3 * profile.host_seconds(batch, PLAIN), "drafting": 1e3 * profile.host_seconds(batch, DRAFTING)}
 
 
+def _step_cell(r: dict) -> str:
+    """A record's milliseconds a step: the target's forward and verdict, drafting, and the rest of its calls' time
+    past their prefills (the engine's own work, the forwards run ahead), by the wall clock (paced stand-ins' work past
+    their cost counted back in); "-" for a method that is not hf_spin's."""
+    if not r.get("steps"):
+        return "-"
+    rest = r["seconds"] + r.get("overrun", 0.0) - r["prefill_s"] - r["verify_s"] - r["draft_s"]
+    return " / ".join(f"{1e3 * v / r['steps']:.2f}" for v in (r["verify_s"], r["draft_s"], rest))
+
+
 def _host_cell(host: dict[str, float] | None) -> str:
     return f"{host['plain']:.2f} / {host['drafting']:.2f}" if host else "-"
 
@@ -296,16 +316,19 @@ def table(records: list[dict]) -> str:
     structured = any("costs" in r for r in records)
     hosted = any(any((r.get("host_ms") or {}).values()) for r in records)  # the wall clock's (a CostClock reads 0)
     paced = any("overrun" in r for r in records) and hosted  # `bench(overrun=...)`: forwards paced to their cost
+    split = not structured  # a call's wall time split by its steps (under a clock's costs: not this machine's)
     lines = [
         ("| costs " if structured else "")
         + "| workload | batch | method | tok/s | x generate | x static | tokens / forward | acceptance per drafter "
         "| identical | graphs |"
         + (" host ms / step, plain / drafting |" if hosted else "")
-        + (" overrun s |" if paced else ""),
+        + (" overrun s |" if paced else "")
+        + (" ms / step: verify / drafting / rest |" if split else ""),
         ("|---" if structured else "")
         + "|---|---|---|---|---|---|---|---|---|---|"
         + ("---|" if hosted else "")
-        + ("---|" if paced else ""),
+        + ("---|" if paced else "")
+        + ("---|" if split else ""),
     ]
     base, static = (
         {(r.get("costs"), r["workload"], r["batch"]): r["tokens"] / r["seconds"] for r in records if r["method"] == m}
@@ -324,6 +347,7 @@ def table(records: list[dict]) -> str:
             f"| {per_forward} | {accept} | {r['identical']}/{r['requests']} | {r.get('graphs', '-')} |"
             + (f" {_host_cell(r.get('host_ms'))} |" if hosted else "")
             + (f" {r['overrun']:.3f} |" if paced else "")
+            + (f" {_step_cell(r)} |" if split else "")
         )
     if skipped:
         lines.append(
