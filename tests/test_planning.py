@@ -353,6 +353,14 @@ def test_profile_is_cached_per_model_and_threads(tmp_path, monkeypatch):
     for _ in range(2):  # a pool per call: the first warms each model with one forward, the next runs none
         assert build_profile(target, [drafter, None], ["drafter", "prompt_lookup"]).source == "cached"
         assert len(forwards) == measured + 2
+    build_profile(tiny_model("llama", seed=0).to(torch.float64), [None], ["prompt_lookup"])  # float64 measured...
+    target.to(torch.float64)  # ...then the warm target cast to it: its cost read, and warmed once in the new dtype
+    try:
+        for warmups in (1, 1):
+            assert build_profile(target, [None], ["prompt_lookup"]).source == "cached"
+            assert len(forwards) == measured + 2 + warmups
+    finally:
+        target.to(torch.float32)
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:

@@ -32,9 +32,18 @@ from .cost_profile import CostProfile, ForwardCost
 from .grid import GRID_BUDGET, GRID_VERSION, measure, warm_up
 from .machine import describe
 
-# the models that ran a forward of hf_spin's in this process (measured, or warmed): a pool built per call (as a
-# `generate(assistant_model=...)` user builds one) must not pay a warm-up forward each time (~0.16 s on an H200)
-_WARM: weakref.WeakSet = weakref.WeakSet()
+# model -> the (device, dtype) it ran a forward of hf_spin's on in this process (measured, or warmed): a pool built
+# per call (as a `generate(assistant_model=...)` user builds one) must not pay a warm-up forward each time (~0.16 s
+# on an H200); a model moved or cast since is warmed again
+_WARM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _placement(model) -> tuple[str, str]:
+    return str(model.device), str(model.dtype)
+
+
+def _warmed(model) -> None:
+    _WARM.setdefault(model, set()).add(_placement(model))
 
 
 def cache_dir() -> Path:
@@ -181,7 +190,7 @@ def build_profile(
         return key_hash(model_key(m, forward=forward_kind(m, layout(m), m is not target)))
 
     def measured(m) -> ForwardCost:
-        _WARM.add(m)
+        _warmed(m)
         return measure(m, budget(m), progress=progress, static=static_forwards(m, layout(m), m is not target))
 
     costs: dict[int, ForwardCost] = {}
@@ -204,12 +213,12 @@ def build_profile(
             if hit:
                 read.append(m)
             else:
-                _WARM.add(m)  # measured here, so warm
+                _warmed(m)  # measured here
     for m in read:  # priced warm: its first forward must not read its weights in mid-call (`warm_up`)
-        if m not in _WARM:
+        if _placement(m) not in _WARM.get(m, ()):
             progress(f"warming {type(m).__name__}")
             warm_up(m)
-            _WARM.add(m)
+            _warmed(m)
     bar.close()
     source = "cached" if len(read) == len(unique) else "measured"
     source = source if spec == "auto" else f"{source}, {spec}"

@@ -390,6 +390,15 @@ MUTANTS = (
         ("tests/test_planning.py::test_a_fall_the_grid_reads_by_chance_is_timed_again",),
     ),
     Mutant(
+        "warm_ignores_placement",
+        "a model warmed once counts as warm after a move or a cast: its first forward on the new device or dtype (its "
+        "allocations there) lands in a call its profile priced warm",
+        "hf_spin/planning/profiling.py",
+        "    return str(model.device), str(model.dtype)",
+        "    return ('', '')",
+        ("tests/test_planning.py::test_profile_is_cached_per_model_and_threads",),
+    ),
+    Mutant(
         "forced_rows_regrouped_after_graphs",
         "the replay's forced target regroups a batch prefilled in groups by the rows' first tokens when its hook first "
         "runs steps later (a graph captured mid-call): the rows are past their prompts, nothing fits, and the map the "
@@ -405,7 +414,7 @@ MUTANTS = (
         "call (as `assistant_model=` users build one) paid ~0.16 s a call on an H200 (1.5B shape, 128 tokens: 0.64x "
         "static generate against 0.77x with the profile off)",
         "hf_spin/planning/profiling.py",
-        "        if m not in _WARM:",
+        "        if _placement(m) not in _WARM.get(m, ()):",
         "        if True:",
         ("tests/test_planning.py::test_profile_is_cached_per_model_and_threads",),
     ),
