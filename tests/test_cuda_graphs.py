@@ -137,6 +137,29 @@ def test_a_drafters_token_trees_through_captured_forwards_give_plain_generates_o
     assert graphed()[1] > COMPILED_CHUNK  # a tree's widths captured beside a draft token's and a catch-up's
 
 
+@pytest.mark.parametrize("batch", (1, 4))
+def test_plain_steps_run_ahead_through_captured_forwards(graphed, batch):
+    """Run-ahead (on by default where CUDA graphs capture the forwards): a plain step feeds its verdict's tokens to
+    the next one-token forward, replayed from the plain step's graph before the host reads them; drafting steps
+    take the forward run ahead as their first position. Greedy output is plain `generate`'s; no graph beyond
+    the plain step's and the verification's is captured."""
+    from hf_spin.step import engine
+
+    target = _models("llama")[0]
+    inputs, reference = greedy_case(target, batch, PROMPT_LENGTH, MAX_NEW_TOKENS)
+    options = StaticOptions(True, backend=CUDA_GRAPHS, query_slots=5, run_ahead=True)
+    pool = spin_pool(["prompt_lookup"], tree=False, cache="static", compile=options)
+    launched = []
+    launch = engine.SpinEngine._launch_ahead
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(engine.SpinEngine, "_launch_ahead", lambda self, t: launched.append(1) or launch(self, t))
+        out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, reference), f"\n{out}\n{reference}"
+    assert_speculated(pool.last_stats)
+    assert launched, "no forward ran ahead"
+    assert graphed()[0] <= 2  # the one-slot graph (plain steps and the forwards run ahead) and k + 1 slots
+
+
 def test_a_second_call_replays_the_first_calls_graphs(graphed):
     """The target's and the drafter's storage is given back at the end of a call and taken by the next one of the
     same row-slot bucket (`take_cache`): nothing is captured again, and the replays read only what they captured."""
