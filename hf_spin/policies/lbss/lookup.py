@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from ...planning.estimates import acceptance_with_prior, geometric_tokens
 from ...planning.plan import BatchView, Plan, Preempt
 from .pricing import Pricing, goodput
@@ -69,13 +71,8 @@ class Lookup(Pricing):
         shortest draft continuing it, whose goodput reaches `target` (L tokens commit sum_{i<=L}
         a^i, a its acceptance at that match length, `match_acceptance`, over the row's share
         of a step verifying them); None when no draft it can make does."""
-        seconds: dict[int, float] = {}  # length -> the row's share of a step verifying it: the same at every match
-
-        def share(length: int) -> float:
-            if length not in seconds:
-                seconds[length] = self.row_seconds(drafter, length, drafting, fill=1.0)
-            return seconds[length]
-
+        # length -> the row's share of a step verifying it: the same at every match length, priced once
+        share = functools.cache(lambda length: self.row_seconds(drafter, length, drafting, fill=1.0))
         for match, acceptance in self.match_acceptance(row, drafter):
             for length in range(1, row.ks[drafter] + 1):
                 if geometric_tokens(acceptance, length) / share(length) >= target:
