@@ -65,9 +65,11 @@ from benchmarks.replay.trace import Request as TraceRequest  # noqa: E402
 from benchmarks.replay.trace import Trace  # noqa: E402
 from hf_spin.cache.static_forward import (  # noqa: E402
     CUDA_GRAPHS,
+    INDUCTOR_GRAPHS,
     StaticOptions,
     run_static,
     run_static_draft,
+    shared_compiled,
     shared_graphed,
 )
 from hf_spin.drafters import Draft, Drafter, DraftRequest  # noqa: E402
@@ -766,9 +768,11 @@ def unique_graphs() -> int:
 
 
 def graph_captures() -> int:
-    """CUDA graphs the static layout has captured without torch.compile in this process so far (its backend
-    "cuda_graphs"; a capture per shape and storage)."""
-    return sum(shared_graphed(forward).captures for forward in (run_static, run_static_draft))
+    """CUDA graphs hf_spin has captured for the static layout in this process so far (backends "cuda_graphs" and
+    "inductor+cuda_graphs"; a capture per shape and storage)."""
+    forwards = [run_static, run_static_draft]
+    forwards += [shared_compiled(forward, "inductor", None) for forward in forwards]
+    return sum(shared_graphed(forward).captures for forward in forwards)
 
 
 def cudagraph_skips() -> int:
@@ -809,9 +813,10 @@ def cudagraph_events():
 
 
 def compile_backend(check: Check) -> str:
-    """On CUDA `--static-backend`: inductor (CUDA graphs through "reduce-overhead"), or cuda_graphs (the eager
-    forward captured, no torch.compile); on CPU dynamo alone ("eager": no graph break and no recompilation are
-    checked the same, without code generation, so the smoke takes seconds)."""
+    """On CUDA `--static-backend`: inductor (CUDA graphs through "reduce-overhead"), cuda_graphs (the eager
+    forward captured, no torch.compile), or inductor+cuda_graphs (inductor's forward captured by hf_spin); on
+    CPU dynamo alone ("eager": no graph break and no recompilation are checked the same, without code
+    generation, so the smoke takes seconds)."""
     return check.cfg.get("static_backend", "inductor") if check.device.type == "cuda" else "eager"
 
 
@@ -1427,14 +1432,15 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", nargs="+", type=int, help="the compiled section's batch sizes (default 1 16 4)")
     parser.add_argument(
         "--static-backend",
-        choices=("inductor", CUDA_GRAPHS),
+        choices=("inductor", CUDA_GRAPHS, INDUCTOR_GRAPHS),
         default="inductor",
-        help="how hf_spin's static layout runs its fixed-shape forwards on CUDA: torch.compile with inductor, or the "
-        "eager forward captured as CUDA graphs without torch.compile",
+        help="how hf_spin's static layout runs its fixed-shape forwards on CUDA: torch.compile with inductor (torch's "
+        "CUDA graph trees), the eager forward captured as CUDA graphs without torch.compile, or inductor's forward "
+        "captured as hf_spin's CUDA graphs",
     )
     parser.add_argument(
         "--draft-backend",
-        choices=("inductor", CUDA_GRAPHS),
+        choices=("inductor", CUDA_GRAPHS, INDUCTOR_GRAPHS),
         help="the model drafters' backend on CUDA where it differs from --static-backend (a small drafter's captured "
         "eager forward is bound by its kernels' count, which inductor's fusion cuts)",
     )

@@ -27,7 +27,7 @@ import hf_spin
 from hf_spin.cache import capture, cuda_graphs, static, static_forward
 from hf_spin.cache.cuda_graphs import GraphedForward, storage_key
 from hf_spin.cache.static import StaticRowCache, give_back, take_cache
-from hf_spin.cache.static_forward import CUDA_GRAPHS, StaticOptions, run_static, run_static_draft
+from hf_spin.cache.static_forward import CUDA_GRAPHS, StaticOptions, run_static, run_static_draft, split_backend
 from hf_spin.host_syncs import count_syncs
 
 from .archs import tiny_model
@@ -236,6 +236,40 @@ def test_a_model_that_cannot_be_captured_runs_eagerly_said_once(graphed, monkeyp
     assert torch.equal(out, reference)
     said = [w for w in caught if "cannot be captured" in str(w.message)]
     assert len(said) == 1, [str(w.message) for w in caught]
+
+
+def test_compiled_forwards_captured_by_hf_spin_give_plain_generates_output(graphed, monkeypatch, fresh_dynamo):
+    """`backend="<compiler>+cuda_graphs"` (inductor's on a GPU; dynamo alone here): the forward torch.compile made,
+    captured by `GraphedForward` as the eager one is (on CUDA; the stand-in capture here), so plain steps run ahead
+    by default. The target's and a model drafter's forwards are captured, greedy output is plain `generate`'s, and
+    dynamo traces the target's forward once per query width. The stand-in capture runs the forward again at each
+    replay, without `baked_capture`'s dispatch modes (under which dynamo compiles nothing)."""
+    from .test_static_engine import graphs
+
+    def rerun_capture(run, device, pool=None):
+        out = run()
+        return (lambda: out.copy_(run())), out, pool
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", rerun_capture)
+    monkeypatch.setattr(  # as on CUDA
+        StaticOptions, "captures", lambda self, model, drafter=False: split_backend(self.backend_for(drafter))[1]
+    )
+    options = StaticOptions(True, backend="eager+" + CUDA_GRAPHS, query_slots=5, run_ahead=True)
+    target, other = _models("llama")
+    target_forward, draft_forward = options.forward_for(target), options.forward_for(other, run_static_draft)
+    assert target_forward is static_forward.shared_graphed(static_forward.shared_compiled(run_static, "eager", None))
+    assert draft_forward.forward is static_forward.shared_compiled(run_static_draft, "eager", None)
+    inputs, reference = greedy_case(target, 4, PROMPT_LENGTH, MAX_NEW_TOKENS)
+    pool = spin_pool([other], tree=False, cache="static", compile=options)
+    out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, reference), f"\n{out}\n{reference}"
+    assert_speculated(pool.last_stats)
+    assert 1 <= target_forward.captures <= 2 and draft_forward.captures >= 1
+    assert 1 <= graphs(run_static) <= 2
+    assert StaticOptions(True, backend=static_forward.INDUCTOR_GRAPHS).backend == "inductor+cuda_graphs"
+    for wrong in ("inductor+trees", "+cuda_graphs"):
+        with pytest.raises(ValueError, match="is not supported; give a torch.compile backend"):
+            StaticOptions(True, backend=wrong)
 
 
 def test_cuda_graphs_run_eagerly_off_cuda():

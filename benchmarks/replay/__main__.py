@@ -9,7 +9,7 @@ from pathlib import Path
 from benchmarks.common import DEFAULT_QUESTIONS
 from benchmarks.injected_costs import STRUCTURES
 from benchmarks.workloads import WORKLOADS
-from hf_spin.cache.static_forward import CUDA_GRAPHS
+from hf_spin.cache.static_forward import CUDA_GRAPHS, INDUCTOR_GRAPHS
 
 from .checks import DEFAULT_CHECKS
 from .costs import FLOOR
@@ -77,14 +77,15 @@ def parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--static-backend",
-        choices=("inductor", CUDA_GRAPHS),
+        choices=("inductor", CUDA_GRAPHS, INDUCTOR_GRAPHS),
         default="inductor",
-        help="the static layout's forwards on CUDA: torch.compile with inductor, or the eager forwards captured as "
-        "CUDA graphs without torch.compile (seconds of warm-up, not minutes)",
+        help="the static layout's forwards on CUDA: torch.compile with inductor (torch's CUDA graph trees), the eager "
+        "forwards captured as CUDA graphs without torch.compile (seconds of warm-up, not minutes), or inductor's "
+        "forwards captured as hf_spin's CUDA graphs",
     )
     run.add_argument(
         "--draft-backend",
-        choices=("inductor", CUDA_GRAPHS),
+        choices=("inductor", CUDA_GRAPHS, INDUCTOR_GRAPHS),
         help="the model drafters' backend where it differs from --static-backend",
     )
     _reads_argument(run)

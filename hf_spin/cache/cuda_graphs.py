@@ -5,6 +5,8 @@ and captured into a `torch.cuda.CUDAGraph` per shape and storage, then replayed:
 kernels' device time without their launches, and a new shape costs one eager forward and a capture (a fraction
 of a second) where inductor compiles for half a minute (docs/design.md, "CUDA graphs without torch.compile").
 SGLang and vLLM capture their decode this way; gpt-fast and `transformers`' static cache compile with inductor.
+`backend="inductor+cuda_graphs"` captures the same way the forward inductor compiled (mode None: no graph trees of
+torch's), its fused kernels in place of the eager ones.
 
 A graph reads and writes fixed addresses. Everything the forward reads that is not made inside it is either
 copied into the graph's own input buffer (the token ids) or a static-address tensor that changes in place
@@ -72,11 +74,13 @@ class GraphedForward:
         if graph is None:
             try:
                 graph = self._capture(model, cache, input_ids, dtype, graphs)
+            except torch._dynamo.exc.Unsupported:  # a compiled forward that cannot trace the model: the caller's
+                raise  # to handle (static_forward._run runs it eagerly)
             except RuntimeError as e:  # a host read or a blocking copy inside the forward: no graph
                 self.uncapturable.add(model)
                 warnings.warn(
                     f"hf_spin: the static forward of {model.config.model_type!r} ({type(model).__name__}) cannot "
-                    f"be captured as a CUDA graph; it runs eagerly ({str(e).splitlines()[0]})",
+                    f"be captured as a CUDA graph; it runs uncaptured ({str(e).splitlines()[0]})",
                     stacklevel=3,
                 )
                 return self.forward(model, cache, input_ids, dtype)

@@ -85,8 +85,27 @@ _UNTRACEABLE: weakref.WeakSet = weakref.WeakSet()
 # fullgraph=True raises. A torch.compile that takes a per-call limit (2.13 does) gets this one; on older ones
 # (2.11) the process-wide limit is raised to it (never lowered).
 RECOMPILE_LIMIT = 64
-# StaticOptions' backend for the eager forward captured as CUDA graphs, without torch.compile (cuda_graphs.py).
+# StaticOptions' backend for the eager forward captured as CUDA graphs, without torch.compile (cuda_graphs.py);
+# "<compiler>+cuda_graphs" (INDUCTOR_GRAPHS) captures the forward torch.compile made with that compiler instead.
 CUDA_GRAPHS = "cuda_graphs"
+INDUCTOR_GRAPHS = "inductor+" + CUDA_GRAPHS
+
+
+def split_backend(backend: str) -> tuple[str | None, bool]:
+    """(the torch.compile backend, or None for the eager forward; whether hf_spin captures it as CUDA graphs) of a
+    StaticOptions backend: "inductor" (torch's own CUDA graphs, mode "reduce-overhead"), CUDA_GRAPHS, or
+    "<compiler>+cuda_graphs"."""
+    if backend == CUDA_GRAPHS:
+        return None, True
+    compiler, plus, graphs = backend.partition("+")
+    if not compiler or (plus and graphs != CUDA_GRAPHS):
+        raise ValueError(
+            f"backend={backend!r} is not supported; give a torch.compile backend ('inductor'), {CUDA_GRAPHS!r}, "
+            f"or a torch.compile backend with '+{CUDA_GRAPHS}' ({INDUCTOR_GRAPHS!r})"
+        )
+    return compiler, bool(plus)
+
+
 _PER_CALL_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
@@ -212,7 +231,9 @@ class StaticOptions:
     backend: the torch.compile backend ("inductor"; "eager" traces with dynamo alone: no graph break and
         no recompilation are checked the same, without code generation), or CUDA_GRAPHS: no torch.compile,
         the eager forward captured as CUDA graphs (cuda_graphs.py: a capture per shape in a fraction of a
-        second, the eager kernels' device time; on a CPU the forwards run eagerly).
+        second, the eager kernels' device time; on a CPU the forwards run eagerly), or INDUCTOR_GRAPHS
+        ("inductor+cuda_graphs"; any compiler before the "+"): inductor's fused kernels captured by hf_spin's
+        graphs rather than torch's graph trees, so plain steps may run ahead (docs/design.md, "Run-ahead").
     draft_backend: the model drafters' backend where it differs from the target's (None: `backend`): a small
         drafter's captured eager forward is bound by its kernels' count, not their work (on an H200 a 0.5B-shape
         draft token cost 0.72 of the 1.5B's step as CUDA graphs, docs/design.md), which inductor's fusion cuts,
@@ -242,6 +263,8 @@ class StaticOptions:
             raise ValueError(f"run_ahead={self.run_ahead!r} is not supported; give False, True or 'auto'")
         if self.draft_backend is not None and not isinstance(self.draft_backend, str):
             raise ValueError(f"draft_backend={self.draft_backend!r} is not supported; give a backend's name or None")
+        for backend in (self.backend, self.draft_backend or self.backend):
+            split_backend(backend)
 
     def backend_for(self, drafter: bool) -> str:
         """The backend of the target's forwards (drafter False) or of a model drafter's."""
@@ -254,23 +277,33 @@ class StaticOptions:
         wanted = self.compile is True or (self.compile == "auto" and on_cuda)
         return wanted and (on_cuda or self.backend_for(drafter) != CUDA_GRAPHS)
 
+    def captures(self, model, drafter: bool = False) -> bool:
+        """Whether hf_spin captures the forwards of `model` (a model drafter's where `drafter`) as CUDA graphs: a
+        CUDA_GRAPHS backend where the forwards compile (CUDA_GRAPHS alone: on CUDA only), after a compiler on
+        CUDA only (on a CPU the compiled forward runs as it is)."""
+        compiler, graphs = split_backend(self.backend_for(drafter))
+        return self.compiles(model, drafter) and graphs and (compiler is None or model.device.type == "cuda")
+
     def runs_ahead(self, model) -> bool:
-        """Whether plain steps of `model` run ahead under these options ("auto": captured as CUDA graphs)."""
-        captured = self.compiles(model) and model.device.type == "cuda" and self.backend == CUDA_GRAPHS
+        """Whether plain steps of `model` run ahead under these options ("auto": where hf_spin captures the
+        target's forwards as CUDA graphs; not under torch's graph trees, "inductor" alone)."""
+        captured = self.captures(model) and model.device.type == "cuda"
         return self.run_ahead is True or (self.run_ahead == "auto" and captured)
 
     def forward_for(self, model, forward=run_static):
         """`forward` (`run_static` or `run_static_draft`) compiled for `model` as these options say, or as
-        it is: on CUDA with inductor as CUDA graphs (mode "reduce-overhead"); with CUDA_GRAPHS captured. A
-        drafter's (`run_static_draft`) under `draft_backend` where given."""
+        it is: on CUDA with inductor alone as torch's CUDA graphs (mode "reduce-overhead"); captured by hf_spin
+        (`GraphedForward`) under a CUDA_GRAPHS backend, compiled first where it names a compiler. A drafter's
+        (`run_static_draft`) under `draft_backend` where given."""
         drafter = forward is run_static_draft
         if not self.compiles(model, drafter):
             return forward
-        backend = self.backend_for(drafter)
-        if backend == CUDA_GRAPHS:
-            return shared_graphed(forward)
-        mode = "reduce-overhead" if model.device.type == "cuda" and backend == "inductor" else None
-        return shared_compiled(forward, backend, mode)
+        compiler, _ = split_backend(self.backend_for(drafter))
+        captured = self.captures(model, drafter)
+        if compiler is not None:
+            trees = model.device.type == "cuda" and compiler == "inductor" and not captured
+            forward = shared_compiled(forward, compiler, "reduce-overhead" if trees else None)
+        return shared_graphed(forward) if captured else forward
 
 
 class StaticTarget:
