@@ -300,7 +300,7 @@ def test_a_fall_the_grid_reads_by_chance_is_timed_again():
     gemv = tiny_model("llama", seed=0)
     clock.hook(gemv, Noisy(lambda n: 0.192 if n == 1 else 0.172, cheap_runs=0))
     cost = measure(gemv, budget=3.0, clock=clock)
-    assert CostProfile(cost, [], []).plain_width(1) > 1
+    assert cost.width(1, 1) > 1  # a fall the plain steps then check (`test_widths.py`)
 
 
 def test_a_short_grid_brackets_the_draft_widths_instead_of_extrapolating():

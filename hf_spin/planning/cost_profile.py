@@ -256,6 +256,11 @@ class StepWork:
         self.seconds = self.mean.mean
 
 
+# Plain steps a profile runs at each of two widths (one position a row, and the wider knot the grid read as cheaper)
+# before it widens them, each width then read at the median of its runs: the grid's reading of a fall may be its
+# noise, and a widened step never measures the narrow width again (`CostProfile.plain_width`).
+WIDTH_CHECKS = StepWork.SEED
+
 # The kinds of step whose own work (`CostProfile.host_seconds`) is learned apart: a plain step at one position a
 # row, one widened to a cheaper width (`ForwardCost.width`: its fillers rolled back after), and one that drafted.
 PLAIN, WIDENED, DRAFTING = "plain", "widened", "drafting"
@@ -287,6 +292,8 @@ class CostProfile:
     )  # the target in other dtypes, where a cache file knows it
     # (batch-size bucket, step kind) -> the engine's own seconds a step (`observe_host`); learned online, never saved
     host: dict[tuple[int, str], StepWork] = field(default_factory=dict)
+    # (rows, positions) -> seconds of the plain steps' forwards run there (`observe_verify`, `plain_width`)
+    plain_forwards: dict[tuple[int, int], StepWork] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.calls:
@@ -307,9 +314,22 @@ class CostProfile:
         """The positions a plain step of `rows` rows runs over: a cheaper width of the target's (`ForwardCost.width`:
         on an AVX-512 bf16 CPU two positions cost less than one) where the widened step, its own work included
         (its fillers rolled back after), costs less than the narrow one; else one a row. Its forward alone would
-        decide on a few percent of noise where the forwards are flat (a GPU's launch-bound step), and, widened,
-        the narrow width is never measured again."""
-        return self.target.width(rows, rows) if self._plain(rows)[1] else rows
+        decide on a few percent of noise where the forwards are flat (a GPU's launch-bound step).
+        The grid's reading of a fall is one measurement, and once widened the narrow width is never measured again
+        (online observations at the wide knot move the shared shift, not the narrow knot's own deviation): an AMX
+        Xeon's grid read 355 / 348 ms for one / two positions in float32 where an earlier grid read 269 / 290, and
+        every plain step ran two positions, the default pool 0.91-1.02x plain `generate` with nothing drafted. So
+        the two widths take turns, narrow first, until each has run WIDTH_CHECKS plain steps, and then the cheaper
+        of the two as they ran, each step's own work included, is kept (docs/planning.md, "Verification width")."""
+        wide = self.target.width(rows, rows) if self._plain(rows)[1] else rows
+        if wide == rows:
+            return rows
+        ran = [self.plain_forwards.get((rows, n)) for n in (rows, wide)]  # [narrow, wide]
+        counts = [len(work.first) if work is not None else 0 for work in ran]
+        if min(counts) < WIDTH_CHECKS:
+            return rows if counts[0] <= counts[1] else wide
+        narrow = ran[0].seconds + self.host_seconds(rows, PLAIN)
+        return wide if ran[1].seconds + self.host_seconds(rows, WIDENED) < narrow else rows
 
     def _plain(self, rows: int) -> tuple[float, bool]:
         """(seconds of a plain step, whether it widens)."""
@@ -347,8 +367,12 @@ class CostProfile:
             return self.calls[drafter].mean or 0.0
         return forwards * cost.predict(rows, rows) if forwards > 0 and rows > 0 else 0.0
 
-    def observe_verify(self, rows: int, n_tokens: int, seconds: float) -> None:
+    def observe_verify(self, rows: int, n_tokens: int, seconds: float, plain: bool = False) -> None:
+        """A verification forward over `n_tokens` positions in `rows` rows took `seconds`; `plain`: a plain step's
+        (nothing drafted, at one position a row or widened), which `plain_width` compares by the width it ran at."""
         self.target.observe(n_tokens, rows, seconds)
+        if plain:
+            self.plain_forwards.setdefault((rows, n_tokens), StepWork()).add(seconds)
 
     def observe_draft(self, drafter: int, forwards: int, rows: int, seconds: float) -> None:
         """A drafter's call: `forwards` forwards over `rows` rows (0 forwards: it did not draft)."""

@@ -508,7 +508,9 @@ class Planner:
         B = feedback.batch_size
         priced = profile.target.predict(feedback.verified_tokens(), B)  # before this step teaches it
         if feedback.verify_seconds > 0:
-            profile.observe_verify(B, feedback.verified_tokens(), feedback.verify_seconds)
+            profile.observe_verify(
+                B, feedback.verified_tokens(), feedback.verify_seconds, plain=not any(feedback.drafted)
+            )
         drafting = set()
         for d, seconds in enumerate(feedback.draft_seconds):
             lengths = [p[d] for p in feedback.proposed if d in p] + [p[d] for p in feedback.shadow_proposed if d in p]

@@ -409,6 +409,16 @@ MUTANTS = (
         ("tests/test_replay.py::test_a_batch_prefilled_in_groups_replays_through_graphs_that_run_no_hook",),
     ),
     Mutant(
+        "plain_width_trusts_the_grid",
+        "plain steps widen wherever the grid read a wider knot as cheaper, never timing the two widths themselves: a "
+        "float32 grid on an AMX Xeon read 355 / 348 ms for one / two positions where they ran 269 / 290, and the "
+        "default pool ran 0.91-1.02x plain `generate` with nothing drafted",
+        "hf_spin/planning/cost_profile.py",
+        "        if wide == rows:\n            return rows\n",
+        "        if True:\n            return wide\n",
+        ("tests/test_widths.py::test_a_fall_the_grid_read_by_noise_is_checked_by_the_steps_themselves[rectangular]",),
+    ),
+    Mutant(
         "warm_up_every_pool",
         "each pool built warms its models with one forward again, though they ran in this process: a pool built per "
         "call (as `assistant_model=` users build one) paid ~0.16 s a call on an H200 (1.5B shape, 128 tokens: 0.64x "
