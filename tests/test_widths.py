@@ -95,34 +95,41 @@ class Mute(Scripted):
         return Draft(tokens=[[] for _ in request.rows], q=[None] * len(request.rows))
 
 
+def plain_steps(cache: str, cost, read=None, clock: CostClock | None = None, new_tokens: int = 30):
+    """A call where nothing is drafted (`Mute`), every forward lasting `cost` on the clock, the pool's profile
+    `read` (default: `cost`): asserts its output is plain `generate`'s and returns (pool, each forward's width,
+    the call's seconds, plain `generate`'s seconds on the same clock)."""
+    target, prompts, plain, refs = case(batch=1, new_tokens=new_tokens)
+    clock = clock or CostClock()
+    clock.hook(target, cost)
+    widths = []
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    profile = profile_of(read or cost, [None], ["scripted"])
+    pool = hf_spin.AssistantPool([Mute(refs, [0.0])], profile=profile, cache=cache)
+    out = run(target, prompts, pool, clock, new_tokens=new_tokens)
+    assert torch.equal(out, plain)
+    spin, start, ran = clock.now, clock.now, list(widths)  # the call's own forwards
+    with clock.installed():
+        target.generate(
+            prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS
+        )
+    return pool, ran, spin, clock.now - start
+
+
 @pytest.mark.parametrize("cache", ["rectangular", "packed"])
 def test_a_plain_step_runs_at_a_cheaper_width_too(cache):
     """Where one position costs more than two (an AVX-512 bf16 CPU: a GEMV slower than a small GEMM; AMD EPYC,
     1.5B, bf16: 192 / 172 ms), a plain step is filled out to two: with nothing drafted, once three plain steps at each
     width have confirmed the grid's fall (`WIDTH_CHECKS`), every decoding forward runs at two positions, the output
     is plain `generate`'s and it took 13% less."""
-    new_tokens = 30
-    target, prompts, plain, refs = case(batch=1, new_tokens=new_tokens)
-    clock = CostClock()
-    cost = table(lambda n: 0.2 if n <= 1 else 0.17 + 0.01 * (n - 2))
-    clock.hook(target, cost)
-    widths = []
-    target.register_forward_pre_hook(
-        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
-    )
-    pool = hf_spin.AssistantPool([Mute(refs, [0.0])], profile=profile_of(cost, [None], ["scripted"]), cache=cache)
-    out = run(target, prompts, pool, clock, new_tokens=new_tokens)
-    assert torch.equal(out, plain)
+    pool, widths, spin, plain = plain_steps(cache, table(lambda n: 0.2 if n <= 1 else 0.17 + 0.01 * (n - 2)))
     assert pool.last_stats.drafters["scripted"].drafted == 0
     checks = 2 * WIDTH_CHECKS
     assert widths[1 : 1 + checks] == [1, 2] * WIDTH_CHECKS, widths  # narrow first, in turns
     assert set(widths[1 + checks : -1]) == {2}, str(widths)  # the last step's row has no room for a filler
-    spin, start = clock.now, clock.now
-    with clock.installed():
-        target.generate(
-            prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS
-        )
-    assert spin < 0.89 * (clock.now - start), f"{spin:.2f}s against plain {clock.now - start:.2f}s"
+    assert spin < 0.89 * plain, f"{spin:.2f}s against plain {plain:.2f}s"
 
 
 @pytest.mark.parametrize("cache", ["rectangular", "packed"])
@@ -131,25 +138,11 @@ def test_a_fall_the_grid_read_by_noise_is_checked_by_the_steps_themselves(cache)
     grid's reading): trusting it, every plain step ran two positions, 8% dearer, and the default pool ran 0.91-1.02x
     plain `generate` with nothing drafted. The plain steps take turns at the two widths until each has run
     `WIDTH_CHECKS` times, then run at the one that ran cheaper: within 1% of plain `generate`."""
-    new_tokens = 30
-    target, prompts, plain, refs = case(batch=1, new_tokens=new_tokens)
-    clock = CostClock()
-    clock.hook(target, table(lambda n: 0.269 if n <= 1 else 0.290 if n <= 2 else 0.767 * n / 8))
+    cost = table(lambda n: 0.269 if n <= 1 else 0.290 if n <= 2 else 0.767 * n / 8)
     read = table(lambda n: 0.355 if n <= 1 else 0.348 if n <= 2 else 0.954 * n / 8)  # the grid's noisy reading
-    widths = []
-    target.register_forward_pre_hook(
-        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
-    )
-    pool = hf_spin.AssistantPool([Mute(refs, [0.0])], profile=profile_of(read, [None], ["scripted"]), cache=cache)
-    out = run(target, prompts, pool, clock, new_tokens=new_tokens)
-    assert torch.equal(out, plain)
+    _, widths, spin, plain = plain_steps(cache, cost, read)
     assert set(widths[1 + 2 * WIDTH_CHECKS : -1]) == {1}, widths
-    spin, start = clock.now, clock.now
-    with clock.installed():
-        target.generate(
-            prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS
-        )
-    assert spin < 1.01 * (clock.now - start), f"{spin:.2f}s against plain {clock.now - start:.2f}s"
+    assert spin < 1.01 * plain, f"{spin:.2f}s against plain {plain:.2f}s"
 
 
 @pytest.mark.parametrize("cache", ["rectangular", "packed"])
@@ -162,15 +155,7 @@ def test_a_plain_step_widens_only_where_its_rollback_leaves_a_saving(monkeypatch
     from hf_spin.cache.packed import PackedCache
     from hf_spin.cache.rectangular import RectangularCache
 
-    new_tokens, rollback_seconds = 30, 0.01
-    target, prompts, plain, refs = case(batch=1, new_tokens=new_tokens)
-    clock = CostClock()
-    cost = table(lambda n: 0.1 if n <= 1 else 0.097)
-    clock.hook(target, cost)
-    widths = []
-    target.register_forward_pre_hook(
-        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
-    )
+    rollback_seconds, clock = 0.01, CostClock()
     for layout in (RectangularCache, PackedCache):
         rollback = layout.rollback
 
@@ -179,14 +164,7 @@ def test_a_plain_step_widens_only_where_its_rollback_leaves_a_saving(monkeypatch
             return rollback(self, keep)
 
         monkeypatch.setattr(layout, "rollback", costly_rollback)
-    pool = hf_spin.AssistantPool([Mute(refs, [0.0])], profile=profile_of(cost, [None], ["scripted"]), cache=cache)
-    out = run(target, prompts, pool, clock, new_tokens=new_tokens)
-    assert torch.equal(out, plain)
+    pool, widths, spin, plain = plain_steps(cache, table(lambda n: 0.1 if n <= 1 else 0.097), clock=clock)
     assert widths[1:-1].count(2) <= 1 and set(widths[1:-1]) <= {1, 2}, widths
     assert pool.cost_profile.host_seconds(1, WIDENED) >= rollback_seconds
-    spin, start = clock.now, clock.now
-    with clock.installed():
-        target.generate(
-            prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS
-        )
-    assert spin < 1.01 * (clock.now - start), f"{spin:.2f}s against plain {clock.now - start:.2f}s"
+    assert spin < 1.01 * plain, f"{spin:.2f}s against plain {plain:.2f}s"
