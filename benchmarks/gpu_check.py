@@ -817,7 +817,7 @@ def compile_backend(check: Check) -> str:
     forward captured, no torch.compile), or inductor+cuda_graphs (inductor's forward captured by hf_spin); on
     CPU dynamo alone ("eager": no graph break and no recompilation are checked the same, without code
     generation, so the smoke takes seconds)."""
-    return check.cfg.get("static_backend", "inductor") if check.device.type == "cuda" else "eager"
+    return check.cfg.get("static_backend", INDUCTOR_GRAPHS) if check.device.type == "cuda" else "eager"
 
 
 def draft_backend(check: Check) -> str | None:
@@ -1433,10 +1433,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--static-backend",
         choices=("inductor", CUDA_GRAPHS, INDUCTOR_GRAPHS),
-        default="inductor",
+        default=INDUCTOR_GRAPHS,
         help="how hf_spin's static layout runs its fixed-shape forwards on CUDA: torch.compile with inductor (torch's "
         "CUDA graph trees), the eager forward captured as CUDA graphs without torch.compile, or inductor's forward "
-        "captured as hf_spin's CUDA graphs",
+        "captured as hf_spin's CUDA graphs (default, as StaticOptions)",
     )
     parser.add_argument(
         "--draft-backend",

@@ -132,9 +132,9 @@ class AssistantPool:
         draft eagerly on a dynamic cache).
     compile: the static layout's fixed-shape forwards (the target's verification, model drafters' draft
         tokens): False (eager), True (`torch.compile(fullgraph=True, dynamic=False)`; CUDA graphs on a
-        GPU), "auto" (default: on for a model on CUDA), or a `StaticOptions` (backend, query slots;
-        `backend="cuda_graphs"`: the eager forwards captured as CUDA graphs, no torch.compile). Only
-        with cache="static".
+        GPU: inductor's kernels captured by hf_spin), "auto" (default: on for a model on CUDA), or a
+        `StaticOptions` (backend, query slots; `backend="cuda_graphs"`: the eager forwards captured as CUDA
+        graphs, no torch.compile). Only with cache="static".
     tree: token trees (docs/design.md, "token tree"): "auto" (default) verifies a vote's whole merged
         tree, prompt lookup's several continuations, suffix drafting's likeliest ones and a model
         drafter's grown tree (on a rectangular or static cache) in one forward, False chains only (a vote's

@@ -295,6 +295,22 @@ def test_real_captures_give_plain_generates_output_and_replay_across_calls(batch
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_real_inductor_forwards_captured_by_hf_spin_give_plain_generates_output():
+    """`backend="inductor+cuda_graphs"` on a GPU: inductor's kernels replayed from hf_spin's graphs, for the target
+    and a model drafter; greedy output is plain `generate`'s."""
+    options = StaticOptions(True, backend=static_forward.INDUCTOR_GRAPHS, query_slots=5)
+    target, other = tiny_model("llama").cuda(), perturbed("llama").cuda()
+    target_forward, draft_forward = options.forward_for(target), options.forward_for(other, run_static_draft)
+    inputs, reference = greedy_case(target, 4, PROMPT_LENGTH, MAX_NEW_TOKENS)
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    pool = spin_pool([other], tree=False, cache="static", compile=options)
+    out = target.generate(**inputs, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out.cpu(), reference)
+    assert_speculated(pool.last_stats)
+    assert target_forward.captures >= 1 and draft_forward.captures >= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 def test_real_captures_of_a_drafters_token_trees_give_plain_generates_output(monkeypatch):
     from hf_spin.drafters import ModelDrafter
 

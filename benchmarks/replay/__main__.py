@@ -78,10 +78,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--static-backend",
         choices=("inductor", CUDA_GRAPHS, INDUCTOR_GRAPHS),
-        default="inductor",
+        default=INDUCTOR_GRAPHS,
         help="the static layout's forwards on CUDA: torch.compile with inductor (torch's CUDA graph trees), the eager "
         "forwards captured as CUDA graphs without torch.compile (seconds of warm-up, not minutes), or inductor's "
-        "forwards captured as hf_spin's CUDA graphs",
+        "forwards captured as hf_spin's CUDA graphs (default, as StaticOptions)",
     )
     run.add_argument(
         "--draft-backend",

@@ -227,13 +227,15 @@ class StaticOptions:
 
     compile: False (eager), True, or "auto" (on for a model on CUDA only): `torch.compile` the fixed-shape
         forwards (the target's verification, a model drafter's draft tokens) with fullgraph=True,
-        dynamic=False; on CUDA as CUDA graphs (mode "reduce-overhead").
-    backend: the torch.compile backend ("inductor"; "eager" traces with dynamo alone: no graph break and
-        no recompilation are checked the same, without code generation), or CUDA_GRAPHS: no torch.compile,
-        the eager forward captured as CUDA graphs (cuda_graphs.py: a capture per shape in a fraction of a
-        second, the eager kernels' device time; on a CPU the forwards run eagerly), or INDUCTOR_GRAPHS
-        ("inductor+cuda_graphs"; any compiler before the "+"): inductor's fused kernels captured by hf_spin's
-        graphs rather than torch's graph trees, so plain steps may run ahead (docs/design.md, "Run-ahead").
+        dynamic=False; on CUDA captured as CUDA graphs.
+    backend: INDUCTOR_GRAPHS ("inductor+cuda_graphs", the default; any compiler before the "+"): inductor's
+        fused kernels captured by hf_spin's graphs, so plain steps run ahead (docs/design.md, "Run-ahead"; on
+        an H200 the default pool's plain decode ran 1.2-1.5x `transformers`' static-cache decode, 0.97x with
+        run-ahead off); a torch.compile backend alone ("inductor": torch's graph trees, mode
+        "reduce-overhead"; "eager" traces with dynamo alone: no graph break and no recompilation are checked
+        the same, without code generation); or CUDA_GRAPHS: no torch.compile, the eager forward captured as
+        CUDA graphs (cuda_graphs.py: a capture per shape in a fraction of a second, the eager kernels' device
+        time; on a CPU the forwards run eagerly).
     draft_backend: the model drafters' backend where it differs from the target's (None: `backend`): a small
         drafter's captured eager forward is bound by its kernels' count, not their work (on an H200 a 0.5B-shape
         draft token cost 0.72 of the 1.5B's step as CUDA graphs, docs/design.md), which inductor's fusion cuts,
@@ -242,14 +244,14 @@ class StaticOptions:
         None: the longest chunk so far, bucketed, so a longer draft than any before compiles a wider
         forward (once per bucket).
     run_ahead: a step that drafts nothing launches the next one-token forward before the host reads its
-        tokens (docs/design.md, "Run-ahead"): True, False, or "auto" (the default): where the target's
-        forwards are captured as CUDA graphs (CUDA_GRAPHS, on CUDA), the host's work then overlapping the
-        device's (on an H200 the plain decode 8-25% faster); not under inductor, where on an H100 it ran the
-        compiled plain decode 3x slower, for a reason not yet found.
+        tokens (docs/design.md, "Run-ahead"): True, False, or "auto" (the default): where hf_spin captures the
+        target's forwards as CUDA graphs (CUDA_GRAPHS or INDUCTOR_GRAPHS, on CUDA), the host's work then
+        overlapping the device's (on an H200 the plain decode 8-50% faster); not under torch's graph trees
+        ("inductor" alone), where on an H100 it ran the compiled plain decode 3x slower, for a reason not found.
     """
 
     compile: bool | str = False
-    backend: str = "inductor"
+    backend: str = INDUCTOR_GRAPHS
     query_slots: int | None = None
     run_ahead: bool | str = "auto"
     draft_backend: str | None = None
