@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Callable, Collection
 
 from .acceptance import EVIDENCE_ONLY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, Acceptance
+from .closed_batch import row_weights
 from .cost_profile import CostProfile
 from .exploration import ExplorationBudget
 from .journal import StepJournal
@@ -67,6 +68,7 @@ class Planner:
         self.budget = ExplorationBudget()  # what probes may lose in a call (exploration.py)
         self.journal = StepJournal.from_env()  # the step log, where $HF_SPIN_STEP_LOG names one (journal.py)
         self.lengths = RowLengths()  # how long rows run: a catch-up is spread over a row's expected steps left
+        self.weights: dict[int, float] = {}  # row id -> its token's worth this step (`size`; closed_batch.py)
         self.judge()
 
     def __getstate__(self) -> dict:  # copied (AssistantPool.snapshot) without its lock
@@ -206,18 +208,27 @@ class Planner:
         caps: list[int],
         padded: bool,
         unencoded: list[set[int]] | None = None,
+        closed: bool = False,
     ) -> list[int]:
         """[B] draft length per row before drafting, at most `caps` ([B], the policy's k already
         capped by the row's room: `plan_k`, which calls this), 0 allowed.
         lags: [B] drafter -> committed tokens its state lacks (`Drafter.synced`); rooms: [B] tokens
         each row may still generate (None: unknown); unencoded: [B] the chosen drafters whose own
-        encoder has yet to read the row (`Drafter.unencoded`), None: none."""
+        encoder has yet to read the row (`Drafter.unencoded`), None: none; closed: the batch takes no new
+        rows (a `generate` call's), so a row's tokens are worth what they bring its end forward
+        (closed_batch.py), here and in this step's `trim`."""
         with self.lock:
             curves = [
                 self._curve(r, ds, k, None, OPTIMISM) if ds and k > 0 else [] for r, ds, k in zip(row_ids, chosen, caps)
             ]
             unencoded = unencoded or [set() for _ in lags]
             left = [self.lengths.left(r, room) for r, room in zip(row_ids, rooms)]  # [B] tokens each row may add
+            if closed:
+                spreads, rates = [self.lengths.spread(n) for n in left], [self.lengths.rate(r) for r in row_ids]
+                weights = row_weights(left, spreads, rates, self.profile.plain_seconds)
+            else:
+                weights = [1.0] * len(row_ids)
+            self.weights.update(zip(row_ids, weights))
             self.budget.expect(row_ids, left, self.profile.plain_seconds(len(row_ids)))
             rows = len(row_ids) if padded else 1  # a padded catch-up forward runs every row at the longest lag
             seconds = [
@@ -226,8 +237,8 @@ class Planner:
             spread = [
                 {d: self._spread(t, n, c) for d, t in s.items()} for n, s, c in zip(left, seconds, curves)
             ]  # [B] drafter -> the least a catch-up is charged a step
-            ks = self._best(curves, chosen, padded, spread)  # [B] one sd up: what probes may reach
-            return self._explore(row_ids, caps, ks, chosen, padded, spread, seconds)
+            ks = self._best(_weighted(curves, weights), chosen, padded, spread)  # [B] one sd up: what probes may reach
+            return self._explore(row_ids, caps, ks, chosen, padded, spread, seconds, weights)
 
     def _explore(
         self,
@@ -238,16 +249,18 @@ class Planner:
         padded: bool,
         catch_up: list[dict[int, float]],
         full: list[dict[int, float]],
+        weights: list[float],
     ) -> list[int]:
         """[B] the optimistic sizes `ks` cut to what the exploration budget affords (exploration.py): the
         plan the evidence pays for (a pessimistic prior), and beyond it probes, shortest first.
-        catch_up: [B] drafter -> seconds charged a step for the row's catch-up (`size`); full: the whole of it."""
+        catch_up: [B] drafter -> seconds charged a step for the row's catch-up (`size`); full: the whole of it;
+        weights: [B] each row's token's worth (closed_batch.py)."""
         if any(ks):  # lower curves over the same slots pay no better: nothing one sd up, no evidence plan, no probe
             bounds = [
                 self._curve(r, ds, k, None, 0.0, EVIDENCE_ONLY) if ds and k > 0 else []
                 for r, ds, k in zip(row_ids, chosen, caps)
             ]
-            exploit = self._best(bounds, chosen, padded, catch_up)  # [B]
+            exploit = self._best(_weighted(bounds, weights), chosen, padded, catch_up)  # [B]
             # a failed probe wastes its rows' catch-ups: charged in full, a drafter the pool has never seen too
             sized, probe = self._probe(row_ids, exploit, ks, chosen, padded, full)
         else:  # a plain step (most steps where drafting does not pay): no second pass, no probe
@@ -428,6 +441,7 @@ class Planner:
         a chain): a tree keeps that many of its likeliest nodes, node by node across the batch."""
         trees = trees or [None] * len(drafts)
         with self.lock:
+            weights = [self.weights.get(r, 1.0) for r in row_ids]  # [B] as `size` valued the rows this step
             values = [
                 self._node_values(r, ds, t, m) if t is not None else None
                 for r, ds, t, m in zip(row_ids, chosen, trees, matches)
@@ -438,7 +452,7 @@ class Planner:
                 else (self._curve(r, ds, len(d), m, 0.0) if d else [])
                 for r, d, ds, m, v in zip(row_ids, drafts, chosen, matches, values)
             ]
-            keep = self._best(curves, chosen, padded)  # [B] what pays at the mean
+            keep = self._best(_weighted(curves, weights), chosen, padded)  # [B] what pays at the mean
             # what the evidence alone pays for, or a probe bought before drafting; beyond that, a probe
             bounds = [
                 (sorted(self._node_values(r, ds, t, m, EVIDENCE_ONLY), reverse=True) if any(v) else [])
@@ -446,7 +460,8 @@ class Planner:
                 else (self._curve(r, ds, len(d), m, 0.0, EVIDENCE_ONLY) if d else [])
                 for r, d, ds, t, m, v in zip(row_ids, drafts, chosen, trees, matches, values)
             ]
-            floor = [max(e, p) for e, p in zip(self._best(bounds, chosen, padded), self.budget.bought(row_ids))]
+            evidence = self._best(_weighted(bounds, weights), chosen, padded)
+            floor = [max(e, p) for e, p in zip(evidence, self.budget.bought(row_ids))]
             if any(k > f for k, f in zip(keep, floor)):
                 keep, _ = self._probe(row_ids, floor, keep, chosen, padded, None)
             if self.journal is not None:
@@ -500,6 +515,8 @@ class Planner:
         with self.lock:
             self.lengths.end(row_ids, lengths)
             self.budget.end_rows(row_ids)
+            for r in row_ids:
+                self.weights.pop(r, None)
 
     def _learn(self, feedback: StepFeedback) -> None:
         profile, acceptance = self.profile, self.acceptance
@@ -550,6 +567,11 @@ class Planner:
             self.judge()
 
 
+def _weighted(curves: list[list[float]], weights: list[float]) -> list[list[float]]:
+    """[B] each row's survival curve (or node values) times its token's worth (closed_batch.py)."""
+    return [[s * w for s in c] for c, w in zip(curves, weights)] if any(w != 1.0 for w in weights) else curves
+
+
 def plan_k(
     caps: list[int],
     rooms: list[int],
@@ -559,6 +581,7 @@ def plan_k(
     lags: Callable[[], list[dict[int, int]]] | None = None,
     padded: bool = True,
     unencoded: Callable[[], list[set[int]]] | None = None,
+    closed: bool = False,
 ) -> list[int]:
     """[B] how many tokens each row drafts this step: the one place a step's k is decided, with a
     cost profile or without one (profile "off": no planner).
@@ -571,13 +594,14 @@ def plan_k(
       0 where a plain step pays more); without one the cap is the k.
     A row no drafter serves (chosen[b] empty) drafts 0. row_ids, lags (called only with a planner:
     [B] drafter -> committed tokens its state lacks), padded and unencoded (called likewise: [B] drafters
-    whose own encoder has yet to read the row) are what `Planner.size` reads. After
+    whose own encoder has yet to read the row) and closed (the batch takes no new rows) are what `Planner.size`
+    reads. After
     drafting, `Planner.trim` may only shorten a draft.
     """
     ks = [max(0, min(cap, room)) if ds else 0 for cap, room, ds in zip(caps, rooms, chosen)]
     if planner is None:
         return ks
     fresh = unencoded() if unencoded is not None else None
-    sized = planner.size(row_ids, lags(), [room + 1 for room in rooms], chosen, ks, padded, fresh)
+    sized = planner.size(row_ids, lags(), [room + 1 for room in rooms], chosen, ks, padded, fresh, closed)
     assert all(0 <= k <= cap for k, cap in zip(sized, ks)), f"the planner sized {sized} past the caps {ks}"
     return sized

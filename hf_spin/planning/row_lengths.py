@@ -22,20 +22,30 @@ class RowLengths:
 
     def __init__(self):
         self.generated: dict[int, int] = {}
+        self.steps: dict[int, int] = {}  # steps each running row has committed in
         self.ended = DecayedMean(LENGTH_DECAY)
+        self.squares = DecayedMean(LENGTH_DECAY)  # of the ended rows' lengths squared: their spread
 
     def committed(self, row_ids: list[int], tokens: list[int]) -> None:
         """A step committed `tokens` ([B]) to the rows `row_ids` ([B])."""
         for r, n in zip(row_ids, tokens):
             self.generated[r] = self.generated.get(r, 0) + n
+            self.steps[r] = self.steps.get(r, 0) + 1
+
+    def rate(self, row_id: int) -> float:
+        """Tokens row `row_id` has committed a step so far (1.0 before its first step)."""
+        steps = self.steps.get(row_id, 0)
+        return self.generated[row_id] / steps if steps else 1.0
 
     def end(self, row_ids: list[int], lengths: list[int | None]) -> None:
         """These rows left the batch having generated `lengths` tokens ([B] each; None: a row cut short,
         cancelled or failed, whose length says nothing of how long rows run)."""
         for r, n in zip(row_ids, lengths):
             self.generated.pop(r, None)
+            self.steps.pop(r, None)
             if n is not None:
                 self.ended.add(float(n))
+                self.squares.add(float(n) * n)
 
     def left(self, row_id: int, room: int | None) -> int | None:
         """Tokens row `row_id` is expected to generate still: at most `room` (None: unknown)."""
@@ -45,3 +55,13 @@ class RowLengths:
         have = self.generated.get(row_id, 0)
         expected = max(round(mean - have), 1) if have < mean else max(round(mean), 1)
         return expected if room is None else min(room, expected)
+
+    def spread(self, left: int | None) -> float | None:
+        """How uncertain a row's `left` tokens (`left`) are, as a standard deviation: the spread of the lengths of
+        rows that ended, at most `left`; before any ended, `left` itself (a row may stop at any token)."""
+        if left is None:
+            return None
+        mean = self.ended.mean
+        if mean is None:
+            return float(left)
+        return min(max(self.squares.mean - mean * mean, 0.0) ** 0.5, float(left))

@@ -400,7 +400,8 @@ class SpinEngine:
                 return [{d for d in chosen[b] if self.drafters[d].unencoded(b)} for b in range(B)]
 
             rooms, row_ids = [r.draft_room for r in rows], [r.id for r in rows]
-            ks = plan_k(plan.k, rooms, chosen, self.planner, row_ids, lags, self._padded, unencoded)
+            closed = self._batch is not None and not self.pending  # a `generate` call's batch: no row joins it
+            ks = plan_k(plan.k, rooms, chosen, self.planner, row_ids, lags, self._padded, unencoded, closed)
         # 4. Draft: a preempting drafter first (4a), then each drafter over the rows it serves (4b), shadow
         #    drafts for measurement (4c); rows with several drafters take their vote tree: whole where trees are usable
         #    (tree_step.usable), else its heaviest path.

@@ -419,6 +419,15 @@ MUTANTS = (
         ("tests/test_widths.py::test_a_fall_the_grid_read_by_noise_is_checked_by_the_steps_themselves[rectangular]",),
     ),
     Mutant(
+        "closed_batch_valued_as_open",
+        "a `generate` call's batch values every row's token at an equal share of a step, as a server's: it drafts for "
+        "rows that then wait for the slowest (batch 4, bf16, an AMX Xeon: LBSS 0.93x plain `generate` on one batch)",
+        "hf_spin/step/engine.py",
+        "            closed = self._batch is not None and not self.pending",
+        "            closed = False",
+        ("tests/test_planning.py::test_a_closed_batch_waiting_for_a_row_that_accepts_nothing_decodes_plainly[closed]",),
+    ),
+    Mutant(
         "warm_up_every_pool",
         "each pool built warms its models with one forward again, though they ran in this process: a pool built per "
         "call (as `assistant_model=` users build one) paid ~0.16 s a call on an H200 (1.5B shape, 128 tokens: 0.64x "
