@@ -206,6 +206,11 @@ def test_traces_replay_as_one_with_chains_and_trees_at_another_target_shape(trac
     for method in ("hf_spin_all", "hf_spin_all_chains"):
         assert f"| w | 1 | {method} |" in text
     assert text.count(f"{n}/{n} |") == 4  # generate, transformers' lookup, the pool with trees and with chains
+    argv = ["run", str(trace_file), "--batch-sizes", "1", "--trees", "both", "--methods", "hf_spin_all_chains"]
+    assert main(argv + ["--threads", "1", "--out", str(tmp_path / "only")]) == 0  # and plain generate, the base
+    (md,) = (tmp_path / "only").glob("replay-*.md")
+    methods = [line.split(" | ")[2] for line in md.read_text().splitlines() if line.startswith("| w |")]
+    assert methods == ["generate", "hf_spin_all_chains"]
 
 
 def test_costs_replay_the_recorded_acceptance_on_injected_cost_structures(trace):

@@ -90,6 +90,13 @@ def parser() -> argparse.ArgumentParser:
     )
     _reads_argument(run)
     run.add_argument(
+        "--methods",
+        nargs="+",
+        type=str,
+        help="only these methods besides plain generate (always run: the ratios' base), e.g. generate_static "
+        "hf_spin_lbss_static: a time budget then reaches the pools that matter (default: all)",
+    )
+    run.add_argument(
         "--budget-s", type=float, help="seconds; a method is skipped when less is left than the longest one so far took"
     )
     run.add_argument("--threads", type=int, default=2)

@@ -110,6 +110,7 @@ def methods(
     caches: dict | None = None,
     layout: str = "rectangular",
     static: StaticOptions | None = None,
+    only=None,
 ) -> dict:
     """method name -> fn(ids, mask, max_new_tokens) -> (output ids, hf_spin's stats or None), for this batch size.
 
@@ -121,7 +122,7 @@ def methods(
     chains only is named `..._chains`). caches: rows -> the static method's `StaticCache`, kept by the caller
     across workloads (one compiled decoding step per batch size, as transformers reuses its own cache). layout:
     the pools' `cache=` (a static layout's pool is named `..._static`); static: its options (None: the pools'
-    default, inductor on CUDA)."""
+    default); only: the pools to build by name (None: all)."""
     names = [d.name for d in trace.drafters]
 
     def plain(ids, mask, n, **kwargs):
@@ -141,6 +142,10 @@ def methods(
     if batch == 1:
         out["transformers_lookup"] = lambda ids, mask, n: plain(ids, mask, n, prompt_lookup_num_tokens=trace.k_max)
     for (pool_name, spec), tree in itertools.product(trace.pools.items(), trees):
+        chains = "_chains" if tree is False and len(trees) > 1 else ""
+        name = f"hf_spin_{pool_name}{chains}" + ("_static" if layout == "static" else "")
+        if only is not None and name not in only:
+            continue
         entries = [drafters[names.index(n)] for n in spec["drafters"]]
         pool = hf_spin.AssistantPool(
             entries,
@@ -165,8 +170,7 @@ def methods(
             return out.sequences, out.stats
 
         spin.pool = pool  # its cost profile holds the engine's own seconds a step (`host_ms`)
-        chains = "_chains" if tree is False and len(trees) > 1 else ""
-        out[f"hf_spin_{pool_name}{chains}" + ("_static" if layout == "static" else "")] = spin
+        out[name] = spin
     return out
 
 
@@ -186,6 +190,7 @@ def bench(
     forced: ForcedTarget | None = None,
     repeat: int = 1,
     overrun=None,
+    only: set[str] | None = None,
 ) -> list[dict]:
     """One record per (workload, batch size, method): tokens, seconds, forwards, per-drafter counts, identical.
 
@@ -199,8 +204,9 @@ def bench(
     CUDA graphs run no hook). repeat: each workload's requests that many times over, one method's pool learning
     from them all (a server's steady state rather than a fresh pool's). overrun: the paced forwards' `Overrun`
     (benchmarks/injected_costs.py): seconds are then the wall clock's less the stand-ins' work past their cost,
-    the device's time, and each record says how much it took off (`overrun`). The methods run with the heap
-    frozen (`hf_spin.heap.frozen_gc`), as a server runs."""
+    the device's time, and each record says how much it took off (`overrun`). only: the methods to run besides
+    plain `generate` (always run: every ratio's base); None: all. The methods run with the heap frozen
+    (`hf_spin.heap.frozen_gc`), as a server runs."""
     eos, pad = trace.target["eos_token_id"], trace.target["pad_token_id"]
     late = overrun if overrun is not None else lambda: 0.0
     now = clock if clock is not None else lambda: _sync(target.device) or time.perf_counter() - late()
@@ -222,8 +228,9 @@ def bench(
             for workload, requests in by_workload.items():
                 batches = [requests[i : i + bs] for i in range(0, len(requests), bs)]
                 fns = methods(
-                    trace, target, drafters, bs, cache_len, compile_config, profile, trees, caches, layout, static
+                    trace, target, drafters, bs, cache_len, compile_config, profile, trees, caches, layout, static, only
                 )
+                fns = {n: f for n, f in fns.items() if only is None or n == "generate" or n in only}
                 for name, fn in fns.items():
                     began = time.perf_counter()
                     if deadline is not None and began + longest > deadline:
@@ -429,6 +436,7 @@ def main(args) -> int:
         write,
         static=StaticOptions("auto", backend=args.static_backend, draft_backend=args.draft_backend),
         forced=forced,
+        only=set(args.methods) if args.methods else None,
     )
     print(write(records))
     return 0
