@@ -123,7 +123,7 @@ MUTANTS = (
         "        return True\n",
         (
             "tests/test_planning.py::test_plain_when_verification_grows_linearly_at_moderate_acceptance",
-            "tests/test_planning.py::test_batch_budget_goes_to_the_rows_most_likely_to_survive",
+            "tests/test_planning.py::test_batch_budget_goes_to_the_rows_whose_tokens_are_worth_most[open]",
         ),
     ),
     Mutant(
