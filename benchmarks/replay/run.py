@@ -122,7 +122,8 @@ def methods(
     chains only is named `..._chains`). caches: rows -> the static method's `StaticCache`, kept by the caller
     across workloads (one compiled decoding step per batch size, as transformers reuses its own cache). layout:
     the pools' `cache=` (a static layout's pool is named `..._static`); static: its options (None: the pools'
-    default); only: the pools to build by name (None: all)."""
+    default); only: the methods besides plain `generate` (always: every ratio's base), pools not named never
+    built; None: all."""
     names = [d.name for d in trace.drafters]
 
     def plain(ids, mask, n, **kwargs):
@@ -171,7 +172,7 @@ def methods(
 
         spin.pool = pool  # its cost profile holds the engine's own seconds a step (`host_ms`)
         out[name] = spin
-    return out
+    return {n: f for n, f in out.items() if only is None or n == "generate" or n in only}
 
 
 def bench(
@@ -230,7 +231,6 @@ def bench(
                 fns = methods(
                     trace, target, drafters, bs, cache_len, compile_config, profile, trees, caches, layout, static, only
                 )
-                fns = {n: f for n, f in fns.items() if only is None or n == "generate" or n in only}
                 for name, fn in fns.items():
                     began = time.perf_counter()
                     if deadline is not None and began + longest > deadline:

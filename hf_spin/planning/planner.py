@@ -595,8 +595,7 @@ def plan_k(
     A row no drafter serves (chosen[b] empty) drafts 0. row_ids, lags (called only with a planner:
     [B] drafter -> committed tokens its state lacks), padded and unencoded (called likewise: [B] drafters
     whose own encoder has yet to read the row) and closed (the batch takes no new rows) are what `Planner.size`
-    reads. After
-    drafting, `Planner.trim` may only shorten a draft.
+    reads. After drafting, `Planner.trim` may only shorten a draft.
     """
     ks = [max(0, min(cap, room)) if ds else 0 for cap, room, ds in zip(caps, rooms, chosen)]
     if planner is None:
