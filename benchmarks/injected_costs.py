@@ -19,7 +19,7 @@ from typing import Callable
 from hf_spin.planning.cost_profile import CostProfile, ForwardCost
 
 # The modules that read `perf_counter` to time forwards and drafting (what a `CostClock` replaces).
-TIMED_MODULES = ("hf_spin.step.engine", "hf_spin.step.faults")
+TIMED_MODULES = ("hf_spin.step.engine", "hf_spin.step.admission", "hf_spin.step.faults")
 
 # t(N), seconds of a target forward over N positions (a plain step = 0.1 s), on the machines hf_spin meets:
 # flat (a GPU, an AMX CPU), AVX-512 bf16 (8 tokens ~1.3 steps), AVX2 float32 (~1.8), AVX2 bf16 (~6: linear), and

@@ -125,6 +125,12 @@ class SyncCounter:
 _active: list[SyncCounter] = []  # the counters running, innermost last
 
 
+def wait_for(device: torch.device) -> None:
+    """Wait until `device` has run what was queued on it (a CUDA device; a CPU ran it already): a timing's end."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @contextlib.contextmanager
 def phase(name: str):
     """Count the syncs of the enclosed code under `name` (a no-op when no counter is active)."""

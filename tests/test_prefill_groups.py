@@ -11,6 +11,7 @@ import torch
 
 import hf_spin
 from benchmarks.injected_costs import CostClock, profile_of, table
+from hf_spin.planning.cost_profile import ForwardCost
 from hf_spin.planning.prefill import prefill_groups
 
 from .archs import ARCHS, EOS, PAD, VOCAB, tiny_model
@@ -32,6 +33,22 @@ def test_groups_split_long_prompts_from_short_ones_where_positions_cost():
     assert prefill_groups(cpu, [30, 30, 30, 30]) == [[0, 1, 2, 3]]  # nothing to save: generate's block
     assert prefill_groups(gpu, [5, 40, 6, 30]) == [[0, 1, 2, 3]]  # a forward's fixed cost outweighs the padding
     assert prefill_groups(gpu, [5, 700, 6, 40]) == [[0, 2, 3], [1]]  # 2,800 positions past the grid do not
+
+
+def small_gemm(n: float) -> float:
+    """A t(N) whose grid misleads past its knots: 2 and 8 positions cost alike (a CPU's small-GEMM step), so
+    the knots 1, 2, 8 read past 8 either flat (the last slope) or at 0.013 s a position (the mean slope);
+    past 8 each position costs 0.01 s."""
+    return 0.1 if n <= 1 else 0.19 + 0.01 * max(n - 8, 0)
+
+
+def test_groups_split_only_where_the_cheapest_reading_past_the_grid_pays():
+    """Priced past the grid by its mean slope, four similar prompts of 51-77 tokens were split into three
+    forwards, dearer than one (Qwen2.5-Coder-1.5B, float32, AVX2: 0.4 s); read at the last knot's slope a split
+    is taken only where it pays even so, and a 700-token prompt among short ones still goes apart."""
+    grid = ForwardCost.from_table({1: 0.1, 2: 0.19, 8: 0.2})
+    assert prefill_groups(grid, [51, 75, 56, 77]) == [[0, 1, 2, 3]]
+    assert prefill_groups(grid, [5, 700, 6, 40]) == [[0, 2, 3], [1]]
 
 
 def ragged_prompts(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,3 +111,33 @@ def test_every_architecture_prefilled_in_groups_decodes_as_plain_generate(arch):
     out = target.generate(ids, custom_generate=hf_spin.generate, assistant_pool=pool, **kwargs)
     assert torch.equal(out, plain)
     assert shapes[:2] == [(2, 4), (2, 36)], shapes
+
+
+def test_a_prefill_far_past_the_grid_teaches_the_next_calls_groups():
+    """A grid flat past 2 positions reads long forwards at one forward's cost, so the first call prefills a
+    ragged batch as `generate` does, in one block; that forward, far past the knots, becomes a knot at what it
+    took (`CostProfile.observe_prefill`), and the next call on the same prompts splits them by length, in
+    less clock time. Both as plain `generate`."""
+    target = tiny_model("llama", seed=0)
+    ids, mask = ragged_prompts([3, 120, 4, 30])
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, eos_token_id=EOS)
+    plain = target.generate(ids, **kwargs)
+    truth = table(small_gemm, knots=(1, 2, 8, 16, 64, 256, 1024))
+    clock, shapes = CostClock(), []
+    clock.hook(target, truth)
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    grid = ForwardCost.from_table({n: small_gemm(n) for n in (1, 2, 8)})
+    pool = hf_spin.AssistantPool(["prompt_lookup"], profile=profile_of(grid, [None], ["prompt_lookup"]))
+    seconds = []
+    with clock.installed():
+        for prefills in ([(4, 120)], [(2, 4), (1, 30), (1, 120)]):
+            shapes.clear()
+            start = clock()
+            out = target.generate(ids, custom_generate=hf_spin.generate, assistant_pool=pool, **kwargs)
+            seconds.append(clock() - start)
+            assert torch.equal(out, plain)
+            assert shapes[: len(prefills)] == prefills, shapes
+    assert 480 in pool.profile.target.knots
+    assert seconds[1] < 0.5 * seconds[0], seconds

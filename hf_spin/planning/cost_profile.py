@@ -188,7 +188,7 @@ class ForwardCost:
         extra = self.per_row * max(rows - 1, 0)
         self._values = None
         self.observations += 1
-        if n_tokens > 2 * self.knots[-1]:
+        if self.learns(n_tokens):
             self.corrections.append(
                 DecayedMean(CORRECTION_DECAY)
             )  # corrections, then seconds, then knots: a reader indexes by knots
@@ -206,6 +206,11 @@ class ForwardCost:
         for i, w in self._weights(n_tokens):
             self.corrections[i].add(observed - shift, w)
         self._values = None  # `predict` above kept the values from before this observation
+
+    def learns(self, n_tokens: float) -> bool:
+        """Whether a forward over `n_tokens` positions lies so far past the knots (more than twice the last) that
+        `observe` makes it a knot of its own."""
+        return n_tokens > 2 * self.knots[-1]
 
     def flatness(self, n_tokens: int) -> float:
         """t(N) / t(1) of a verification (at its `width`): 1 where it is free (memory-bound), N where it is
@@ -373,6 +378,14 @@ class CostProfile:
         self.target.observe(n_tokens, rows, seconds)
         if plain:
             self.plain_forwards.setdefault((rows, n_tokens), StepWork()).add(seconds)
+
+    def observe_prefill(self, rows: int, positions: int, seconds: float) -> None:
+        """A prefill forward over `rows` rows, `positions` in all with their padding, took `seconds`: learned only
+        as a new knot of the target's (`ForwardCost.learns`), the cost of long forwards the grid cannot say and
+        prefill groups are priced by (`prefill.py`). Nearer the grid it would move what the steps taught: a
+        prefill has no context, and runs eagerly where the steps' forwards are compiled."""
+        if self.target.learns(positions):
+            self.target.observe(positions, rows, seconds, shared=False)
 
     def observe_draft(self, drafter: int, forwards: int, rows: int, seconds: float) -> None:
         """A drafter's call: `forwards` forwards over `rows` rows (0 forwards: it did not draft)."""

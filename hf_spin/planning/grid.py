@@ -21,6 +21,7 @@ from ..cache.encoder_rows import reads_encoder_output
 from ..cache.forward import CACHE_ARG
 from ..cache.static import StaticRowCache
 from ..cache.static_forward import forward_static
+from ..host_syncs import wait_for
 from .cost_profile import ForwardCost
 
 # Context (prompt tokens) the grid is measured at: a short chat prompt.
@@ -43,11 +44,6 @@ GRID_ROWS = 4
 # Seconds the grid of the target may take (beyond its first two points, always measured); a drafter
 # gets half: its forwards are mostly over one token a row.
 GRID_BUDGET = 3.0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _random_kv(model, rows: int, generator: torch.Generator):
@@ -182,10 +178,10 @@ def measure(
         best = float("inf")
         for _ in range(2):
             reset()
-            _sync(device)
+            wait_for(device)
             start = clock()
             forward()
-            _sync(device)
+            wait_for(device)
             best = min(best, clock() - start)
         if progress is not None:
             progress(f"{rows} x {tokens} tokens")
@@ -255,9 +251,9 @@ def _encoder_seconds(model, generator: torch.Generator, clock: Callable[[], floa
         inputs = torch.randint(0, config.vocab_size, (1, GRID_CONTEXT), generator=generator).to(model.device)
     best = float("inf")
     for _ in range(2):
-        _sync(model.device)
+        wait_for(model.device)
         start = clock()
         model.get_encoder()(**{model.main_input_name: inputs})
-        _sync(model.device)
+        wait_for(model.device)
         best = min(best, clock() - start)
     return best

@@ -395,6 +395,16 @@ class Planner:
         with self.lock:
             self.profile.observe_host(rows, kind, seconds)
 
+    def learns_prefill(self, positions: int) -> bool:
+        """Whether a prefill forward over `positions` positions teaches the target's cost (`observe_prefill`): a
+        timing, which on a GPU waits for the forward, only then."""
+        return self.profile.target.learns(positions)
+
+    def observe_prefill(self, rows: int, positions: int, seconds: float) -> None:
+        """A prefill forward over `rows` rows, `positions` in all, took `seconds` (`CostProfile.observe_prefill`)."""
+        with self.lock:
+            self.profile.observe_prefill(rows, positions, seconds)
+
     def observe_catch_up(self, drafter: int, positions: int, seconds: float) -> None:
         """An idle catch-up ran: `drafter`'s forward over `positions` positions took `seconds` (its cost past the grid,
         what `_catch_up_seconds` prices)."""

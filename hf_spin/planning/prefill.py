@@ -4,10 +4,11 @@
 prompt among short ones makes every row a long one: on a CPU, whose forward costs grow with its
 positions, four Spec-Bench prompts padded to a 709-token summarization prompt spent most of a 32-token
 batch there (docs/planning.md, "Prefill groups"). A forward over n rows padded to P tokens is priced
-t(n P, n) by the target's cost profile, read past its grid as a catch-up over a prompt is
-(`ForwardCost.bound`); the rows, sorted by length, split into the consecutive groups of least total
-price. Where a forward's fixed cost outweighs the padding (a GPU's flat costs) that is one group,
-`generate`'s own prefill; where padding costs more, several.
+t(n P, n) by the target's cost profile, read past its knots at the last knot's slope, the cheapest reading
+(`ForwardCost.predict`): the rows, sorted by length, split into the consecutive groups of least total price,
+so a split is taken only where it pays even if long forwards cost that little; else the rows prefill as
+`generate` does, in one block. A prefill forward far past the knots becomes a knot of its own
+(`CostProfile.observe_prefill`): later calls price from what long forwards took here.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def prefill_groups(cost: ForwardCost, lengths: list[int]) -> list[list[int]]:
         longest = lengths[order[j - 1]]
         for i in range(j):  # the rows i..j-1 (sorted) as one group, padded to the longest of them
             rows = j - i
-            price = best[i] + cost.bound(rows * longest) + cost.per_row * (rows - 1)
+            price = best[i] + cost.predict(rows * longest, rows)
             if price < best[j]:  # strictly: the fewest groups among equal prices
                 best[j], start[j] = price, i
     groups, j = [], n

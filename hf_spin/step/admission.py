@@ -13,19 +13,29 @@ to the batch's cache, after the rows already running.
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from time import perf_counter
+from typing import Callable, Protocol
 
 import torch
 
 from ..cache import CACHE_ARG, CACHE_NAMES, PackedCache, RectangularCache, forward_ragged, needs_contiguous_slots
 from ..cache.encoder_rows import EncoderRows
 from ..cache.static import StaticRowCache
+from ..host_syncs import wait_for
 from ..verify.chains import gumbel_noise
 from .processors import GenerateBatch
 from .rows import Row
 
 # Token id that left-pads the prompts of rows prefilled together; masked, so any valid id works.
 JOIN_PAD_TOKEN = 0
+
+
+class PrefillCosts(Protocol):
+    """What learns from the prefill's forwards (the planner): their cost far past the grid prices prefill groups."""
+
+    def learns_prefill(self, positions: int) -> bool: ...
+
+    def observe_prefill(self, rows: int, positions: int, seconds: float) -> None: ...
 
 
 def prefill_kwargs(model, attention_mask: torch.Tensor) -> dict:
@@ -48,13 +58,15 @@ def prefill(
     packed: bool,
     static: Callable[[int], StaticRowCache] | None = None,
     groups: list[list[int]] | None = None,
+    costs: PrefillCosts | None = None,
 ):
     """Target forward over the joining rows' prompts, their KV appended after the `running` rows of
     `cache` (None: a new batch). Returns (the batch's cache, logits [n, V] float32 at each new row's
     last token). static: the batch's cache is a `StaticRowCache`, filled from this eager prefill; called with
     the rows' count for a new batch's (`static.take_cache` where the forwards compile).
     groups: indices into `rows` of the rows to prefill together, one forward a group (`can_group` must
-    hold; `planning/prefill.py` picks them); None: all in one."""
+    hold; `planning/prefill.py` picks them); None: all in one. costs: told each block's forward time where it
+    learns from it (left-padded blocks only)."""
     if packed:  # a forward over the new rows' tokens only
         if cache is None:
             cache = PackedCache(0, device=model.device)
@@ -79,9 +91,9 @@ def prefill(
             return cache, logits
         return fresh, logits
     if groups is not None and len(groups) > 1:
-        fresh, logits = _prefill_groups(model, rows, groups)
+        fresh, logits = _prefill_groups(model, rows, groups, costs)
     else:
-        fresh, logits = _prefill_block(model, rows, batch)
+        fresh, logits = _prefill_block(model, rows, batch, costs)
     if static is not None:  # copied into free row slots, capacity for the rows' length limit
         cache = cache if running and cache is not None else static(len(rows))
         cache.append_rows(fresh, min_capacity=max(r.request.max_length for r in rows))
@@ -110,9 +122,12 @@ def can_group(rows: list[Row], batch: GenerateBatch | None, packed: bool) -> boo
     return bool(ok)  # one host read
 
 
-def _prefill_block(model, rows: list[Row], batch: GenerateBatch | None) -> tuple[RectangularCache, torch.Tensor]:
+def _prefill_block(
+    model, rows: list[Row], batch: GenerateBatch | None, costs: PrefillCosts | None
+) -> tuple[RectangularCache, torch.Tensor]:
     """One forward over `rows`' prompts: `batch`'s own tensors and kwargs (exactly `generate`'s prefill), or
-    with no batch the prompts left-padded into one block. Returns (their cache, logits [n, V] float32)."""
+    with no batch the prompts left-padded into one block; timed for `costs` where they learn from it. Returns
+    (their cache, logits [n, V] float32)."""
     if batch is not None:  # exactly what `generate` prepared
         input_ids, kwargs = batch.input_ids, dict(batch.model_kwargs)
         attention_mask = kwargs.get("attention_mask")
@@ -132,13 +147,21 @@ def _prefill_block(model, rows: list[Row], batch: GenerateBatch | None) -> tuple
         kwargs.pop(name, None)
     kwargs[CACHE_ARG] = fresh
     inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **kwargs)
-    return fresh, model(**inputs, return_dict=True).logits[:, -1].to(dtype=torch.float32)  # [n, V]
+    timed = costs is not None and costs.learns_prefill(input_ids.numel())
+    start = perf_counter()
+    logits = model(**inputs, return_dict=True).logits[:, -1].to(dtype=torch.float32)  # [n, V]
+    if timed:
+        wait_for(logits.device)
+        costs.observe_prefill(len(rows), input_ids.numel(), perf_counter() - start)
+    return fresh, logits
 
 
-def _prefill_groups(model, rows: list[Row], groups: list[list[int]]) -> tuple[RectangularCache, torch.Tensor]:
+def _prefill_groups(
+    model, rows: list[Row], groups: list[list[int]], costs: PrefillCosts | None
+) -> tuple[RectangularCache, torch.Tensor]:
     """`_prefill_block` per group, the groups' caches joined (each left-padded with holes to the longest, as
     one block would be) and put back in row order. Returns (their cache, logits [n, V] float32)."""
-    parts = [_prefill_block(model, [rows[i] for i in group], None) for group in groups]
+    parts = [_prefill_block(model, [rows[i] for i in group], None, costs) for group in groups]
     fresh = parts[0][0]
     for part, _ in parts[1:]:
         fresh.append_rows(part)

@@ -750,6 +750,24 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "prefill_cost_never_learned",
+        "prefill forwards far past the grid are not learned: a grid that reads long forwards at one forward's cost "
+        "prefills every later ragged batch in one padded block, however long its prompts",
+        "hf_spin/planning/cost_profile.py",
+        "        if self.target.learns(positions):\n            self.target.observe(",
+        "        if False:\n            self.target.observe(",
+        ("tests/test_prefill_groups.py::test_a_prefill_far_past_the_grid_teaches_the_next_calls_groups",),
+    ),
+    Mutant(
+        "prefill_groups_priced_pessimistically",
+        "prefill groups priced past the grid by its mean slope: a CPU whose one-token step is cheap reads every "
+        "position dear and splits similar prompts into several forwards, dearer than one",
+        "hf_spin/planning/prefill.py",
+        "price = best[i] + cost.predict(rows * longest, rows)",
+        "price = best[i] + cost.bound(rows * longest) + cost.per_row * (rows - 1)",
+        ("tests/test_prefill_groups.py::test_groups_split_only_where_the_cheapest_reading_past_the_grid_pays",),
+    ),
+    Mutant(
         "captured_graph_keyed_by_shape_alone",
         "a CUDA graph captured over one cache's storage is replayed over another cache of the same shapes: its kernels "
         "read and write the first cache's freed memory",
