@@ -113,11 +113,13 @@ def test_every_architecture_prefilled_in_groups_decodes_as_plain_generate(arch):
     assert shapes[:2] == [(2, 4), (2, 36)], shapes
 
 
-def test_a_prefill_far_past_the_grid_teaches_the_next_calls_groups():
+@pytest.mark.parametrize("cache", ["rectangular", "static"])
+def test_a_prefill_far_past_the_grid_teaches_the_next_calls_groups(cache):
     """A grid flat past 2 positions reads long forwards at one forward's cost, so the first call prefills a
     ragged batch as `generate` does, in one block; that forward, far past the knots, becomes a knot at what it
     took (`CostProfile.observe_prefill`), and the next call on the same prompts splits them by length, in
-    less clock time. Both as plain `generate`."""
+    less clock time. Both as plain `generate`. Not on the static layout, whose eager prefill says nothing of its
+    compiled steps: there the prefill leaves no knot."""
     target = tiny_model("llama", seed=0)
     ids, mask = ragged_prompts([3, 120, 4, 30])
     kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, eos_token_id=EOS)
@@ -129,15 +131,17 @@ def test_a_prefill_far_past_the_grid_teaches_the_next_calls_groups():
         lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
     )
     grid = ForwardCost.from_table({n: small_gemm(n) for n in (1, 2, 8)})
-    pool = hf_spin.AssistantPool(["prompt_lookup"], profile=profile_of(grid, [None], ["prompt_lookup"]))
+    pool = hf_spin.AssistantPool(["prompt_lookup"], profile=profile_of(grid, [None], ["prompt_lookup"]), cache=cache)
+    learns = cache == "rectangular"
     seconds = []
     with clock.installed():
-        for prefills in ([(4, 120)], [(2, 4), (1, 30), (1, 120)]):
+        for prefills in [[(4, 120)], [(2, 4), (1, 30), (1, 120)]][: 2 if learns else 1]:
             shapes.clear()
             start = clock()
             out = target.generate(ids, custom_generate=hf_spin.generate, assistant_pool=pool, **kwargs)
             seconds.append(clock() - start)
             assert torch.equal(out, plain)
             assert shapes[: len(prefills)] == prefills, shapes
-    assert 480 in pool.profile.target.knots
-    assert seconds[1] < 0.5 * seconds[0], seconds
+    assert (480 in pool.profile.target.knots) == learns
+    if learns:
+        assert seconds[1] < 0.5 * seconds[0], seconds

@@ -383,7 +383,7 @@ class CostProfile:
         """A prefill forward over `rows` rows, `positions` in all with their padding, took `seconds`: learned only
         as a new knot of the target's (`ForwardCost.learns`), the cost of long forwards the grid cannot say and
         prefill groups are priced by (`prefill.py`). Nearer the grid it would move what the steps taught: a
-        prefill has no context, and runs eagerly where the steps' forwards are compiled."""
+        prefill has no context. Not told on the static layout, whose prefill runs eagerly and steps compiled."""
         if self.target.learns(positions):
             self.target.observe(positions, rows, seconds, shared=False)
 

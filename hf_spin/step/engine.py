@@ -293,7 +293,7 @@ class SpinEngine:
                 packed,
                 self._new_static_cache if self.static is not None else None,
                 groups,
-                self.planner,
+                self.planner if self.static is None else None,  # static: an eager prefill, compiled steps
             )
         except Exception as err:  # noqa: BLE001
             self.faults.prefill_failed(joining, err)

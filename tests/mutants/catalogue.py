@@ -756,7 +756,7 @@ MUTANTS = (
         "hf_spin/planning/cost_profile.py",
         "        if self.target.learns(positions):\n            self.target.observe(",
         "        if False:\n            self.target.observe(",
-        ("tests/test_prefill_groups.py::test_a_prefill_far_past_the_grid_teaches_the_next_calls_groups",),
+        ("tests/test_prefill_groups.py::test_a_prefill_far_past_the_grid_teaches_the_next_calls_groups[rectangular]",),
     ),
     Mutant(
         "prefill_groups_priced_pessimistically",
