@@ -51,6 +51,22 @@ def test_groups_split_only_where_the_cheapest_reading_past_the_grid_pays():
     assert prefill_groups(grid, [5, 700, 6, 40]) == [[0, 2, 3], [1]]
 
 
+def test_a_prefill_learned_before_the_steps_teach_the_shift_reads_what_it_took():
+    """A grid read from the cache on a faster hour: today every forward takes 1.5x it. The first call's prefill,
+    far past the knots, becomes a knot at what it took before any step has taught the shift; the steps then
+    raise the grid's knots 1.5x, not the learned one, which was measured as the machine runs now. Raised again it
+    read 1.5x what it took, its slope past it twice the truth, and four prompts of 51-77 tokens were split into
+    two prefills, dearer than one (Qwen2.5-Coder-1.5B, float32, an AVX2-held Xeon: 2.4 s read for 1.6 s)."""
+    cost = ForwardCost.from_table({1: 0.32, 2: 0.66, 8: 0.69})
+    cost.observe(51, 1, 1.6, shared=False)  # the prefill (`CostProfile.observe_prefill`)
+    assert cost.knots == [1, 2, 8, 51]
+    for _ in range(200):  # the call's plain steps, 1.5x the grid
+        cost.observe(1, 1, 1.5 * 0.32)
+    assert cost.predict(1) == pytest.approx(0.48, rel=0.02) and cost.predict(8) == pytest.approx(1.035, rel=0.02)
+    assert cost.predict(51) == pytest.approx(1.6, rel=0.02)
+    assert prefill_groups(cost, [51, 75, 56, 77]) == [[0, 1, 2, 3]]
+
+
 def ragged_prompts(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts `[B, max(lengths)]` and their attention mask."""
     g = torch.Generator().manual_seed(seed)

@@ -11,14 +11,15 @@ One `ForwardCost` per model (the target and each model drafter), on its own devi
 
 f is piecewise linear between measured knots N = 1, 2, 4, 8, ... (linear beyond the last, by its
 last slope), r a per-row overhead (fitted from a batch-4 point). Measured on a small grid within a
-time budget (`grid.measure`; on the static compiled layout through the compiled fixed-shape forward the
-engine runs, at its query widths), cached on disk (`profiling.py`), then refined online from every timed
-forward: log(measured / grid) as a shift shared by every knot plus each knot's own deviation from it,
-shrunk toward none by KNOT_WEIGHT pseudo-observations, each surprise clipped to +-`MAX_LOG_RESIDUAL` so
-a stall (another process, a page fault) moves it by a bounded amount. The context is GRID_CONTEXT
-positions of random KV, not a grid axis (its cost is small next to the weights' at the lengths drafting
-sees, and a prefill per point would overrun the budget on a slow machine): its drift as rows grow, and
-the engine's own cost around a forward, move every knot alike, and most steps are plain, so the shift
+time budget (`grid.measure`; on the static compiled layout through the compiled fixed-shape forward the engine
+runs, at its query widths), cached on disk (`profiling.py`), then refined online from every timed forward:
+log(measured / grid) as a shift shared by every knot plus each knot's own deviation from it, shrunk toward
+none by KNOT_WEIGHT pseudo-observations, each surprise clipped to +-`MAX_LOG_RESIDUAL` so a stall (another
+process, a page fault) moves it by a bounded amount. A forward far past the grid becomes a knot at what it
+took: measured on this machine as it runs now, it takes no shift (the grid's correction). The context is
+GRID_CONTEXT positions of random KV, not a grid axis (its cost is small next to the weights' at the lengths
+drafting sees, and a prefill per point would overrun the budget on a slow machine): its drift as rows grow,
+and the engine's own cost around a forward, move every knot alike, and most steps are plain, so the shift
 carries what one knot learns to the others (docs/planning.md, "The cost profile").
 """
 
@@ -63,6 +64,7 @@ class ForwardCost:
     encoder: float = 0.0
     observations: int = 0  # online observations so far
     widens: bool = True
+    grid_knots: int = 0  # the first knots, the grid's (0: every knot given); those after are learned (`observe`)
     shift: DecayedMean = field(default_factory=lambda: DecayedMean(CORRECTION_DECAY))  # log(measured / grid)
     corrections: list[DecayedMean] = field(default_factory=list)  # [K] a knot's log(measured / grid) - shift
     _values: list[float] | None = field(
@@ -77,6 +79,7 @@ class ForwardCost:
             )
         if not self.corrections:
             self.corrections = [DecayedMean(CORRECTION_DECAY) for _ in self.knots]
+        self.grid_knots = self.grid_knots or len(self.knots)
 
     @classmethod
     def from_table(cls, table: dict[int, float], per_row: float = 0.0) -> ForwardCost:
@@ -94,10 +97,17 @@ class ForwardCost:
             shift = self.shift.mean or 0.0
             prior = KNOT_WEIGHT if self.shift.weight > 0 else 0.0  # no shift learned (a drafter's): the knot's own
             self._values = [
-                s * math.exp(shift + (c.mean or 0.0) * c.weight / (c.weight + prior or 1.0))
-                for s, c in zip(self.seconds, self.corrections)
+                s * math.exp(self._shift_of(i, shift) + (c.mean or 0.0) * c.weight / (c.weight + prior or 1.0))
+                for i, (s, c) in enumerate(zip(self.seconds, self.corrections))
             ]
         return self._values
+
+    def _shift_of(self, knot: int, shift: float) -> float:
+        """The shared shift as it applies to knot index `knot`: the grid's knots take it; a knot learned online
+        was measured as the machine runs now, so the shift (learned mostly after it: a prefill precedes the steps
+        that teach the shift) would count this hour's speed twice (an AVX2 Xeon in float32, a cached grid 1.5x
+        fast: a 51-token prefill that took 1.6 s read 2.4 s, and similar prompts were split into two prefills)."""
+        return shift if knot < self.grid_knots else 0.0
 
     def _interpolate(self, values: list[float], n_tokens: float) -> float:
         """Linear between knots, by the last slope beyond the last (0 where the knots end falling: the
@@ -192,7 +202,7 @@ class ForwardCost:
             self.corrections.append(
                 DecayedMean(CORRECTION_DECAY)
             )  # corrections, then seconds, then knots: a reader indexes by knots
-            self.seconds.append(max(seconds - extra, 1e-6) / math.exp(self.shift.mean or 0.0))
+            self.seconds.append(max(seconds - extra, 1e-6))  # as measured: no shift (`_shift_of`)
             self.knots.append(math.ceil(n_tokens))
             return
         predicted = self.predict(n_tokens, rows)
@@ -204,7 +214,7 @@ class ForwardCost:
             self.shift.add(observed)
         shift = self.shift.mean or 0.0
         for i, w in self._weights(n_tokens):
-            self.corrections[i].add(observed - shift, w)
+            self.corrections[i].add(observed - self._shift_of(i, shift), w)
         self._values = None  # `predict` above kept the values from before this observation
 
     def learns(self, n_tokens: float) -> bool:

@@ -759,6 +759,16 @@ MUTANTS = (
         ("tests/test_prefill_groups.py::test_a_prefill_far_past_the_grid_teaches_the_next_calls_groups[rectangular]",),
     ),
     Mutant(
+        "learned_knot_takes_the_shift",
+        "a knot learned from a long forward takes the shift the steps teach after it, though it was measured as the "
+        "machine runs now: a cached grid 1.5x fast reads a 51-token prefill at 1.5x what it took, and similar "
+        "prompts are split into two prefills",
+        "hf_spin/planning/cost_profile.py",
+        "return shift if knot < self.grid_knots else 0.0",
+        "return shift",
+        ("tests/test_prefill_groups.py::test_a_prefill_learned_before_the_steps_teach_the_shift_reads_what_it_took",),
+    ),
+    Mutant(
         "prefill_groups_priced_pessimistically",
         "prefill groups priced past the grid by its mean slope: a CPU whose one-token step is cheap reads every "
         "position dear and splits similar prompts into several forwards, dearer than one",
