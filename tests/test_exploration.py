@@ -147,6 +147,35 @@ def test_a_call_spends_only_its_own_budget(structure):
     assert spin <= (1 + SHARE) * plain_seconds + 1e-9, f"{structure}: {spin:.2f}s against plain {plain_seconds:.2f}s"
 
 
+def test_the_pool_lends_a_drafters_probes_until_it_is_known_or_wrong():
+    """A GPU-like flat profile (a 5 ms step, a 0.5B-like drafter at 0.355 of it) and a 16-token call: a probe (the
+    row's 52-token catch-up with its first draft token, one drafter forward: 0.355 of a step) costs more than the
+    call's own share of 15 steps to come (0.3 of a step), so only the pool's account can buy it. The account lends
+    for a drafter the pool has not seen, and for one right on the few observations it has (below `LEARNED`); not for
+    one wrong on its first probe, nor for one whose evidence is enough to plan from without a loan. Lent or not,
+    what a call may lose stays twice its share."""
+    from hf_spin.planning.exploration import LEARNED
+
+    step = 0.005
+    target = table(lambda n: step)
+    drafter = table(lambda n: 0.355 * step)
+    for pooled, drafts, lends in (
+        ([0.0, 0.0], True, True),  # never seen: its first probe
+        ([1.0, 0.0], True, True),  # right on its first probe: one token is no plan
+        ([LEARNED - 0.5, 0.0], True, True),
+        ([0.0, 1.0], False, False),  # wrong on its first probe: the calls' own shares alone
+        ([1.0, 1.0], False, False),  # right half the time: below the prior's acceptance
+        ([LEARNED, 0.0], True, False),  # known: the evidence alone drafts it, no loan
+    ):
+        planner = Planner(profile_of(target, [drafter], ["drafter"]))
+        planner.acceptance.pooled[0] = list(pooled)
+        planner.budget.pool_plain_seconds = 10_000 * step
+        sized = planner.size([0], [{0: 52}], [15], [(0,)], [8], padded=True)
+        assert (sized[0] > 0) == drafts, pooled
+        assert (planner.budget.lent > 0) == lends, pooled
+        assert planner.budget.spent + planner.budget.lent <= 2 * planner.budget.call_share + 1e-12
+
+
 def test_the_expected_tokens_of_every_lane_count_in_the_calls_budget():
     """A pipeline's lanes size their own rows on one planner: the call's budget counts what every lane's rows are
     expected to commit (each row a share of its batch's plain step), and nothing for a row that left."""

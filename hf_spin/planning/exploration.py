@@ -13,13 +13,17 @@ the seconds it adds to the step (its tokens all rejected, its catch-up wasted; a
 probe is bought only where the budget covers that, and the budget is a share (`SHARE`) of the plain time of the
 call's tokens: those committed so far and those its running rows are expected to commit still
 (row_lengths.py), so a request's probes may lose 2% of its own plain time from its first step, and
-no more: what earlier calls left unspent is not carried into one request. One exception, learning:
-a drafter the pool has no evidence of yet may also be probed from the pool's account, the same
-share of the plain time of every call so far, less what first probes have lost: a draft model whose
-first probe (its catch-up of a prompt) costs more than a short call's share is tried once the pool
-has decoded enough, and what it learns serves every later call. The account lends a call at most the
-call's own share, so no call loses more than twice its share: a first probe that costs 10% of a
-32-token request on a CPU waits for a request long enough to afford it. The tokens a probe gets accepted
+no more: what earlier calls left unspent is not carried into one request. One exception, learning: a
+drafter the pool has little evidence of yet (fewer than `LEARNED` observations, decayed, and those
+mostly right: `Planner._learning`) may also be probed from the pool's account, the same share of the
+plain time of every call so far, less what learning probes have lost: a draft model whose first probe
+(its catch-up of a prompt) costs more than a short call's share is tried once the pool has decoded
+enough, and what it learns serves every later call. It stays learning until the evidence alone can draft
+it or its guesses fail: one token right is no plan, and a probe dearer than a short call's share (a
+GPU's 5 ms step, a 0.5B token and its engine work: 1.1 steps against 32 tokens' 0.64) would never be
+bought again on the call's share alone. The account lends a call at most the call's own share, so no
+call loses more than twice its share: a first probe that costs 10% of a 32-token request on a CPU waits
+for a request long enough to afford it. The tokens a probe gets accepted
 beyond the exploit plan are refunded at plain decoding's price (to the account it drew on first), so
 a probe that pays funds the next; and what its step cost beyond the prices it was bought at is charged once the
 step is measured (`Probe.overrun`), so the accounts hold what probes lost, not what they were expected to.
@@ -39,6 +43,9 @@ from dataclasses import dataclass
 SHARE = 0.02
 # A probe grows past one token only while each extra token adds at most this share of a plain step.
 FREE = 0.01
+# Observations (decayed) of a drafter below which the pool's account lends its probes: what the evidence-only plan
+# needs to draft a good drafter on its own (4 of 4 right reads 0.67 under the pessimistic prior: acceptance.py).
+LEARNED = 4.0
 
 
 class ExplorationBudget:
@@ -48,7 +55,7 @@ class ExplorationBudget:
     def __init__(self, share: float = SHARE):
         self.share = share
         self.pool_plain_seconds = 0.0  # the plain time of every call's committed tokens (the learning account)
-        self.learning_spent = 0.0  # what first probes have drawn on it, less their refunds
+        self.learning_spent = 0.0  # what learning probes have drawn on it, less their refunds
         self.begin()
 
     def begin(self) -> None:
@@ -58,7 +65,7 @@ class ExplorationBudget:
         # each set their own rows')
         self.expected_rows: dict[int, float] = {}
         self.spent = 0.0  # probes' seconds, less their refunds
-        self.lent = 0.0  # what the learning account has lent this call's first probes, less their refunds
+        self.lent = 0.0  # what the learning account has lent this call's probes, less their refunds
         # row ids -> the probe bought for the step of these rows, until the step is settled
         self.open: dict[tuple[int, ...], Probe] = {}
 
@@ -80,8 +87,8 @@ class ExplorationBudget:
 
     @property
     def lendable(self) -> float:
-        """What the pool's account may still lend this call for the first probes of a drafter it has no evidence
-        of: its balance, and at most the call's own share."""
+        """What the pool's account may still lend this call for the probes of a drafter it has little evidence
+        of (`LEARNED`): its balance, and at most the call's own share."""
         balance = self.share * self.pool_plain_seconds - self.learning_spent
         return max(min(balance, self.call_share - self.lent), 0.0)
 
@@ -108,7 +115,7 @@ class ExplorationBudget:
         """(ks, seconds charged): of `probes` ([(ks, seconds it adds to the exploit plan)], a token a row
         beyond it, two, ...), the longest whose tokens past the first probe's add at most `FREE` of
         `plain_step` each, if the budget covers it; the exploit plan (charged nothing) where not even the
-        first probe is covered. learning: a drafter the pool has no evidence of is probed, so the pool's account
+        first probe is covered. learning: a drafter the pool has little evidence of is probed, so the pool's account
         adds to the call's, and is drawn on first. drafting: bought before drafting, ks -> the seconds the step's
         drafting (its catch-ups in full) is priced at (what `settle` holds its measured drafting to); None after."""
         pool = self.lendable if learning else 0.0

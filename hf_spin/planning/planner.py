@@ -39,7 +39,7 @@ from collections.abc import Callable, Collection
 from .acceptance import EVIDENCE_ONLY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, Acceptance
 from .closed_batch import row_weights
 from .cost_profile import CostProfile
-from .exploration import ExplorationBudget
+from .exploration import LEARNED, ExplorationBudget
 from .journal import StepJournal
 from .plan import StepFeedback
 from .row_lengths import RowLengths
@@ -291,16 +291,16 @@ class Planner:
     ) -> tuple[list[int], float]:
         """([B] sizes, seconds charged): `exploit` ([B], what the estimates expect to pay) and, beyond it
         toward `wanted` ([B]), the longest probe the exploration budget affords (exploration.py; a drafter the pool
-        has no evidence of, from the pool's account too). The first rung is one token on one row, the row where it
-        costs least (at batch 4 a new drafter's first probe reads the shortest prompt, not four); then a token beyond
-        the plan on every row, two, ..."""
+        is still learning, from the pool's account too: `_learning`). The first rung is one token on one row, the row
+        where it costs least (at batch 4 a new drafter's first probe reads the shortest prompt, not four); then a token
+        beyond the plan on every row, two, ..."""
 
         def added(trial: list[int]) -> tuple[list[int], float]:
             return trial, self._seconds(trial, chosen, padded, catch_up) - base
 
         base = self._seconds(exploit, chosen, padded, catch_up)
         wanting = [b for b, (k, e) in enumerate(zip(wanted, exploit)) if k > e]
-        learning = any(self.acceptance.evidence(d) == 0 for b in wanting for d in chosen[b])  # a drafter's first probe
+        learning = any(self._learning(d) for b in wanting for d in chosen[b])  # a drafter's first probes
         probes = []  # [(ks, seconds added to the exploit plan)]
         if len(wanting) > 1:
             one = [[e + (b == w) for b, e in enumerate(exploit)] for w in wanting]
@@ -310,6 +310,13 @@ class Planner:
         drafting = (lambda ks: self._drafting_seconds(ks, chosen, padded, catch_up)) if catch_up is not None else None
         plain = self.profile.plain_seconds(len(wanted))
         return self.budget.afford(row_ids, exploit, probes, plain, learning, drafting)
+
+    def _learning(self, drafter: int) -> bool:
+        """Whether the pool's account lends the drafter's probes (exploration.py): fewer observations of it than the
+        evidence alone drafts from (`LEARNED`), and those mostly right (at least the prior's acceptance): a drafter
+        wrong on its first probe is probed on the calls' own shares alone."""
+        accepted, rejected = self.acceptance.pooled[drafter]
+        return accepted + rejected < LEARNED and accepted >= PRIOR_ACCEPTANCE * (accepted + rejected)
 
     def _seconds(
         self, ks: list[int], chosen: list[tuple[int, ...]], padded: bool, catch_up: list[dict[int, float]] | None

@@ -769,6 +769,15 @@ MUTANTS = (
         ("tests/test_prefill_groups.py::test_a_prefill_learned_before_the_steps_teach_the_shift_reads_what_it_took",),
     ),
     Mutant(
+        "account_lends_only_unseen_drafters",
+        "the pool's account lends only a drafter's first probe: one right on it is left to the calls' own shares, "
+        "which on a GPU's 5 ms step cannot buy a 0.5B's probe for a short request, so it is never tried again",
+        "hf_spin/planning/planner.py",
+        "return accepted + rejected < LEARNED and accepted >= PRIOR_ACCEPTANCE * (accepted + rejected)",
+        "return accepted + rejected == 0",
+        ("tests/test_exploration.py::test_the_pool_lends_a_drafters_probes_until_it_is_known_or_wrong",),
+    ),
+    Mutant(
         "prefill_groups_priced_pessimistically",
         "prefill groups priced past the grid by its mean slope: a CPU whose one-token step is cheap reads every "
         "position dear and splits similar prompts into several forwards, dearer than one",
