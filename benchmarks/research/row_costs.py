@@ -68,7 +68,7 @@ def main() -> None:
     median = {B: statistics.median(v) for B, v in seconds.items()}
     lines = [
         f"One-token forwards of {TARGET} over B rows of {S} positions, {args.repeats} each in turns, the median; "
-        f"{args.dtype}; {machine()}.",
+        f"{args.dtype}; {machine()['machine']}.",
         "",
         "| rows | ms (median) | ms (min-max) | vs the line above | profile's price, ms |",
         "|---|---|---|---|---|",

@@ -326,7 +326,7 @@ MUTANTS = (
         "first_probes_have_no_pool_account",
         "a drafter's first probe may spend only the call's share: a draft model whose catch-up costs more than a short call affords is never tried, and a default pool of one 0.5B drafter decodes plainly on every 32-token request",
         "hf_spin/planning/planner.py",
-        "learning = any(self.acceptance.evidence(d) == 0 for b in wanting for d in chosen[b])",
+        "learning = any(self._learning(d) for b in wanting for d in chosen[b])",
         "learning = False",
         ("tests/test_planning.py::test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay",),
     ),
