@@ -20,7 +20,7 @@ plain time of every call so far, less what learning probes have lost: a draft mo
 (its catch-up of a prompt) costs more than a short call's share is tried once the pool has decoded
 enough, and what it learns serves every later call. It stays learning until the evidence alone can draft
 it or its guesses fail: one token right is no plan, and a probe dearer than a short call's share (a
-GPU's 5 ms step, a 0.5B token and its engine work: 1.1 steps against 32 tokens' 0.64) would never be
+GPU's 5 ms step, a 0.5B token and its engine work: 1-1.5 steps against 32 tokens' 0.64) would never be
 bought again on the call's share alone. The account lends a call at most the call's own share, so no
 call loses more than twice its share: a first probe that costs 10% of a 32-token request on a CPU waits
 for a request long enough to afford it. The tokens a probe gets accepted

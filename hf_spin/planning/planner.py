@@ -300,7 +300,7 @@ class Planner:
 
         base = self._seconds(exploit, chosen, padded, catch_up)
         wanting = [b for b, (k, e) in enumerate(zip(wanted, exploit)) if k > e]
-        learning = any(self._learning(d) for b in wanting for d in chosen[b])  # a drafter's first probes
+        learning = any(self._learning(d) for b in wanting for d in chosen[b])  # the pool's account lends too
         probes = []  # [(ks, seconds added to the exploit plan)]
         if len(wanting) > 1:
             one = [[e + (b == w) for b, e in enumerate(exploit)] for w in wanting]
