@@ -247,3 +247,39 @@ def test_a_probe_is_charged_what_it_cost_where_the_profile_under_reads(structure
     budget = pool.planner.budget
     assert pool.last_stats.drafters[pool.names[0]].drafted > 0  # probes ran
     assert lost == pytest.approx(budget.spent + budget.lent, abs=0.005 * spin), (lost, budget.spent, budget.lent)
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_a_step_that_sets_up_a_graph_is_charged_to_no_probe_and_teaches_no_cost(cold):
+    """A probe's step whose forward took 30 plain steps: charged to the probe (`Probe.overrun`) and learned by the
+    profile where it ran at that cost; where it compiled or captured a graph (`StepFeedback.cold`: a first run at
+    a shape, once per process on a GPU), that time is set-up, so the probe is charged its price alone and the
+    profile keeps its prices."""
+    from hf_spin.planning.plan import Plan, StepFeedback
+
+    cost = table(STRUCTURES["avx2_fp32"])
+    planner = Planner(profile_of(cost, [None], ["lookup"]))
+    planner.budget.plain_seconds = 1000 * cost.predict(1)  # probes are affordable
+    ks = planner.size([0], [{}], [64], [(0,)], [8], padded=True)
+    assert ks == [1] and planner.budget.spent > 0  # a probe was bought: a drafter the pool has never seen
+    charged, priced = planner.budget.spent + planner.budget.lent, planner.profile.target.predict(1 + ks[0])
+    feedback = StepFeedback(
+        row_ids=[0],
+        plan=Plan([(0,)], ks),
+        drafted=ks,
+        accepted=[0],
+        proposed=[{0: ks[0]}],
+        matched=[{0: 0}],
+        draft_seconds=[0.0],
+        verify_seconds=30 * cost.predict(1),
+        padded=True,
+        cold=cold,
+    )
+    planner.update(feedback)
+    budget = planner.budget
+    if cold:
+        assert budget.spent + budget.lent == pytest.approx(charged)
+        assert planner.profile.target.predict(1 + ks[0]) == pytest.approx(priced)
+    else:
+        assert budget.spent + budget.lent == pytest.approx(charged + 30 * cost.predict(1) - priced)
+        assert planner.profile.target.predict(1 + ks[0]) > 1.5 * priced

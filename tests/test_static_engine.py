@@ -15,6 +15,7 @@ import torch
 import hf_spin
 from hf_spin.cache.static_forward import StaticOptions
 from hf_spin.drafters import ModelDrafter
+from hf_spin.planning.plan import StepFeedback
 from hf_spin.policies.lengths import HeuristicLength, HeuristicLengthConfig
 from hf_spin.stats import DrafterStats
 from hf_spin.step.engine import SpinEngine
@@ -162,6 +163,26 @@ def test_compiled_verification_keeps_greedy_output_without_recompiling(drafter, 
     with torch._dynamo.config.patch(error_on_recompile=True):
         pool = assert_static_lossless(target, entry, *_case("llama", 4), **options)
     assert fresh_dynamo["stats"]["unique_graphs"] == compiled, str(pool.last_stats)
+
+
+def test_a_step_that_compiles_a_graph_is_marked_cold(fresh_dynamo, monkeypatch):
+    """A step whose forwards (the target's or a model drafter's) ran a compiled graph at a shape and storage for
+    the first time tells the planner so (`StepFeedback.cold`: its seconds are set-up, not a price); the first call
+    compiles, and its steps that did are cold; a second call over the same storage compiles nothing and has none."""
+    from hf_spin.cache.static_forward import FIRST_RUNS
+    from hf_spin.step import engine
+
+    told = []
+    monkeypatch.setattr(engine, "StepFeedback", lambda **kw: told.append(kw["cold"]) or StepFeedback(**kw))
+    FIRST_RUNS.seen.clear()  # dynamo forgot its graphs (fresh_dynamo): so does the record of first runs
+    target, other = _models("llama")
+    options = dict(compile=True, backend="eager", query_slots=DRAFT_TOKENS + 1)
+    assert_static_lossless(target, other, *_case("llama", 1), **options)
+    first = FIRST_RUNS.count
+    assert 1 <= sum(told) <= len(told) - 1, told  # the first runs' steps; steps after them are timed
+    told.clear()
+    assert_static_lossless(target, other, *_case("llama", 1), **options)
+    assert FIRST_RUNS.count == first and not any(told), told
 
 
 @pytest.mark.parametrize("kind", ["lookup", "vote"])

@@ -91,6 +91,31 @@ CUDA_GRAPHS = "cuda_graphs"
 INDUCTOR_GRAPHS = "inductor+" + CUDA_GRAPHS
 
 
+class FirstRuns:
+    """Count the runs of a compiled (or captured) forward at a shape over a storage it has not run before: each
+    compiles a graph or captures one, once (an inductor compile takes tens of seconds, a capture a fraction of one,
+    on a GPU). A step that ran one spent that time on set-up, not at its forwards' price: the engine marks it
+    (`StepFeedback.cold`), and the planner neither learns its costs nor charges its probe for it (docs/planning.md,
+    "Set-up is not a price")."""
+
+    def __init__(self):
+        self.seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {keys}
+        self.count = 0
+
+    def note(self, model, forward, cache: StaticRowCache, input_ids: torch.Tensor) -> None:
+        """`forward` runs `model` over input_ids `[R, T]` on `cache`: counted if new. The key is
+        `cuda_graphs.storage_key`'s with one layer's address for all (a cache reallocates its layers together)."""
+        layout = (cache.slot_lengths.data_ptr(), cache.query_depths.data_ptr(), cache.query_visible.data_ptr())
+        key = (forward, tuple(input_ids.shape), cache.capacity, layout, cache.layers[0].keys.data_ptr())
+        seen = self.seen.setdefault(model, set())
+        if key not in seen:
+            seen.add(key)
+            self.count += 1
+
+
+FIRST_RUNS = FirstRuns()
+
+
 def split_backend(backend: str) -> tuple[str | None, bool]:
     """(the torch.compile backend, or None for the eager forward; whether hf_spin captures it as CUDA graphs) of a
     StaticOptions backend: "inductor" (torch's own CUDA graphs, mode "reduce-overhead"), CUDA_GRAPHS, or
@@ -201,6 +226,8 @@ def _run(
         last = [keep.index(j) for j in last]  # [B] index into keep
         keep = to_device(keep, input_ids.device, torch.long)
     args = (model, cache, input_ids, model.dtype) + (() if keep is None else (keep,))  # keep: run_static's alone
+    if forward not in (run_static, run_static_draft):  # compiled or captured: a new shape or storage sets one up
+        FIRST_RUNS.note(model, forward, cache, input_ids)
     with _attention(model):
         try:
             logits = forward(*args)  # [R, T, V], or [R, U, V] with keep

@@ -160,11 +160,12 @@ class ExplorationBudget:
         plain_step: float,
         verify: tuple[float, float] = (0.0, 0.0),
         drafting: float = 0.0,
+        timed: bool = True,
     ) -> None:
         """A step of `len(row_ids)` rows accepted `accepted` ([B]) draft tokens: earn its share of the plain
         time of what it committed; a probe's, charge what it cost beyond its price (`Probe.overrun`: verify is the
-        step's forward (priced, measured), drafting its measured drafting) and refund its tokens accepted beyond
-        the exploit plan."""
+        step's forward (priced, measured), drafting its measured drafting; not where the step set up a graph, not
+        `timed`: that time is no probe's) and refund its tokens accepted beyond the exploit plan."""
         B = len(row_ids)
         earned = (sum(accepted) + B) / B * plain_step
         self.plain_seconds += earned
@@ -172,7 +173,7 @@ class ExplorationBudget:
         probe = self.open.pop(tuple(row_ids), None)
         if probe is None:
             return
-        extra = probe.overrun(verify, drafting, plain_step)
+        extra = probe.overrun(verify, drafting, plain_step) if timed else 0.0
         lent = extra * probe.drawn / probe.charged if probe.charged > 0 else 0.0  # as the price was drawn
         self.learning_spent += lent
         self.lent += lent

@@ -114,6 +114,9 @@ class StepFeedback:
     # inside its draft), for the drafters the planner sized, their own encoder run before (`Drafter.unencoded`) left out
     lags: list[dict[int, int]] = field(default_factory=list)
     idle_seconds: float = 0.0  # the idle catch-ups' seconds (`Plan.catch_up`) inside `draft_seconds`
+    # the step compiled or captured a graph (a first run at a shape: cache/static_forward.py, `FirstRuns`): its seconds
+    # are set-up, not what its forwards cost
+    cold: bool = False
 
     @property
     def batch_size(self) -> int:

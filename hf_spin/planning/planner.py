@@ -541,7 +541,8 @@ class Planner:
         acceptance.decay()
         B = feedback.batch_size
         priced = profile.target.predict(feedback.verified_tokens(), B)  # before this step teaches it
-        if feedback.verify_seconds > 0:
+        timed = not feedback.cold  # a step that set up a graph timed that, not its forwards: nothing to learn from
+        if feedback.verify_seconds > 0 and timed:
             profile.observe_verify(
                 B, feedback.verified_tokens(), feedback.verify_seconds, plain=not any(feedback.drafted)
             )
@@ -550,10 +551,12 @@ class Planner:
             lengths = [p[d] for p in feedback.proposed if d in p] + [p[d] for p in feedback.shadow_proposed if d in p]
             if lengths:
                 drafting.add(d)
+            if not (timed and lengths and seconds > 0):
+                continue
             # after a step it sat out, a drafter first catches up on every token since: not a draft's cost
-            if lengths and seconds > 0 and d in self.drafted_last:
+            if d in self.drafted_last:
                 profile.observe_draft(d, max(lengths), len(lengths), seconds)
-            elif lengths and seconds > 0 and B == 1 and d not in feedback.plan.catch_up:
+            elif B == 1 and d not in feedback.plan.catch_up:
                 self._learn_catch_up(d, feedback.lags[0].get(d, 0) if feedback.lags else 0, max(lengths), seconds)
         self.drafted_last = drafting
         for b in range(B):
@@ -570,7 +573,7 @@ class Planner:
                 acceptance.observe_alternatives(next(iter(feedback.proposed[b])), outcome)
         measured = (priced, feedback.verify_seconds) if feedback.verify_seconds > 0 else (0.0, 0.0)
         drafting = sum(feedback.draft_seconds) - feedback.idle_seconds  # the drafting the step's plan priced
-        self.budget.settle(feedback.row_ids, feedback.accepted, profile.plain_seconds(B), measured, drafting)
+        self.budget.settle(feedback.row_ids, feedback.accepted, profile.plain_seconds(B), measured, drafting, timed)
         if self.journal is not None:
             self.journal.close(
                 feedback.row_ids,

@@ -39,7 +39,7 @@ from .. import host_syncs
 from ..cache import PackedCache, RectangularCache, RowCache, forward_ragged
 from ..cache.encoder_rows import EncoderRows
 from ..cache.static import StaticRowCache, give_back, take_cache
-from ..cache.static_forward import StaticOptions, StaticTarget, forward_static_tokens
+from ..cache.static_forward import FIRST_RUNS, StaticOptions, StaticTarget, forward_static_tokens
 from ..drafters import Drafter
 from ..drafters.model import ModelDrafter, common_prefix_length
 from ..host_syncs import to_device
@@ -174,6 +174,7 @@ class SpinEngine:
         self.drafters_started = False  # the drafters' per-call state exists (started at the first admission)
         self._row_ids = row_ids if row_ids is not None else pool.row_ids if pool is not None else itertools.count()
         self._admitted_last = False  # the last step was an admission
+        self._first_runs = FIRST_RUNS.count  # graphs set up before the step under way (`StepFeedback.cold`)
         self._batch: GenerateBatch | None = None
         self._deferred_catch_up: dict[int, list[int]] = {}  # drafter -> row ids to catch up (defer_idle_catch_up)
 
@@ -249,9 +250,11 @@ class SpinEngine:
         elif self.rows:
             with host_syncs.phase("step"):
                 start, B = perf_counter(), len(self.rows)
+                self._first_runs = FIRST_RUNS.count
                 proposal = self.propose()
                 verified = self.verify(proposal)
-                if self.planner is not None and verified is not None:  # what the step cost beyond its forwards
+                cold = FIRST_RUNS.count != self._first_runs
+                if self.planner is not None and verified is not None and not cold:  # what it cost beyond its forwards
                     verify_seconds, kind = verified
                     host = perf_counter() - start - verify_seconds - sum(proposal.draft_seconds)
                     self.planner.observe_host(B, kind, host)
@@ -495,6 +498,7 @@ class SpinEngine:
                 alternatives=outcome.alternatives,
                 lags=proposal.lags,
                 idle_seconds=proposal.idle_seconds,
+                cold=FIRST_RUNS.count != self._first_runs,
             )
             self.policy.update(feedback)
             if self.planner is not None:
