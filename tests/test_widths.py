@@ -168,3 +168,44 @@ def test_a_plain_step_widens_only_where_its_rollback_leaves_a_saving(monkeypatch
     assert widths[1:-1].count(2) <= 1 and set(widths[1:-1]) <= {1, 2}, widths
     assert pool.cost_profile.host_seconds(1, WIDENED) >= rollback_seconds
     assert spin < 1.01 * plain, f"{spin:.2f}s against plain {plain:.2f}s"
+
+
+def test_a_batch_that_lost_a_row_runs_beside_a_filler_row_where_fewer_rows_cost_more():
+    """Float32 on an AMD EPYC: a linear layer over 3 positions costs 1.5x one over 4 (a GEMV a row against a GEMM);
+    after one row of four ended, three rows' plain steps ran 1.2 s against four rows' 0.85 s, and the default pool
+    0.86x plain `generate`, which keeps every row. Here 3 positions cost 0.3 s and 4 cost 0.2 s, which the profile
+    (its grid times one row, at 1, 2, 4, 8 positions) cannot tell: once three-row plain steps have run WIDTH_CHECKS
+    times, each runs beside a filler row, the output is plain `generate`'s, and the call loses only those checks."""
+    cost = table(lambda n: 0.1 if n <= 1 else 0.3 if n == 3 else 0.2, knots=(1, 2, 3, 4, 8))
+    read = table(lambda n: 0.1 if n <= 1 else 0.2, knots=(1, 2, 4, 8))
+    target, prompts, _, refs = case(batch=4, new_tokens=30)
+    P = prompts.shape[1]
+    ends = [  # (row, its token at step j) that ends row `row` there and no other row: its EOS
+        (b, refs[b][P + j])
+        for b in range(4)
+        for j in range(6, 14)
+        if refs[b][P + j] not in refs[b][P : P + j]
+        and all(refs[b][P + j] not in refs[o][P:] for o in range(4) if o != b)
+    ]
+    assert ends, "no token ends one row alone"
+    row, eos = ends[0]
+    gen = dict(max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    clock = CostClock()
+    clock.hook(target, cost)
+    shapes = []
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    with clock.installed():
+        plain = target.generate(prompts, **gen)
+    plain_seconds, start = clock.now, clock.now
+    shapes.clear()
+    pool = hf_spin.AssistantPool([Mute(refs, [0.0] * 4)], profile=profile_of(read, [None], ["scripted"]))
+    with clock.installed():
+        out = target.generate(prompts, **gen, custom_generate=hf_spin.generate, assistant_pool=pool)
+    assert torch.equal(out, plain)
+    rows = [b for b, _ in shapes[1:]]  # each decoding forward's rows
+    three = rows.index(3)
+    assert rows[three : three + WIDTH_CHECKS] == [3] * WIDTH_CHECKS, rows
+    assert set(rows[three + WIDTH_CHECKS :]) == {4}, rows  # the rest beside a filler row
+    assert clock.now - start == pytest.approx(plain_seconds + WIDTH_CHECKS * 0.1), (clock.now - start, plain_seconds)

@@ -346,6 +346,20 @@ class CostProfile:
         narrow = ran[0].seconds + self.host_seconds(rows, PLAIN)
         return wide if ran[1].seconds + self.host_seconds(rows, WIDENED) < narrow else rows
 
+    def plain_rows(self, rows: int) -> int:
+        """The rows a plain step of `rows` rows runs its forward over: `rows`, or more (filler rows beside them:
+        `SpinEngine._filler_rows`) where plain steps of that many rows ran cheaper, each read as the steps ran
+        (`plain_forwards`, WIDTH_CHECKS of them at least, `rows` itself first). Never from the grid, which times
+        one row: a batch that loses a row meets a row count it never ran (docs/planning.md, "Filler rows")."""
+        narrow = self.plain_forwards.get((rows, rows))
+        if narrow is None or len(narrow.first) < WIDTH_CHECKS:
+            return rows
+        best, cost = rows, narrow.seconds
+        for (more, positions), work in self.plain_forwards.items():
+            if more == positions > rows and len(work.first) >= WIDTH_CHECKS and work.seconds < cost:
+                best, cost = more, work.seconds
+        return best
+
     def _plain(self, rows: int) -> tuple[float, bool]:
         """(seconds of a plain step, whether it widens)."""
         forward = self.target.predict(rows, rows)

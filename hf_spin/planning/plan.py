@@ -117,6 +117,7 @@ class StepFeedback:
     # the step compiled or captured a graph (a first run at a shape: cache/static_forward.py, `FirstRuns`): its seconds
     # are set-up, not what its forwards cost
     cold: bool = False
+    filler_rows: int = 0  # rows of filler tokens a plain step's forward ran beside the batch's (`plain_rows`)
 
     @property
     def batch_size(self) -> int:

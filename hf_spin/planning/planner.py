@@ -540,11 +540,12 @@ class Planner:
         self.lengths.committed(feedback.row_ids, [a + 1 for a in feedback.accepted])
         acceptance.decay()
         B = feedback.batch_size
-        priced = profile.target.predict(feedback.verified_tokens(), B)  # before this step teaches it
+        rows = B + feedback.filler_rows  # the forward's
+        priced = profile.target.predict(feedback.verified_tokens(), rows)  # before this step teaches it
         timed = not feedback.cold  # a step that set up a graph timed that, not its forwards: nothing to learn from
         if feedback.verify_seconds > 0 and timed:
             profile.observe_verify(
-                B, feedback.verified_tokens(), feedback.verify_seconds, plain=not any(feedback.drafted)
+                rows, feedback.verified_tokens(), feedback.verify_seconds, plain=not any(feedback.drafted)
             )
         drafting = set()
         for d, seconds in enumerate(feedback.draft_seconds):

@@ -38,6 +38,7 @@ import torch
 from .. import host_syncs
 from ..cache import PackedCache, RectangularCache, RowCache, forward_ragged
 from ..cache.encoder_rows import EncoderRows
+from ..cache.forward import FILLER_TOKEN
 from ..cache.static import StaticRowCache, give_back, take_cache
 from ..cache.static_forward import FIRST_RUNS, StaticOptions, StaticTarget, forward_static_tokens
 from ..drafters import Drafter
@@ -91,6 +92,7 @@ class StepOutcome:
     positions: int | None  # the positions the target's forward ran over (None: as `verified_tokens` counts a tree's)
     alternatives: list[bool | None]  # [B] per token tree, whether its heaviest path's siblings earned a token
     filled: bool = False  # the forward ran over filler tokens too (a cheaper width): the rollback drops them
+    filler_rows: int = 0  # rows of filler tokens the forward ran beside the batch's (`SpinEngine._filler_rows`)
 
 
 class SpinEngine:
@@ -495,6 +497,7 @@ class SpinEngine:
                 verify_seconds=verify_seconds,
                 padded=self._padded,
                 positions=outcome.positions,
+                filler_rows=outcome.filler_rows,
                 alternatives=outcome.alternatives,
                 lags=proposal.lags,
                 idle_seconds=proposal.idle_seconds,
@@ -531,10 +534,15 @@ class SpinEngine:
         plain = not any(proposal.drafts)
         ahead, self._ahead = self._ahead, None
         filled = False  # the forward ran over filler tokens too (a cheaper width)
+        fillers, forward = 0, self._forward_target
         if ahead is None:
             chunks = [[r.sequence[-1]] + proposal.drafts[b] for b, r in enumerate(rows)]
             fed, positions = self._widened(chunks)
             filled = fed is not chunks
+            fillers = self._filler_rows() if plain and not filled else 0
+            if fillers:
+                positions += fillers
+                forward = lambda fed: self._forward_filled(fed, fillers)  # noqa: E731
         else:
             chunks = fed = proposal.drafts  # the last committed token is in the cache
             positions = len(rows) * (1 + max(map(len, chunks)))
@@ -542,7 +550,7 @@ class SpinEngine:
         if plain and ahead is not None:
             target_logits = ahead
         else:
-            target_logits = self.faults.target_forward(self.cache, rows, self._forward_target, fed)
+            target_logits = self.faults.target_forward(self.cache, rows, forward, fed)
             if target_logits is None:
                 return None
             target_logits = target_logits[:, : max(len(c) for c in chunks)]
@@ -566,6 +574,7 @@ class SpinEngine:
             positions=positions,
             alternatives=[],
             filled=filled,
+            filler_rows=fillers,
         )
 
     def _commit_step(self, proposal: Proposal, outcome: StepOutcome) -> tuple[list[dict], list[dict]]:
@@ -647,6 +656,28 @@ class SpinEngine:
             return chunks, positions
         widened = widen(chunks, wide, [r.draft_room + 1 for r in self.rows], packed)
         return (chunks, positions) if widened is None else (widened, wide)
+
+    def _filler_rows(self) -> int:
+        """Rows of filler tokens to run a plain step's forward beside the batch's, where a plain step of that many
+        rows ran cheaper (`CostProfile.plain_rows`): in float32 on an AMD EPYC a linear layer over 3 positions costs
+        1.5x one over 4 (a GEMV a row against a GEMM), so after a row of four ended, three rows' steps ran 1.2 s
+        against four rows' 0.85 s and the default pool 0.86x plain `generate`, which keeps every row. On the
+        rectangular cache of a causal LM only (docs/planning.md, "Filler rows")."""
+        cache = self.cache
+        if self.planner is None or type(cache) is not RectangularCache or cache.encoder is not None:
+            return 0
+        return self.planner.profile.plain_rows(len(self.rows)) - len(self.rows)
+
+    def _forward_filled(self, chunks: list[list[int]], fillers: int) -> torch.Tensor:
+        """`_forward_target` with `fillers` rows beside the chunks': rows that hold no token, each fed a filler
+        token that attends to itself alone; their KV is dropped after, their logits cut off: `[B, T, V]`."""
+        B = len(chunks)
+        self.cache.add_empty_rows(fillers)
+        try:
+            logits = self._forward_target(chunks + [[FILLER_TOKEN]] * fillers)
+        finally:
+            self.cache.select_rows(list(range(B)))
+        return logits[:B]
 
     def _forward_target(self, chunks: list[list[int]]) -> torch.Tensor:
         """Logits [B, T, V] float32 of the target over one chunk per row, appended to its cache."""
