@@ -6,9 +6,10 @@ A `generate` batch ends with its slowest row; hf_spin retires a row when it ends
 row narrower, which pays where a step's cost grows with its rows (docs/planning.md, "Closed batches"). The
 cost profile prices a step over B rows of one token at t(B positions) (its grid measures one row's positions:
 on a slow machine 1, 2 and 8), so a batch width that costs more than a wider one (a CPU's small-GEMM paths)
-is invisible to it. This times one-token forwards over B = 1..8 rows of `--context` positions of KV (a
-`DynamicCache`, a 2D mask, as `generate` steps), the widths in turns, their median; and the profile's
-price for each (`ForwardCost.predict(B, B)`, read from the cache or measured).
+is invisible to its grid (the steps read it: `CostProfile.plain_rows`, filler rows). This times one-token
+forwards over B = 1..8 rows of `--context` positions of KV (a `DynamicCache`, a 2D mask, as `generate` steps),
+the widths in turns, their median; and the profile's price for each (`ForwardCost.predict(B, B)`, read from the
+cache or measured).
 """
 
 from __future__ import annotations
