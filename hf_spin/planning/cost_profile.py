@@ -271,10 +271,22 @@ class StepWork:
         self.seconds = self.mean.mean
 
 
+def clearly_dearer(work: StepWork, rival: float, own: float = 0.0) -> bool:
+    """Whether every run of `work` so far, with `own` seconds beside each, cost more than `rival` seconds by
+    CLEARLY_DEARER (a stall makes a run dearer, never cheaper, so its least run is the fair reading)."""
+    return min(work.first) + own > CLEARLY_DEARER * rival
+
+
 # Plain steps a profile runs at each of two widths (one position a row, and the wider knot the grid read as cheaper)
 # before it widens them, each width then read at the median of its runs: the grid's reading of a fall may be its
 # noise, and a widened step never measures the narrow width again (`CostProfile.plain_width`).
 WIDTH_CHECKS = StepWork.SEED
+# ... unless it is clear sooner: a width whose first CLEAR_CHECKS runs each cost more than the other's estimate by
+# CLEARLY_DEARER is settled then (`clearly_dearer`). Each check of the dearer width costs what it is dearer by: after a
+# row of four ended (float32, AMD EPYC), each three-row check ran 1.17 s against four rows' 0.80 s, three of them
+# 3.6% of a 31 s call. A stall makes one run dearer, rarely two in a row by 15%.
+CLEAR_CHECKS = 2
+CLEARLY_DEARER = 1.15
 
 # The kinds of step whose own work (`CostProfile.host_seconds`) is learned apart: a plain step at one position a
 # row, one widened to a cheaper width (`ForwardCost.width`: its fillers rolled back after), and one that drafted.
@@ -334,14 +346,21 @@ class CostProfile:
         (online observations at the wide knot move the shared shift, not the narrow knot's own deviation): an AMX
         Xeon's grid read 355 / 348 ms for one / two positions in float32 where an earlier grid read 269 / 290, and
         every plain step ran two positions, the default pool 0.91-1.02x plain `generate` with nothing drafted. So
-        the two widths take turns, narrow first, until each has run WIDTH_CHECKS plain steps, and then the cheaper
-        of the two as they ran, each step's own work included, is kept (docs/planning.md, "Verification width")."""
+        the two widths take turns, narrow first, until each has run WIDTH_CHECKS plain steps (CLEAR_CHECKS where one
+        ran clearly dearer), and then the cheaper of the two as they ran, each step's own work included, is kept
+        (docs/planning.md, "Verification width")."""
         wide = self.target.width(rows, rows) if self._plain(rows)[1] else rows
         if wide == rows:
             return rows
         ran = [self.plain_forwards.get((rows, n)) for n in (rows, wide)]  # [narrow, wide]
         counts = [len(work.first) if work is not None else 0 for work in ran]
         if min(counts) < WIDTH_CHECKS:
+            if min(counts) >= CLEAR_CHECKS:  # each step's own work included, as below
+                own = self.host_seconds(rows, PLAIN), self.host_seconds(rows, WIDENED)
+                if clearly_dearer(ran[0], ran[1].seconds + own[1], own[0]):
+                    return wide
+                if clearly_dearer(ran[1], ran[0].seconds + own[0], own[1]):
+                    return rows
             return rows if counts[0] <= counts[1] else wide
         narrow = ran[0].seconds + self.host_seconds(rows, PLAIN)
         return wide if ran[1].seconds + self.host_seconds(rows, WIDENED) < narrow else rows
@@ -349,15 +368,18 @@ class CostProfile:
     def plain_rows(self, rows: int) -> int:
         """The rows a plain step of `rows` rows runs its forward over: `rows`, or more (filler rows beside them:
         `SpinEngine._filler_rows`) where plain steps of that many rows ran cheaper, each read as the steps ran
-        (`plain_forwards`, WIDTH_CHECKS of them at least, `rows` itself first). Never from the grid, which times
-        one row: a batch that loses a row meets a row count it never ran (docs/planning.md, "Filler rows")."""
+        (`plain_forwards`, WIDTH_CHECKS of them at least, `rows` itself first, or CLEAR_CHECKS where each ran clearly
+        dearer). Never from the grid, which times one row: a batch that loses a row meets a row count it never ran
+        (docs/planning.md, "Filler rows")."""
         narrow = self.plain_forwards.get((rows, rows))
-        if narrow is None or len(narrow.first) < WIDTH_CHECKS:
+        if narrow is None or len(narrow.first) < CLEAR_CHECKS:
             return rows
         best, cost = rows, narrow.seconds
         for (more, positions), work in self.plain_forwards.items():
             if more == positions > rows and len(work.first) >= WIDTH_CHECKS and work.seconds < cost:
                 best, cost = more, work.seconds
+        if len(narrow.first) < WIDTH_CHECKS and not clearly_dearer(narrow, cost):
+            return rows
         return best
 
     def _plain(self, rows: int) -> tuple[float, bool]:

@@ -795,7 +795,30 @@ MUTANTS = (
         "hf_spin/planning/cost_profile.py",
         "                best, cost = more, work.seconds\n",
         "                pass\n",
-        ("tests/test_widths.py::test_a_batch_that_lost_a_row_runs_beside_a_filler_row_where_fewer_rows_cost_more",),
+        (
+            "tests/test_widths.py::test_a_batch_that_lost_a_row_runs_beside_a_filler_row_where_fewer_rows_cost_more[0.3]",
+        ),
+    ),
+    Mutant(
+        "one_dear_run_settles_a_width",
+        "a width settled on one run of it: a stall in the first three-row step would run filler rows for good where "
+        "three rows cost less",
+        "hf_spin/planning/cost_profile.py",
+        "CLEAR_CHECKS = 2\n",
+        "CLEAR_CHECKS = 1\n",
+        (
+            "tests/test_widths.py::test_a_batch_that_lost_a_row_runs_beside_a_filler_row_where_fewer_rows_cost_more[0.3]",
+        ),
+    ),
+    Mutant(
+        "any_dearer_run_settles_a_width",
+        "two runs a few percent dearer (a stall's worth) settle a width as clearly dearer as two 50% dearer do",
+        "hf_spin/planning/cost_profile.py",
+        "CLEARLY_DEARER = 1.15\n",
+        "CLEARLY_DEARER = 1.0\n",
+        (
+            "tests/test_widths.py::test_a_batch_that_lost_a_row_runs_beside_a_filler_row_where_fewer_rows_cost_more[0.22]",
+        ),
     ),
     Mutant(
         "prefill_groups_priced_pessimistically",
