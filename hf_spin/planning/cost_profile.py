@@ -271,12 +271,6 @@ class StepWork:
         self.seconds = self.mean.mean
 
 
-def clearly_dearer(work: StepWork, rival: float, own: float = 0.0) -> bool:
-    """Whether every run of `work` so far, with `own` seconds beside each, cost more than `rival` seconds by
-    CLEARLY_DEARER (a stall makes a run dearer, never cheaper, so its least run is the fair reading)."""
-    return min(work.first) + own > CLEARLY_DEARER * rival
-
-
 # Plain steps a profile runs at each of two widths (one position a row, and the wider knot the grid read as cheaper)
 # before it widens them, each width then read at the median of its runs: the grid's reading of a fall may be its
 # noise, and a widened step never measures the narrow width again (`CostProfile.plain_width`).
@@ -287,6 +281,13 @@ WIDTH_CHECKS = StepWork.SEED
 # 3.6% of a 31 s call. A stall makes one run dearer, rarely two in a row by 15%.
 CLEAR_CHECKS = 2
 CLEARLY_DEARER = 1.15
+
+
+def clearly_dearer(work: StepWork, rival: float, own: float = 0.0) -> bool:
+    """Whether every run of `work` so far, with `own` seconds beside each, cost more than `rival` seconds by
+    CLEARLY_DEARER (a stall makes a run dearer, never cheaper, so its least run is the fair reading)."""
+    return min(work.first) + own > CLEARLY_DEARER * rival
+
 
 # The kinds of step whose own work (`CostProfile.host_seconds`) is learned apart: a plain step at one position a
 # row, one widened to a cheaper width (`ForwardCost.width`: its fillers rolled back after), and one that drafted.
