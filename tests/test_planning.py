@@ -151,6 +151,38 @@ def test_a_drift_seen_on_plain_steps_moves_every_knot_and_a_knot_keeps_its_own_s
     assert drafter.predict(1) == pytest.approx(0.02, rel=0.05) and drafter.predict(64) == pytest.approx(0.3)
 
 
+def test_a_width_off_the_grid_becomes_a_knot_once_three_runs_agree_the_grid_misprices_it():
+    """Between knots a CPU's cost is jagged: an AMD EPYC in float32 ran the 1.5B target over 1 / 2 / 3 / 4 / 8
+    positions in 389 / 840 / 1211 / 829 / 843 ms, and its grid read 444 / 989 / 1078 ms at 1 / 2 / 8. Three forwards at
+    a width off the knots, each off its price by more than 15%, make it a knot at their median; then a verification of
+    three positions pads to a measured knot that costs less. A stall in one run, or a width within 15% of its price,
+    makes none. Plain steps, most of a run's forwards, run at one position as the grid read it."""
+    cost = ForwardCost.from_table({1: 0.444, 2: 0.989, 8: 1.078})
+
+    def run(n_tokens: int, seconds: float) -> None:  # a forward at n_tokens, then plain steps
+        cost.observe(n_tokens, 1, seconds)
+        for _ in range(5):
+            cost.observe(1, 1, 0.444)
+
+    assert cost.width(3) == 3  # interpolated: 1.004 s, under 8 positions' 1.078
+    for seconds in (1.21, 1.19):
+        run(3, seconds)
+    assert 3 not in cost.knots  # two runs are not yet three
+    run(3, 1.20)
+    assert 3 in cost.knots and cost.predict(3) == pytest.approx(1.20, rel=0.02)
+    assert cost.width(3) == 8
+    for seconds in (0.83, 0.85, 0.84):  # four positions (a batch of four's plain step), priced between 3 and 8
+        run(4, seconds)
+    assert 4 in cost.knots and cost.predict(4) == pytest.approx(0.84, rel=0.02) and cost.width(3) == 4
+    priced = cost.predict(6)
+    for ratio in (1.0, 3.0, 1.0):  # a stall in one run
+        run(6, priced * ratio)
+    priced = cost.predict(5)
+    for _ in range(3):  # inside the noise
+        run(5, priced * 1.1)
+    assert 5 not in cost.knots and 6 not in cost.knots
+
+
 def test_an_idle_catch_up_teaches_the_drafters_cost_at_its_length(monkeypatch):
     """A drafter's grid ends at a few positions, flat (a 0.5B drafter in bf16 on a CPU reads 8 tokens at about one's
     cost), and `bound` extrapolates past it; a 150-token catch-up runs compute-bound at several forwards' cost. The

@@ -44,6 +44,13 @@ KNOT_WEIGHT = 4.0
 # A verification at a width the grid did not measure is priced at its interpolation times this when it is
 # weighed against a measured wider knot (`ForwardCost.width`): the unmeasured width's true cost is a guess.
 UNMEASURED_PREMIUM = 1.05
+# Forwards at one width off the knots (N between them, or past the last but not twice it) after which, where each
+# of them cost more than the profile priced N at before them by OFF_GRID_SURPRISE (or each less by as much), N becomes
+# a knot at the median of what they took (`ForwardCost._watch_off_grid`). Between knots a CPU's cost is jagged: an AMD
+# EPYC in float32 ran the 1.5B target over 1 / 2 / 3 / 4 / 8 positions in 389 / 840 / 1211 / 829 / 843 ms, where a
+# grid of 1, 2 and 8 interpolates 3 positions at 841 (a batch of three rows' plain step, a two-token draft's check).
+OFF_GRID_RUNS = 3
+OFF_GRID_SURPRISE = 1.15
 
 
 @dataclass
@@ -56,6 +63,7 @@ class ForwardCost:
     widens: whether a verification may run at a wider knot (`width`). The pool sets it False on the static
         layout, whose forward runs at its own sticky query bucket: a wider one is another compiled graph
         (a CUDA graph capture), kept for every later step.
+    grid: [K] whether each knot is the grid's (or given); the others were learned online (`observe`).
     """
 
     knots: list[int]
@@ -64,13 +72,15 @@ class ForwardCost:
     encoder: float = 0.0
     observations: int = 0  # online observations so far
     widens: bool = True
-    grid_knots: int = 0  # the first knots, the grid's (0: every knot given); those after are learned (`observe`)
+    grid: list[bool] = field(default_factory=list)  # [K] the grid's knot, else learned online (empty: all the grid's)
     shift: DecayedMean = field(default_factory=lambda: DecayedMean(CORRECTION_DECAY))  # log(measured / grid)
     corrections: list[DecayedMean] = field(default_factory=list)  # [K] a knot's log(measured / grid) - shift
     _values: list[float] | None = field(
         default=None, repr=False, compare=False
     )  # `values()` until the next observation
     _verified: dict = field(default_factory=dict, repr=False, compare=False)  # `verify`'s answers for `_values`
+    # N -> (f(N) as priced before them, seconds of the forwards at a width off the knots), until OFF_GRID_RUNS of them
+    _off_grid: dict[int, tuple[float, list[float]]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.knots or len(self.knots) != len(self.seconds) or sorted(set(self.knots)) != list(self.knots):
@@ -79,7 +89,7 @@ class ForwardCost:
             )
         if not self.corrections:
             self.corrections = [DecayedMean(CORRECTION_DECAY) for _ in self.knots]
-        self.grid_knots = self.grid_knots or len(self.knots)
+        self.grid = self.grid or [True] * len(self.knots)
 
     @classmethod
     def from_table(cls, table: dict[int, float], per_row: float = 0.0) -> ForwardCost:
@@ -107,7 +117,7 @@ class ForwardCost:
         was measured as the machine runs now, so the shift (learned mostly after it: a prefill precedes the steps
         that teach the shift) would count this hour's speed twice (an AVX2 Xeon in float32, a cached grid 1.5x
         fast: a 51-token prefill that took 1.6 s read 2.4 s, and similar prompts were split into two prefills)."""
-        return shift if knot < self.grid_knots else 0.0
+        return shift if self.grid[knot] else 0.0
 
     def _interpolate(self, values: list[float], n_tokens: float) -> float:
         """Linear between knots, by the last slope beyond the last (0 where the knots end falling: the
@@ -192,19 +202,18 @@ class ForwardCost:
         Far beyond the last knot (more than twice it: a long catch-up, a big batch) the forward becomes a knot of
         its own at what it took, since past the grid the cost is an extrapolation (a grid flat to 8 positions
         reads a compute-bound 150-token catch-up at one forward's cost); so what is learned at large N does not
-        bend the cost of the small N the grid measured, and the positions between are interpolated."""
+        bend the cost of the small N the grid measured, and the positions between are interpolated. A width off
+        the knots nearer them becomes a knot once its forwards agree that the interpolation is wrong there
+        (`_watch_off_grid`)."""
         if seconds <= 0 or n_tokens <= 0:
             return
         extra = self.per_row * max(rows - 1, 0)
         self._values = None
         self.observations += 1
         if self.learns(n_tokens):
-            self.corrections.append(
-                DecayedMean(CORRECTION_DECAY)
-            )  # corrections, then seconds, then knots: a reader indexes by knots
-            self.seconds.append(max(seconds - extra, 1e-6))  # as measured: no shift (`_shift_of`)
-            self.knots.append(math.ceil(n_tokens))
+            self._add_knot(math.ceil(n_tokens), seconds - extra)
             return
+        self._watch_off_grid(n_tokens, seconds - extra)
         predicted = self.predict(n_tokens, rows)
         surprise = max(-MAX_LOG_RESIDUAL, min(MAX_LOG_RESIDUAL, math.log(seconds / predicted)))
         # log(measured / grid) of the forward's f(N), with the surprise clipped
@@ -216,6 +225,32 @@ class ForwardCost:
         for i, w in self._weights(n_tokens):
             self.corrections[i].add(observed - self._shift_of(i, shift), w)
         self._values = None  # `predict` above kept the values from before this observation
+
+    def _add_knot(self, n_tokens: int, seconds: float) -> None:
+        """A knot learned online at `n_tokens` positions, at the seconds its forwards took: as measured, so it takes
+        no shift (`_shift_of`) and starts with no deviation of its own."""
+        i = bisect.bisect_left(self.knots, n_tokens)
+        self.corrections.insert(i, DecayedMean(CORRECTION_DECAY))  # each list before knots: a reader indexes by knots
+        self.grid.insert(i, False)
+        self.seconds.insert(i, max(seconds, 1e-6))
+        self.knots.insert(i, n_tokens)
+        self._values = None
+
+    def _watch_off_grid(self, n_tokens: float, seconds: float) -> None:
+        """Keep the seconds of a forward at a whole width N off the knots; at OFF_GRID_RUNS of them, make N a knot at
+        their median where each cost more than f(N) as priced before the first of them by OFF_GRID_SURPRISE (or each
+        less by as much), then forget them. Every run must agree: a stall makes one run dearer, rarely three. Read
+        against the price before them, not the prediction: N's own forwards move the shared shift and the knots
+        beside N, so the prediction follows them, and every knot with it."""
+        if n_tokens != int(n_tokens) or n_tokens in self.knots:
+            return
+        priced, runs = self._off_grid.setdefault(int(n_tokens), (self._interpolate(self.values(), n_tokens), []))
+        runs.append(seconds)
+        if len(runs) < OFF_GRID_RUNS:
+            return
+        del self._off_grid[int(n_tokens)]
+        if min(runs) > OFF_GRID_SURPRISE * priced or max(runs) * OFF_GRID_SURPRISE < priced:
+            self._add_knot(int(n_tokens), sorted(runs)[len(runs) // 2])
 
     def learns(self, n_tokens: float) -> bool:
         """Whether a forward over `n_tokens` positions lies so far past the knots (more than twice the last) that

@@ -764,9 +764,32 @@ MUTANTS = (
         "machine runs now: a cached grid 1.5x fast reads a 51-token prefill at 1.5x what it took, and similar "
         "prompts are split into two prefills",
         "hf_spin/planning/cost_profile.py",
-        "return shift if knot < self.grid_knots else 0.0",
+        "return shift if self.grid[knot] else 0.0",
         "return shift",
         ("tests/test_prefill_groups.py::test_a_prefill_learned_before_the_steps_teach_the_shift_reads_what_it_took",),
+    ),
+    Mutant(
+        "off_grid_widths_stay_interpolated",
+        "a width off the grid's knots stays priced by interpolation however its forwards run: an AMD EPYC's float32 "
+        "grid of 1, 2 and 8 positions prices 3 at 1.0 s where it takes 1.2 and 8 take 0.84, and a two-token draft is "
+        "verified at 3 positions",
+        "hf_spin/planning/cost_profile.py",
+        "            self._add_knot(int(n_tokens), sorted(runs)[len(runs) // 2])",
+        "            pass",
+        (
+            "tests/test_planning.py::test_a_width_off_the_grid_becomes_a_knot_once_three_runs_agree_the_grid_misprices_it",
+        ),
+    ),
+    Mutant(
+        "one_dear_off_grid_run_makes_a_knot",
+        "a width off the knots becomes a knot where any of its runs was off its price: a stall in one of three makes "
+        "a knot at a cost the width does not have",
+        "hf_spin/planning/cost_profile.py",
+        "if min(runs) > OFF_GRID_SURPRISE * priced or",
+        "if max(runs) > OFF_GRID_SURPRISE * priced or",
+        (
+            "tests/test_planning.py::test_a_width_off_the_grid_becomes_a_knot_once_three_runs_agree_the_grid_misprices_it",
+        ),
     ),
     Mutant(
         "account_lends_only_unseen_drafters",
