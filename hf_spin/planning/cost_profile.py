@@ -44,7 +44,7 @@ KNOT_WEIGHT = 4.0
 # A verification at a width the grid did not measure is priced at its interpolation times this when it is
 # weighed against a measured wider knot (`ForwardCost.width`): the unmeasured width's true cost is a guess.
 UNMEASURED_PREMIUM = 1.05
-# Forwards at one width off the knots (N between them, or past the last but not twice it) after which, where each
+# Forwards at one width off the knots (not past twice the last: those are knots at once) after which, where each
 # of them cost more than the profile priced N at before them by OFF_GRID_SURPRISE (or each less by as much), N becomes
 # a knot at the median of what they took (`ForwardCost._watch_off_grid`). Between knots a CPU's cost is jagged: an AMD
 # EPYC in float32 ran the 1.5B target over 1 / 2 / 3 / 4 / 8 positions in 389 / 840 / 1211 / 829 / 843 ms, where a
@@ -244,7 +244,10 @@ class ForwardCost:
         beside N, so the prediction follows them, and every knot with it."""
         if n_tokens != int(n_tokens) or n_tokens in self.knots:
             return
-        priced, runs = self._off_grid.setdefault(int(n_tokens), (self._interpolate(self.values(), n_tokens), []))
+        watched = self._off_grid.get(int(n_tokens))
+        if watched is None:  # the price before the first run, read once
+            watched = self._off_grid[int(n_tokens)] = (self._interpolate(self.values(), n_tokens), [])
+        priced, runs = watched
         runs.append(seconds)
         if len(runs) < OFF_GRID_RUNS:
             return
