@@ -22,7 +22,9 @@ from benchmarks.replay.record import continuation, record
 from benchmarks.replay.run import TARGET_SHAPES, check
 from benchmarks.replay.run import table as markdown
 from benchmarks.replay.trace import Request, Trace, compact, load, merge
+from hf_spin.cache import RectangularCache
 from hf_spin.planning.grid import _context_cache
+from hf_spin.step.engine import SpinEngine
 
 from .archs import VOCAB, tiny_model
 from .speculation import perturbed
@@ -226,6 +228,16 @@ def test_costs_replay_the_recorded_acceptance_on_injected_cost_structures(trace)
     shares = records[0]["shares"]
     assert shares["llama"] == pytest.approx(1.0) and 0 < shares["llama#2"] < 1  # the target's twin, a 1-layer one
     assert shortfalls(records, FLOOR) == []
+
+
+def test_a_plain_step_beside_filler_rows_replays_the_recording(trace, monkeypatch):
+    """A plain step run beside filler rows (`SpinEngine._filler_rows`: rows fed one filler token at position 0,
+    dropped after the forward) leaves every row its request: the rows past the batch's are no request's. Read as a
+    new batch of unknown rows, every row was forced to token 0 from there on (3 of 6 outputs were the recording's
+    on the small-GEMM structure at batch 4)."""
+    monkeypatch.setattr(SpinEngine, "_filler_rows", lambda self: 2 if type(self.cache) is RectangularCache else 0)
+    records = [r for r in run_structures(trace, ["avx2_bf16"], [4]) if r["method"] != "generate"]
+    assert records and all(r["identical"] == r["requests"] for r in records)
 
 
 def test_host_times_the_engines_own_work_a_step_by_the_wall_clock(trace):

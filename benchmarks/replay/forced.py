@@ -27,7 +27,8 @@ import weakref
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-from hf_spin.cache import CACHE_NAMES
+from hf_spin.cache import CACHE_NAMES, RectangularCache
+from hf_spin.cache.forward import FILLER_TOKEN
 from hf_spin.drafters import Draft, DraftRequest, ModelDrafter
 from hf_spin.verify.token_tree import TokenTree
 
@@ -134,13 +135,17 @@ class ForcedTarget:
         """Keep `requests` ([B] the request of each row) right for this forward, and `module.replay_rows` with it."""
         cache = next((kwargs[n] for n in CACHE_NAMES if kwargs.get(n) is not None), None)
         starts = meta.cu_seqlens_q[:-1].long() if meta is not None else None  # [B] each packed row's first token
-        first_ids = ids[:, 0] if meta is None else ids[0, starts]  # [B] on the device; read only when rows leave
+        first_ids = ids[:, 0] if meta is None else ids[0, starts]  # [B] on the device
         first_positions = positions[:, 0] if meta is None else positions[0, starts]  # [B]
+        fillers = 0
         if cache is None or int(cache.get_seq_length()) == 0:
             self._prefill(ids, positions, meta)
             known = self.expected is not None and set(self.requests) <= set(self.expected)
             self.pending = [self._row(r) for r in self.expected] if known else None
         else:
+            fillers = self._fillers(first_ids, first_positions) if type(cache) is RectangularCache else 0
+            B = len(first_ids) - fillers  # the batch's rows, the fillers after them
+            ids, positions, first_ids, first_positions = ids[:B], positions[:B], first_ids[:B], first_positions[:B]
             if len(first_ids) > len(self.requests):
                 grouped = self._groups_holding(len(first_ids))
                 if grouped is not None and self._expected_batch(grouped[0]):
@@ -162,7 +167,18 @@ class ForcedTarget:
             self.last = (ids, positions, meta)
             self.prefills = []
         self.cache = weakref.ref(cache) if cache is not None else lambda: None
-        self._write_rows(module, [self._row(r) for r in self.requests])
+        self._write_rows(module, [self._row(r) for r in self.requests + [UNKNOWN] * fillers])
+
+    @staticmethod
+    def _fillers(first_ids, first_positions) -> int:
+        """How many of a rectangular cache's forward's last rows are filler rows (a plain step run beside rows that
+        hold nothing, `SpinEngine._filler_rows`, dropped after it): fed one filler token at position 0, where no row
+        of a running batch is. Read on the host: not on a layout whose forwards a CUDA graph captures."""
+        rows = list(zip(first_ids.tolist(), first_positions.tolist()))
+        n = 0
+        while n < len(rows) and rows[-1 - n] == (FILLER_TOKEN, 0):
+            n += 1
+        return n
 
     def _expected_batch(self, requests: list[int]) -> bool:
         """Whether the caller said which batch this is (`expect`) and `requests`, a batch's groups, are its rows."""
