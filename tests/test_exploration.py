@@ -22,6 +22,9 @@ from .archs import EOS, tiny_model
 from .test_planning import Scripted, case, run
 
 DRAFT_TOKEN = 0.3  # a draft model's forward, in plain steps (a 0.5B drafter for a 1.5B target)
+# A draft model whose forwards cost next to nothing: probes bought before drafting (a model-free drafter's draft is
+# made whatever it is worth, and judged after: `trim`)
+NEARLY_FREE = table(lambda n: 1e-6 * n)
 
 
 def plain_clock(target, prompts, clock, new_tokens) -> float:
@@ -67,7 +70,7 @@ def test_a_probe_is_one_token_beyond_what_pays_unless_verification_is_flat(struc
     where a wider forward costs less: docs/planning.md, "Verification width"), all of the former where it is
     flat; with none left, only the latter."""
     cost = table(STRUCTURES[structure])
-    planner = Planner(profile_of(cost, [None], ["lookup"]))
+    planner = Planner(profile_of(cost, [NEARLY_FREE], ["drafter"]))
     planner.acceptance.pooled[0] = [8.0, 2.0] if structure == "avx2_bf16" else [6.0, 4.0]  # a probe's room to grow
 
     def best(optimism: float, prior: tuple[float, float] = (PRIOR_ACCEPTANCE, PRIOR_WEIGHT)) -> int:
@@ -249,6 +252,25 @@ def test_a_probe_is_charged_what_it_cost_where_the_profile_under_reads(structure
     assert lost == pytest.approx(budget.spent + budget.lent, abs=0.005 * spin), (lost, budget.spent, budget.lent)
 
 
+def test_a_model_free_drafters_first_draft_on_a_request_is_a_probe():
+    """Earlier requests showed prompt lookup and a draft model right 22 times in 25. On a new request, with no budget
+    left for probes (AVX2 float32: a failed 8-token verification costs most of a plain step), the draft model's draft
+    is verified on that evidence; prompt lookup's is drafted (one sd up, charging nothing: it costs nothing to make)
+    and cut, since the request holds no evidence of its own of it; learned from all the same (its first token against
+    the committed one), the request's next draft is verified."""
+    cost = table(STRUCTURES["avx2_fp32"])
+    planner = Planner(profile_of(cost, [None, NEARLY_FREE], ["lookup", "drafter"]))
+    planner.acceptance.pooled = [[22.0, 3.0], [22.0, 3.0]]  # earlier requests': right 22 times in 25, each
+    draft = [[7] * 8]
+    assert planner.size([0], [{}], [64], [(0,)], [8], padded=False) == [8]  # drafted one sd up
+    assert planner.budget.spent == 0  # nothing bought: the draft costs nothing
+    planner.budget.spent = planner.budget.call_share  # the call's share spent: no probe is affordable
+    assert planner.trim([0], draft, [(1,)], [{}], padded=False)[0][0] >= 4  # the draft model's: on the pool's word
+    assert planner.trim([0], draft, [(0,)], [{}], padded=False)[0] == [0]  # cut: a probe the budget cannot afford
+    planner.acceptance.observe(0, 0, proposed=8, matched=8, committed=1)  # the cut draft's first token was right
+    assert planner.trim([0], draft, [(0,)], [{}], padded=False)[0][0] >= 4
+
+
 @pytest.mark.parametrize("cold", [False, True])
 def test_a_step_that_sets_up_a_graph_is_charged_to_no_probe_and_teaches_no_cost(cold):
     """A probe's step whose forward took 30 plain steps: charged to the probe (`Probe.overrun`) and learned by the
@@ -258,7 +280,7 @@ def test_a_step_that_sets_up_a_graph_is_charged_to_no_probe_and_teaches_no_cost(
     from hf_spin.planning.plan import Plan, StepFeedback
 
     cost = table(STRUCTURES["avx2_fp32"])
-    planner = Planner(profile_of(cost, [None], ["lookup"]))
+    planner = Planner(profile_of(cost, [NEARLY_FREE], ["drafter"]))
     planner.budget.plain_seconds = 1000 * cost.predict(1)  # probes are affordable
     ks = planner.size([0], [{}], [64], [(0,)], [8], padded=True)
     assert ks == [1] and planner.budget.spent > 0  # a probe was bought: a drafter the pool has never seen

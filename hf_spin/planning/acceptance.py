@@ -103,6 +103,10 @@ class Acceptance:
         """Decayed observations of the drafter (all positions)."""
         return sum(self.pooled[drafter])
 
+    def seen(self, drafter: int, row: int) -> float:
+        """Decayed observations of the drafter on request `row` (its own evidence; 0 before any)."""
+        return sum(self.rows.get((drafter, row), (0.0, 0.0)))
+
     def conditionals(
         self,
         drafter: int,

@@ -257,12 +257,17 @@ class Planner:
         weights: [B] each row's token's worth (closed_batch.py)."""
         if any(ks):  # lower curves over the same slots pay no better: nothing one sd up, no evidence plan, no probe
             bounds = [
-                self._curve(r, ds, k, None, 0.0, EVIDENCE_ONLY) if ds and k > 0 else []
+                self._curve(r, self._evidenced(r, ds), k, None, 0.0, EVIDENCE_ONLY) if ds and k > 0 else []
                 for r, ds, k in zip(row_ids, chosen, caps)
             ]
             exploit = self._best(_weighted(bounds, weights), chosen, padded, catch_up)  # [B]
+            # [B] rows drafted by model-free drafters alone: drafted as sized one sd up, for nothing; `trim` judges the
+            # draft, its match known, and buys a probe there
+            free = [bool(ds) and all(self.profile.drafters[d] is None for d in ds) for ds in chosen]
+            wanted = [e if f else k for k, e, f in zip(ks, exploit, free)]
             # a failed probe wastes its rows' catch-ups: charged in full, a drafter the pool has never seen too
-            sized, probe = self._probe(row_ids, exploit, ks, chosen, padded, full)
+            sized, probe = self._probe(row_ids, exploit, wanted, chosen, padded, full)
+            sized = [k if f else s for k, s, f in zip(ks, sized, free)]
         else:  # a plain step (most steps where drafting does not pay): no second pass, no probe
             exploit, sized, probe = ks, ks, 0.0
         B = len(ks)
@@ -310,6 +315,16 @@ class Planner:
         drafting = (lambda ks: self._drafting_seconds(ks, chosen, padded, catch_up)) if catch_up is not None else None
         plain = self.profile.plain_seconds(len(wanted))
         return self.budget.afford(row_ids, exploit, probes, plain, learning, drafting)
+
+    def _evidenced(self, row: int, drafters: tuple[int, ...]) -> tuple[int, ...]:
+        """Of `drafters`, those whose evidence from other requests may plan request `row`'s exploit drafts: a model
+        drafter's always (the request's own evidence of it costs drafts), a model-free drafter's once the request
+        holds evidence of its own. A model-free draft costs nothing to make and is learned from whether verified or
+        cut (`trim`), so a request's first one is a probe, not a failed verification paid for on the pool's word:
+        prompt lookup, right on summaries, drafted on its first match in a translation, a math and a qa question
+        on their evidence, and each lost a verification of 8 where that costs two plain steps (AMD EPYC, AVX2
+        float32, LBSS: those requests 0.93-0.94x plain)."""
+        return tuple(d for d in drafters if self.profile.drafters[d] is not None or self.acceptance.seen(d, row) > 0)
 
     def _learning(self, drafter: int) -> bool:
         """Whether the pool's account lends the drafter's probes (exploration.py): fewer observations of it than the
@@ -472,9 +487,13 @@ class Planner:
             keep = self._best(_weighted(curves, weights), chosen, padded)  # [B] what pays at the mean
             # what the evidence alone pays for, or a probe bought before drafting; beyond that, a probe
             bounds = [
-                (sorted(self._node_values(r, ds, t, m, EVIDENCE_ONLY), reverse=True) if any(v) else [])
+                (
+                    sorted(self._node_values(r, self._evidenced(r, ds), t, m, EVIDENCE_ONLY), reverse=True)
+                    if any(v)
+                    else []
+                )
                 if v is not None
-                else (self._curve(r, ds, len(d), m, 0.0, EVIDENCE_ONLY) if d else [])
+                else (self._curve(r, self._evidenced(r, ds), len(d), m, 0.0, EVIDENCE_ONLY) if d else [])
                 for r, d, ds, t, m, v in zip(row_ids, drafts, chosen, trees, matches, values)
             ]
             evidence = self._best(_weighted(bounds, weights), chosen, padded)

@@ -261,8 +261,8 @@ MUTANTS = (
         "probes_take_the_optimistic_k",
         "a new request probes a drafter with the k its optimistic bound allows, not one token: on a CPU where 8 tokens cost 6 plain steps, every failed probe costs 5 of them (the README demo ran 0.94x plain)",
         "hf_spin/planning/planner.py",
-        "sized, probe = self._probe(row_ids, exploit, ks, chosen, padded, full)",
-        "sized, probe = ks, 0.0",
+        "sized, probe = self._probe(row_ids, exploit, wanted, chosen, padded, full)",
+        "sized, probe = wanted, 0.0",
         (
             "tests/test_exploration.py::test_a_probe_is_one_token_beyond_what_pays_unless_verification_is_flat[avx2_bf16]",
             "tests/test_exploration.py::test_a_probe_is_one_token_beyond_what_pays_unless_verification_is_flat[avx2_fp32]",
@@ -272,16 +272,16 @@ MUTANTS = (
         "probes_pay_catch_ups_spread",
         "a probe is charged its row's catch-up spread over the steps optimism promises, not in full: at batch 4 a pool that rates its draft model at 0.86 reads four new prompts for a 30-token answer (0.79x plain on a Xeon)",
         "hf_spin/planning/planner.py",
-        "sized, probe = self._probe(row_ids, exploit, ks, chosen, padded, full)",
-        "sized, probe = self._probe(row_ids, exploit, ks, chosen, padded, catch_up)",
+        "sized, probe = self._probe(row_ids, exploit, wanted, chosen, padded, full)",
+        "sized, probe = self._probe(row_ids, exploit, wanted, chosen, padded, catch_up)",
         ("tests/test_planning.py::test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay",),
     ),
     Mutant(
         "a_new_drafters_first_probe_pays_its_catch_up_spread",
         "a drafter the pool has never seen is tried at its catch-up's spread price: a cold pool's first probe of a 0.5B drafter at batch 4 read four prompts, 4.46 s priced 0.31 s, beyond the exploration budget",
         "hf_spin/planning/planner.py",
-        "sized, probe = self._probe(row_ids, exploit, ks, chosen, padded, full)",
-        "sized, probe = self._probe(row_ids, exploit, ks, chosen, padded, [c if ds and all(self.acceptance.evidence(d) == 0 for d in ds) else f for c, f, ds in zip(catch_up, full, chosen)])",
+        "sized, probe = self._probe(row_ids, exploit, wanted, chosen, padded, full)",
+        "sized, probe = self._probe(row_ids, exploit, wanted, chosen, padded, [c if ds and all(self.acceptance.evidence(d) == 0 for d in ds) else f for c, f, ds in zip(catch_up, full, chosen)])",
         (
             "tests/test_planning.py::test_optimism_buys_a_probe_but_not_a_catch_up_the_mean_cannot_repay",
             "tests/test_planning.py::test_a_drafter_reads_a_long_prompt_only_where_the_answer_pays_for_it[150-True]",
@@ -790,6 +790,24 @@ MUTANTS = (
         (
             "tests/test_planning.py::test_a_width_off_the_grid_becomes_a_knot_once_three_runs_agree_the_grid_misprices_it",
         ),
+    ),
+    Mutant(
+        "model_free_drafts_planned_on_the_pools_evidence",
+        "prompt lookup, right on earlier requests' summaries, has its first draft in a math question verified on that "
+        "evidence: a verification of 8 rejected where it costs two plain steps (AVX2 float32), the request 0.94x",
+        "hf_spin/planning/planner.py",
+        "        return tuple(d for d in drafters if self.profile.drafters[d] is not None or self.acceptance.seen(d, row) > 0)",
+        "        return drafters",
+        ("tests/test_exploration.py::test_a_model_free_drafters_first_draft_on_a_request_is_a_probe",),
+    ),
+    Mutant(
+        "model_free_drafts_sized_by_the_budget",
+        "a model-free drafter drafts only what the exploration budget affords before drafting: a request with no "
+        "evidence of its own and a spent budget never drafts with it, so never learns whether it pays",
+        "hf_spin/planning/planner.py",
+        "            sized = [k if f else s for k, s, f in zip(ks, sized, free)]",
+        "            pass",
+        ("tests/test_exploration.py::test_a_model_free_drafters_first_draft_on_a_request_is_a_probe",),
     ),
     Mutant(
         "account_lends_only_unseen_drafters",
