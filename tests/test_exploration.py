@@ -14,11 +14,13 @@ import torch
 
 import hf_spin
 from benchmarks.injected_costs import STRUCTURES, CostClock, profile_of, table
+from hf_spin.drafters import Draft
 from hf_spin.planning.acceptance import EVIDENCE_ONLY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT
 from hf_spin.planning.exploration import SHARE
 from hf_spin.planning.planner import OPTIMISM, Planner
+from hf_spin.step.continuations import follow, start
 
-from .archs import EOS, tiny_model
+from .archs import EOS, VOCAB, tiny_model
 from .test_planning import Scripted, case, run
 
 DRAFT_TOKEN = 0.3  # a draft model's forward, in plain steps (a 0.5B drafter for a 1.5B target)
@@ -269,6 +271,43 @@ def test_a_model_free_drafters_first_draft_on_a_request_is_a_probe():
     assert planner.trim([0], draft, [(0,)], [{}], padded=False)[0] == [0]  # cut: a probe the budget cannot afford
     planner.acceptance.observe(0, 0, proposed=8, matched=8, committed=1)  # the cut draft's first token was right
     assert planner.trim([0], draft, [(0,)], [{}], padded=False)[0][0] >= 4
+
+
+def test_a_model_free_draft_is_followed_past_its_step_until_a_token_is_wrong():
+    """`follow`: a draft that matched its step's token and holds more is scored against the tokens committed after
+    it, each step's newly revealed positions once, until one is wrong (or the draft is used up); one a drafter a row."""
+    pending = {}
+    start(pending, {0: [5, 6, 7, 8], 1: [5, 9]}, 10, [5], [True, False], {0: 3})  # drafter 1 is a model drafter
+    start(pending, {0: [6, 7]}, 11, [6], [True, False], {})  # drafter 0 is followed already: not again
+    assert list(pending) == [0]
+    sequence = list(range(10)) + [5]
+    assert follow(sequence, pending) == {}  # nothing committed since its step
+    assert follow(sequence + [6], pending) == {0: (1, 4, 2, 2, 3)}  # position 2 right
+    assert follow(sequence + [6, 7, 0], pending) == {0: (2, 4, 3, 4, 3)}  # 3 right, 4 wrong: done
+    assert pending == {}
+
+
+@pytest.mark.parametrize("truth", [1, 8])
+def test_cut_model_free_drafts_teach_their_later_positions(monkeypatch, truth):
+    """Every draft cut (nothing verified): a model-free drafter right on its first `truth` positions of each draft
+    (then wrong) is learned at its later positions from the tokens the next steps commit, as verification would
+    have: position 2 right where its drafts hold, wrong where they stop after a token."""
+    target, prompts, plain, refs = case(batch=1, new_tokens=30)
+    drafter = Scripted(refs, [1.0])
+    draft = drafter.draft
+    drafter.draft = (
+        lambda request: Draft(  # right on `truth` positions, then wrong
+            [t[:truth] + [(x + 1) % VOCAB or 3 for x in t[truth:]] for t in draft(request).tokens],
+            [None] * len(request.rows),
+        )
+    )
+    monkeypatch.setattr(Planner, "trim", lambda self, rows, drafts, *a, **kw: ([0] * len(drafts), [None] * len(drafts)))
+    clock = CostClock()
+    clock.hook(target, table(STRUCTURES["flat"]))
+    pool = hf_spin.AssistantPool([drafter], profile=profile_of(table(STRUCTURES["flat"]), [None], ["scripted"]))
+    assert torch.equal(run(target, prompts, pool, clock, new_tokens=30), plain)
+    right, wrong = pool.planner.acceptance.counts[(0, None, 2)]
+    assert (right > 0 and wrong == 0) if truth == 8 else (right == 0 and wrong > 0)
 
 
 @pytest.mark.parametrize("cold", [False, True])

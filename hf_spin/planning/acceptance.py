@@ -64,14 +64,22 @@ class Acceptance:
         return None if match is None else min(max(match, 1), MATCH_BUCKETS)
 
     def observe(
-        self, drafter: int, row: int, proposed: int, matched: int, committed: int, match: int | None = None
+        self,
+        drafter: int,
+        row: int,
+        proposed: int,
+        matched: int,
+        committed: int,
+        match: int | None = None,
+        seen: int = 0,
     ) -> None:
         """A draft of `proposed` tokens whose first `matched` equal the step's `committed` tokens:
         positions 1..matched were accepted, position matched + 1 rejected if it was checked (within
-        the draft and the committed tokens); what lies beyond is unknown."""
+        the draft and the committed tokens); what lies beyond is unknown. seen: its first positions already
+        observed (a draft followed past its step: step/continuations.py), not counted again."""
         accepted = min(matched, proposed, committed)
         rejected_at = accepted + 1 if accepted < min(proposed, committed) else None
-        for i in range(1, accepted + 1):
+        for i in range(seen + 1, accepted + 1):
             self._add(drafter, row, i, match, 0)
         if rejected_at is not None:
             self._add(drafter, row, rejected_at, match, 1)

@@ -8,7 +8,8 @@ plain decoding (docs/planning.md, "Exploration").
 
 What the estimates expect to pay is the plan at the mean read with a pessimistic prior (`exploit`:
 the usual prior's guess of 0.6 is no expectation; a pool that has seen a drafter right 22 times in
-25 expects about 0.8 of it, 4 of 4 0.67). Drafting beyond it is a probe, priced at its worst case:
+25 expects about 0.8 of it, 4 of 4 0.67; a model-free drafter's evidence from other requests counts once the
+request has shown some of its own: `Planner._evidenced`). Drafting beyond it is a probe, priced at its worst case:
 the seconds it adds to the step (its tokens all rejected, its catch-up wasted; a drafter's first probe too). A
 probe is bought only where the budget covers that, and the budget is a share (`SHARE`) of the plain time of the
 call's tokens: those committed so far and those its running rows are expected to commit still

@@ -102,6 +102,9 @@ class StepFeedback:
     shadow_matched: list[dict[int, int]] = field(
         default_factory=list
     )  # [B] drafter -> how many match the committed tokens
+    # [B] drafter -> (positions observed before, proposed, matched, committed, match): what this step's tokens revealed
+    # of a model-free draft of an earlier step followed past it (step/continuations.py)
+    continued: list[dict[int, tuple]] = field(default_factory=list)
     padded: bool = False  # the verify forward pads every row to the longest draft (rectangular cache), else packs them
     positions: int | None = None  # positions the chain verify forward ran over, fillers included (step/widths.py)
     match_lengths: list[dict[int, int]] = field(

@@ -588,6 +588,8 @@ class Planner:
                 for d, p in proposed.items():
                     match = feedback.match_lengths[b].get(d) if feedback.match_lengths else None
                     acceptance.observe(d, feedback.row_ids[b], p, matched.get(d, 0), committed, match)
+            for d, (seen, p, m, c, match) in (feedback.continued[b] if feedback.continued else {}).items():
+                acceptance.observe(d, feedback.row_ids[b], p, m, c, match, seen)
             outcome = feedback.alternatives[b] if feedback.alternatives else None
             if outcome is not None and len(feedback.proposed[b]) == 1:  # one drafter's tree
                 acceptance.observe_alternatives(next(iter(feedback.proposed[b])), outcome)

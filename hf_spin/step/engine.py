@@ -54,6 +54,7 @@ from ..stats import DrafterStats, GenerationStats
 from ..verify.chains import RowSampling, verify_rows
 from ..verify.token_tree import TokenTree
 from . import admission, tree_step
+from .continuations import Observed, follow, start
 from .drafting import Drafting
 from .faults import DrafterCall, DrafterScope, Faults
 from .processors import GenerateBatch, first_scores, row_processors, target_scores
@@ -167,6 +168,8 @@ class SpinEngine:
         self.faults = faults if faults is not None else Faults(isolate_faults)
         self.defer_idle_catch_up = defer_idle_catch_up
         self.usable = [True] * len(self.drafters)  # False: dropped after a failure (generate's contract)
+        # per drafter: model-free, its drafts followed past their steps for the planner (continuations.py)
+        self._free = [self.planner is not None and d.num_parameters == 0 for d in self.drafters]
         self.drafter_stats = {name: DrafterStats() for name in self.names}
         self.stats = GenerationStats(rows=[], drafters=self.drafter_stats)  # engine totals; rows stay on each Row
         self.rows: list[Row] = []  # [B] the active batch, in cache order
@@ -459,7 +462,7 @@ class SpinEngine:
         self.stats.verify_seconds += verify_seconds
 
         # 6. Commit accepted + recovered/bonus tokens, stop rows, roll the target cache back per row.
-        matched, shadow_matched = self._commit_step(proposal, outcome)
+        matched, shadow_matched, continued = self._commit_step(proposal, outcome)
         if any(proposal.drafts) or outcome.filled or any(r.finish_reason == ERROR for r in rows):
             self._ahead = None  # a forward run ahead goes with the rollback
             self.cache.rollback(
@@ -492,6 +495,7 @@ class SpinEngine:
                 matched=matched,
                 shadow_proposed=[{d: len(t) for d, t in sh.items()} for sh in proposal.shadows],
                 shadow_matched=shadow_matched,
+                continued=continued,
                 match_lengths=proposal.match_lengths,
                 draft_seconds=proposal.draft_seconds,
                 verify_seconds=verify_seconds,
@@ -577,23 +581,31 @@ class SpinEngine:
             filler_rows=fillers,
         )
 
-    def _commit_step(self, proposal: Proposal, outcome: StepOutcome) -> tuple[list[dict], list[dict]]:
+    def _commit_step(self, proposal: Proposal, outcome: StepOutcome) -> tuple[list[dict], list[dict], list[dict]]:
         """Step 6 for every row: commit its accepted draft tokens and the target's next token, and count what each
-        drafter's proposal (and shadow draft) got right. Returns (matched, shadow_matched): [B] drafter -> tokens of
-        its proposal that were committed. A row that failed in the step commits nothing (its accepted count set 0)."""
+        drafter's proposal (and shadow draft) got right. Returns (matched, shadow_matched, continued): [B] drafter ->
+        tokens of its proposal that were committed, and what the committed tokens revealed of the model-free drafts
+        followed past their steps (continuations.py). A row that failed in the step commits nothing (its accepted
+        count set 0)."""
         matched: list[dict[int, int]] = []
         shadow_matched: list[dict[int, int]] = []
+        continued: list[dict[int, Observed]] = []
         accepted = outcome.accepted
         for b, row in enumerate(self.rows):
             if row.done:  # failed in this step's forward, scoring or sampling
                 accepted[b] = 0
                 matched.append({})
                 shadow_matched.append({})
+                continued.append({})
                 continue
             new = outcome.kept[b] + [outcome.next_tokens[b]]
+            origin = len(row.sequence)
             self.faults.row(row, lambda: self._commit(row, new, outcome.row_scores[b]))
             matched.append({d: common_prefix_length(tokens, new) for d, tokens in proposal.proposals[b].items()})
             shadow_matched.append({d: common_prefix_length(tokens, new) for d, tokens in proposal.shadows[b].items()})
+            continued.append(follow(row.sequence, row.continuations))
+            for drafts in (proposal.proposals[b], proposal.shadows[b]):
+                start(row.continuations, drafts, origin, new, self._free, proposal.match_lengths[b])
             row.stats.add(len(proposal.drafts[b]), accepted[b], len(new))
             single = len(proposal.proposals[b]) == 1
             tree = proposal.trees[b] if proposal.trees is not None else None
@@ -604,7 +616,7 @@ class SpinEngine:
                 self.drafter_stats[self.names[d_idx]].add(drafted, own, len(new))
         for d_idx in sorted({d for prop in proposal.proposals for d in prop}):
             self.drafter_stats[self.names[d_idx]].steps += 1
-        return matched, shadow_matched
+        return matched, shadow_matched, continued
 
     def _new_static_cache(self, rows: int) -> StaticRowCache:
         """A new batch's StaticRowCache: where the forwards compile, the one the last call gave back (`take_cache`)."""

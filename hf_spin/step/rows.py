@@ -16,6 +16,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from ..cache.encoder_rows import EncoderRows
 from ..stats import RowStats
+from .continuations import Continuation
 
 # Why a row left the batch (Row.finish_reason).
 LENGTH = "length"  # reached its length limit (max_length / max_new_tokens)
@@ -84,6 +85,8 @@ class Row:
     # yet
     host_stop: object = None
     added_at: float = field(default_factory=perf_counter)
+    # drafter -> its draft followed past its step, scored against the tokens committed after (continuations.py)
+    continuations: dict[int, Continuation] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.sequence:

@@ -810,6 +810,15 @@ MUTANTS = (
         ("tests/test_exploration.py::test_a_model_free_drafters_first_draft_on_a_request_is_a_probe",),
     ),
     Mutant(
+        "cut_drafts_taught_only_their_first_position",
+        "a model-free draft that was not verified teaches the planner its first position alone: a translation whose "
+        "prompt-lookup drafts stop after a name's first token reads as one whose drafts copy whole spans",
+        "hf_spin/step/engine.py",
+        "            continued.append(follow(row.sequence, row.continuations))",
+        "            continued.append({})",
+        ("tests/test_exploration.py::test_cut_model_free_drafts_teach_their_later_positions[8]",),
+    ),
+    Mutant(
         "account_lends_only_unseen_drafters",
         "the pool's account lends only a drafter's first probe: one right on it is left to the calls' own shares, "
         "which on a GPU's 5 ms step cannot buy a 0.5B's probe for a short request, so it is never tried again",
