@@ -320,10 +320,9 @@ class Planner:
         """Of `drafters`, those whose evidence from other requests may plan request `row`'s exploit drafts: a model
         drafter's always (the request's own evidence of it costs drafts), a model-free drafter's once the request
         holds evidence of its own. A model-free draft costs nothing to make and is learned from whether verified or
-        cut (`trim`), so a request's first one is a probe, not a failed verification paid for on the pool's word:
-        prompt lookup, right on summaries, drafted on its first match in a translation, a math and a qa question
-        on their evidence, and each lost a verification of 8 where that costs two plain steps (AMD EPYC, AVX2
-        float32, LBSS: those requests 0.93-0.94x plain)."""
+        cut (`trim`; followed past its step: step/continuations.py), so a request's first one is a probe, not a
+        verification paid for on what other requests showed (prompt lookup on summaries says little of a math
+        question). LBSS's shadow drafts measure it on every request, which holds evidence of its own by then."""
         return tuple(d for d in drafters if self.profile.drafters[d] is not None or self.acceptance.seen(d, row) > 0)
 
     def _learning(self, drafter: int) -> bool:

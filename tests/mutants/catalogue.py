@@ -793,8 +793,8 @@ MUTANTS = (
     ),
     Mutant(
         "model_free_drafts_planned_on_the_pools_evidence",
-        "prompt lookup, right on earlier requests' summaries, has its first draft in a math question verified on that "
-        "evidence: a verification of 8 rejected where it costs two plain steps (AVX2 float32), the request 0.94x",
+        "prompt lookup's first draft on a request that has shown nothing of it is verified on what earlier requests "
+        "showed (summaries): in a math question, a rejected verification of 8 where that costs two plain steps",
         "hf_spin/planning/planner.py",
         "        return tuple(d for d in drafters if self.profile.drafters[d] is not None or self.acceptance.seen(d, row) > 0)",
         "        return drafters",
