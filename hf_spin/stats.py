@@ -17,7 +17,7 @@ def _ratio(a: float, b: float) -> float:
 
 @dataclass
 class Counts:
-    drafted: int = 0  # draft tokens proposed
+    drafted: int = 0  # draft tokens the target verified
     accepted: int = 0  # draft tokens the target accepted
     target_forwards: int = 0  # verification forwards (prefill not counted)
     new_tokens: int = 0  # tokens produced (accepted + recovered/bonus, cut at a stop)
@@ -60,8 +60,12 @@ class RowStats(Counts):
 
 @dataclass
 class DrafterStats(Counts):
+    """A drafter's counts: `drafted` is what the target verified of its drafts; `proposed` every token it drafted,
+    those the planner cut before verification (`Planner.trim`: where they would not pay) too."""
+
     failures: int = 0  # calls in which the drafter raised and was dropped
-    steps: int = 0  # verification steps in which it served at least one row (target_forwards counts rows)
+    steps: int = 0  # verification steps that verified its tokens on at least one row (target_forwards counts rows)
+    proposed: int = 0  # draft tokens it made, verified or cut
 
     @classmethod
     def total(cls, parts) -> DrafterStats:
@@ -73,7 +77,16 @@ class DrafterStats(Counts):
 
     def merge(self, other: DrafterStats) -> None:
         """Add another call's (or lane's) counts to these."""
-        for name in ("drafted", "accepted", "target_forwards", "new_tokens", "draft_seconds", "failures", "steps"):
+        for name in (
+            "drafted",
+            "accepted",
+            "target_forwards",
+            "new_tokens",
+            "draft_seconds",
+            "failures",
+            "steps",
+            "proposed",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.longest_draft = max(self.longest_draft, other.longest_draft)
 
@@ -130,7 +143,9 @@ class GenerationStats:
         ]
         for name, d in self.drafters.items():
             lines.append(
-                f"  {name}: drafted {d.drafted}, accepted {d.accepted} ({d.acceptance_rate:.1%}), "
+                f"  {name}: drafted {d.drafted}"
+                + (f" (of {d.proposed} proposed)" if d.proposed != d.drafted else "")
+                + f", accepted {d.accepted} ({d.acceptance_rate:.1%}), "
                 f"longest draft {d.longest_draft}, {d.steps} steps, {d.draft_seconds:.2f}s drafting"
                 + (f", failed {d.failures}x" if d.failures else "")
             )

@@ -310,6 +310,26 @@ def test_cut_model_free_drafts_teach_their_later_positions(monkeypatch, truth):
     assert (right > 0 and wrong == 0) if truth == 8 else (right == 0 and wrong > 0)
 
 
+def test_a_drafters_stats_count_what_was_verified_not_what_trim_cut(monkeypatch):
+    """`trim` verifies at most one token of each 6-token draft: the drafter's `drafted`, `longest_draft` and steps
+    are what the target verified (its row's counts), `proposed` all six; its acceptance is over the verified tokens
+    (the demo's "drafted 41, accepted 1, longest draft 8" was of one verified token at a time: AVX2 bf16)."""
+    target, prompts, plain, refs = case(batch=1, new_tokens=30)
+    drafter = Scripted(refs, [1.0])
+    trim = Planner.trim
+    monkeypatch.setattr(
+        Planner, "trim", lambda self, *a, **kw: (lambda k, v: ([min(n, 1) for n in k], v))(*trim(self, *a, **kw))
+    )
+    clock = CostClock()
+    clock.hook(target, table(STRUCTURES["flat"]))
+    profile = profile_of(table(STRUCTURES["flat"]), [None], ["scripted"])
+    pool = hf_spin.AssistantPool([drafter], draft_length=6, profile=profile)
+    assert torch.equal(run(target, prompts, pool, clock, new_tokens=30), plain)
+    d, row = pool.last_stats.drafters["scripted"], pool.last_stats.rows[0]
+    assert d.longest_draft == 1 and d.drafted == row.drafted == d.steps > 0 and d.accepted == row.accepted
+    assert d.proposed >= 3 * d.drafted
+
+
 @pytest.mark.parametrize("cold", [False, True])
 def test_a_step_that_sets_up_a_graph_is_charged_to_no_probe_and_teaches_no_cost(cold):
     """A probe's step whose forward took 30 plain steps: charged to the probe (`Probe.overrun`) and learned by the

@@ -42,7 +42,7 @@ class _DrafterCollector:
         totals = self.metrics.drafter_totals()
         families = {
             "drafted": CounterMetricFamily(
-                "hf_spin_drafter_drafted_tokens", "draft tokens proposed", labels=["drafter"]
+                "hf_spin_drafter_drafted_tokens", "draft tokens verified", labels=["drafter"]
             ),
             "accepted": CounterMetricFamily(
                 "hf_spin_drafter_accepted_tokens", "draft tokens accepted by the target", labels=["drafter"]

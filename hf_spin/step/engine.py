@@ -590,6 +590,7 @@ class SpinEngine:
         matched: list[dict[int, int]] = []
         shadow_matched: list[dict[int, int]] = []
         continued: list[dict[int, Observed]] = []
+        served: set[int] = set()  # drafters some of whose draft tokens were verified
         accepted = outcome.accepted
         for b, row in enumerate(self.rows):
             if row.done:  # failed in this step's forward, scoring or sampling
@@ -608,13 +609,16 @@ class SpinEngine:
                 start(row.continuations, drafts, origin, new, self._free, proposal.match_lengths[b])
             row.stats.add(len(proposal.drafts[b]), accepted[b], len(new))
             single = len(proposal.proposals[b]) == 1
-            tree = proposal.trees[b] if proposal.trees is not None else None
+            verified = len(proposal.drafts[b])  # what `trim` kept: a chain's prefix, or a tree's nodes
             for d_idx, tokens in proposal.proposals[b].items():  # a voter is credited with what its own draft got right
                 row.stats.drafters[self.names[d_idx]] += 1
-                own = accepted[b] if single else min(matched[b][d_idx], len(tokens))
-                drafted = len(tree) if single and tree is not None else len(tokens)  # a drafter's own tree: every node
-                self.drafter_stats[self.names[d_idx]].add(drafted, own, len(new))
-        for d_idx in sorted({d for prop in proposal.proposals for d in prop}):
+                stats = self.drafter_stats[self.names[d_idx]]
+                stats.proposed += len(tokens)
+                drafted = verified if single else min(len(tokens), verified)
+                if drafted:  # a draft cut whole was never verified: no draft tokens, no step of the drafter's
+                    stats.add(drafted, accepted[b] if single else min(matched[b][d_idx], drafted), len(new))
+                    served.add(d_idx)
+        for d_idx in served:
             self.drafter_stats[self.names[d_idx]].steps += 1
         return matched, shadow_matched, continued
 
